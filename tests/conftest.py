@@ -1,0 +1,9 @@
+"""Test-wide setup. XLA reads the host device count once, when JAX first initialises its backend, so
+the flag must be in the environment before anything imports jax: 8 CPU devices let the sharding,
+resharding and virtual-slice tests build real multi-device meshes. Single-device tests use
+jax.devices()[:1]."""
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()

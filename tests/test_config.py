@@ -1,0 +1,125 @@
+"""Config: one schema, layered loading, typed values and clear errors before any compute."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.config import ConfigError, build, load_config, load_resolved, to_flat_dict, to_yaml
+from trainer.config.loader import configs_dir, read_yaml
+from trainer.config.render_base import render
+from trainer.config.schema import flat_fields
+
+REPO = Path(__file__).resolve().parents[1]
+PRESETS = sorted(p.stem for p in (REPO / "configs" / "models").glob("*.yml"))
+
+
+def test_base_yml_is_exactly_the_rendered_schema():
+    assert (REPO / "configs" / "base.yml").read_text() == render(), \
+        "configs/base.yml drifted from the schema: run python -m trainer.config.render_base > configs/base.yml"
+
+
+def test_every_schema_key_is_documented_in_base_yml():
+    text = (REPO / "configs" / "base.yml").read_text()
+    for name, (_, f) in flat_fields().items():
+        assert f.metadata["doc"], name
+        assert f"{name}:" in text
+
+
+def test_base_yml_values_equal_schema_defaults():
+    cfg = build(read_yaml(REPO / "configs" / "base.yml"))
+    assert to_flat_dict(cfg) == to_flat_dict(build({}))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_shipped_preset_loads_and_validates(preset):
+    cfg = load_config("base.yml", [f"model={preset}"])
+    assert cfg.model.model == preset
+
+
+def test_layers_apply_in_order_base_then_preset_then_cli():
+    cfg = load_config("base.yml", ["model=qwen3-tiny", "max_target_length=64"])
+    assert cfg.model.base_emb_dim == 256           # from the preset
+    assert cfg.data.max_target_length == 64        # CLI beats the preset's 256
+    assert cfg.checkpoint.checkpoint_period == build({}).checkpoint.checkpoint_period  # from base
+
+
+def test_config_argument_resolves_by_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config("base.yml", ["model=qwen3-tiny"]).model.base_num_decoder_layers == 4
+
+
+def test_config_argument_accepts_a_path(tmp_path):
+    own = tmp_path / "exp.yml"
+    own.write_text("steps: 7\nmodel: qwen3-mini\n")
+    cfg = load_config(str(own))
+    assert cfg.train.steps == 7 and cfg.model.base_emb_dim == 512
+
+
+def test_overrides_are_yaml_scalars():
+    cfg = load_config("base.yml", ["learning_rate=1e-3", "enable_tensorboard=false", "run_name=123"])
+    assert cfg.optim.learning_rate == pytest.approx(1e-3)
+    assert cfg.observe.enable_tensorboard is False
+    assert cfg.train.run_name == "123"
+
+
+def test_derived_values_fill_minus_one_and_empty_run_name():
+    cfg = load_config("base.yml", ["steps=40", "num_slices=2"], now=0.0)
+    assert cfg.optim.learning_rate_schedule_steps == 40
+    assert cfg.mesh.dcn_data_parallelism == 2
+    assert cfg.train.run_name.startswith("run_")
+
+
+@pytest.mark.parametrize("override, message", [
+    (["learning_rat=1"], "did you mean 'learning_rate'"),
+    (["steps=ten"], "'steps': expected int"),
+    (["enable_tensorboard=3"], "expected bool"),
+    (["base_num_kv_heads=3"], "not divisible by base_num_kv_heads=3"),
+    (["model=qwen3-tiniest"], "unknown model preset 'qwen3-tiniest'; did you mean 'qwen3-tiny'"),
+    (["remat_policy=some"], "remat_policy='some' is not one of"),
+    (["ici_fsdp_parallelism=-1", "ici_tensor_parallelism=-1"], "at most one ici_*_parallelism may be -1"),
+    (["elastic_min_slice_count=5", "num_slices=2"], "elastic_min_slice_count=5"),
+    (["steps=0"], "steps=0 must be >= 1"),
+    (["noequals"], "is not key=value"),
+])
+def test_bad_input_raises_a_config_error_that_names_the_problem(override, message):
+    with pytest.raises(ConfigError, match=None) as info:
+        load_config("base.yml", override)
+    assert message in str(info.value)
+
+
+def test_missing_config_file_is_a_config_error():
+    with pytest.raises(ConfigError, match="config file 'nope.yml' not found"):
+        load_config("nope.yml")
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config("base.yml", ["model=qwen3-0.6b", "elastic_enabled=true"])
+    path = tmp_path / "config.yml"
+    path.write_text(to_yaml(cfg))
+    assert load_resolved(path) == cfg
+
+
+def test_cli_bad_key_exits_2_with_one_clear_message_before_any_compute(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", "base.yml", "model=qwen3-tiny", "stepz=3",
+                           f"base_output_directory={tmp_path}"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "unknown config key 'stepz'" in proc.stderr and "did you mean 'steps'" in proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "STATUS: config_error"
+    assert not any(tmp_path.iterdir()), "nothing may be written for a bad config"
+
+
+def test_cli_print_config_prints_the_resolved_values_and_exits_0():
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", "base.yml", "model=qwen3-0.6b",
+                           "elastic_enabled=true", "--print-config"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    resolved = {}
+    for doc in proc.stdout.split("# ---"):
+        body = doc.split("\n", 1)[1] if "\n" in doc else ""
+        resolved.update(yaml.safe_load(body) or {})
+    assert resolved["base_emb_dim"] == 1024 and resolved["elastic_enabled"] is True
+
+
+def test_configs_dir_points_at_the_repository_configs():
+    assert (configs_dir() / "base.yml").is_file()

@@ -1,0 +1,5 @@
+"""The one exception type for bad configuration; the CLI turns it into exit code 2."""
+
+
+class ConfigError(ValueError):
+    """A config key, value or combination that cannot run. The message names the key and the fix."""

@@ -1,0 +1,206 @@
+"""The typed config schema: the single source of every key's default, type and documentation.
+
+Each concern has one frozen dataclass; `RunConfig` composes them. On the command line and in YAML
+the keys are flat (`learning_rate=1e-3`, MaxText's names where the concept is the same); the loader
+maps each flat key to exactly one field here, so a default is written once, in this file.
+`configs/base.yml` is generated from this file (`python -m trainer.config.render_base`) and a test
+checks they agree.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def key(default: Any, doc: str, *, choices: tuple | None = None, minimum: float | None = None):
+    """A config field: its default, one-line documentation and optional constraints."""
+    meta = {"doc": doc, "choices": choices, "minimum": minimum}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: _copy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _copy(value):
+    import copy
+
+    return copy.deepcopy(value)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+# Logical-axis -> mesh-axes rules. Params and activations are annotated with the logical names on
+# the left; each maps to the mesh axes on the right (in order, as many as divide the dimension).
+DEFAULT_LOGICAL_AXIS_RULES = [
+    ["activation_batch", ["data", "fsdp", "expert"]],
+    ["activation_length", []],
+    ["activation_embed", []],
+    ["activation_heads", ["tensor"]],
+    ["activation_kv_heads", ["tensor"]],
+    ["activation_mlp", ["tensor"]],
+    ["activation_vocab", ["tensor"]],
+    ["activation_exp", ["expert"]],
+    ["vocab", ["tensor"]],
+    ["embed", ["fsdp"]],
+    ["heads", ["tensor"]],
+    ["kv_heads", ["tensor"]],
+    ["head_dim", []],
+    ["mlp", ["tensor"]],
+    ["exp", ["expert"]],
+    ["layers", []],
+    ["norm", []],
+]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of the Qwen3 transformer (dense or MoE) and its numerics."""
+
+    model: str = key("qwen3-tiny", "Model preset: loads configs/models/<model>.yml before CLI overrides.")
+    base_num_decoder_layers: int = key(4, "Number of transformer blocks.", minimum=1)
+    base_emb_dim: int = key(256, "Hidden size (d_model).", minimum=1)
+    base_num_query_heads: int = key(4, "Attention query heads.", minimum=1)
+    base_num_kv_heads: int = key(2, "Attention key/value heads (GQA); must divide the query heads.", minimum=1)
+    head_dim: int = key(64, "Dimension of each attention head (need not be emb_dim / heads).", minimum=1)
+    base_mlp_dim: int = key(768, "SwiGLU hidden size of the dense MLP.", minimum=1)
+    vocab_size: int = key(32768, "Vocabulary size (rows of the embedding table).", minimum=1)
+    rope_max_timescale: float = key(1_000_000.0, "RoPE theta.", minimum=1.0)
+    normalization_layer_epsilon: float = key(1e-6, "RMSNorm epsilon.", minimum=0.0)
+    use_qk_norm: bool = key(True, "Per-head RMSNorm on queries and keys before RoPE (Qwen3).")
+    logits_via_embedding: bool = key(True, "Tie the output projection to the input embedding.")
+    num_experts: int = key(1, "Experts per MoE layer; 1 means a dense MLP.", minimum=1)
+    num_experts_per_tok: int = key(1, "Experts each token is routed to (top-k).", minimum=1)
+    base_moe_mlp_dim: int = key(0, "SwiGLU hidden size of each expert (MoE only).", minimum=0)
+    norm_topk_prob: bool = key(True, "Renormalise the top-k router probabilities to sum to 1 (MoE).")
+    load_balance_loss_weight: float = key(0.0, "Coefficient of the MoE load-balancing auxiliary loss.", minimum=0.0)
+    moe_capacity_factor: float = key(
+        1.25, "Expert capacity = factor * tokens * top_k / experts; routed tokens past it are dropped.",
+        minimum=0.0)
+    dtype: str = key("bfloat16", "Activation and matmul dtype.", choices=DTYPES)
+    weight_dtype: str = key("float32", "Parameter (and optimizer state) dtype.", choices=DTYPES)
+    scan_layers: bool = key(True, "Stack the blocks and run them with a scan (faster compile).")
+    remat_policy: str = key(
+        "full", "Activation rematerialisation: none | full | minimal (save matmul outputs).",
+        choices=("none", "full", "minimal"))
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """How the devices of the active slices form the mesh."""
+
+    num_slices: int = key(1, "Slices (on CPU/GPU: virtual slices grouping the local devices).", minimum=1)
+    dcn_data_parallelism: int = key(-1, "Data parallelism across slices; -1 = the number of slices.")
+    ici_data_parallelism: int = key(1, "Data parallelism inside a slice; -1 = fill.")
+    ici_fsdp_parallelism: int = key(-1, "Fully-sharded data parallelism inside a slice; -1 = fill.")
+    ici_tensor_parallelism: int = key(1, "Tensor (Megatron) parallelism inside a slice; -1 = fill.")
+    ici_expert_parallelism: int = key(1, "Expert parallelism inside a slice (MoE); -1 = fill.")
+    logical_axis_rules: list = key(DEFAULT_LOGICAL_AXIS_RULES,
+                                   "Logical-axis -> mesh-axes rules for params and activations.")
+    enable_single_controller: bool = key(False, "Run under Pathways (TPU): one controller sees every slice.")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where batches come from and their shape."""
+
+    dataset_type: str = key("synthetic", "synthetic (generated, learnable) | arrayrecord (Grain).",
+                            choices=("synthetic", "arrayrecord"))
+    per_device_batch_size: int = key(2, "Sequences per device per micro-step.", minimum=1)
+    max_target_length: int = key(2048, "Sequence length in tokens.", minimum=2)
+    data_shuffle_seed: int = key(0, "Seed of the data order (shuffle, synthetic stream).")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW, its schedule, clipping and accumulation."""
+
+    learning_rate: float = key(3e-4, "Peak learning rate.", minimum=0.0)
+    warmup_steps_fraction: float = key(0.1, "Fraction of the schedule spent in linear warmup.", minimum=0.0)
+    cosine_learning_rate_final_fraction: float = key(0.1, "Final LR as a fraction of the peak.", minimum=0.0)
+    learning_rate_schedule_steps: int = key(-1, "Length of the LR schedule; -1 = steps.")
+    adam_b1: float = key(0.9, "AdamW beta1.", minimum=0.0)
+    adam_b2: float = key(0.95, "AdamW beta2.", minimum=0.0)
+    adam_eps: float = key(1e-8, "AdamW epsilon.", minimum=0.0)
+    adam_weight_decay: float = key(0.1, "AdamW decoupled weight decay.", minimum=0.0)
+    gradient_clipping_threshold: float = key(1.0, "Global-norm gradient clipping; 0 disables.", minimum=0.0)
+    gradient_accumulation_steps: int = key(1, "Micro-steps accumulated per optimizer step.", minimum=1)
+    z_loss_multiplier: float = key(0.0, "Weight of the z-loss (log(Z)^2) regulariser.", minimum=0.0)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints under <run dir>/checkpoints."""
+
+    enable_checkpointing: bool = key(True, "Save checkpoints.")
+    checkpoint_period: int = key(10_000, "Save every this many steps (and at the final step).", minimum=1)
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """In-process recovery from slice failures."""
+
+    elastic_enabled: bool = key(False, "Retry the train function in-process after a slice failure.")
+    elastic_timeout_seconds: float = key(300.0, "How long to wait for enough slices after a failure.", minimum=0.0)
+    elastic_max_retries: int = key(10, "Slice-failure events tolerated over the whole run.", minimum=0)
+    elastic_min_slice_count: int = key(
+        -1, "Slices needed to continue: -1 = all (pause-and-resume); 1..num_slices-1 = replica-resize.")
+    elastic_resize_batch_policy: str = key(
+        "keep_global", "On fewer slices: keep_global (same global batch via more micro-steps: same math) | "
+        "scale (global batch and learning rate scale with the active slices).", choices=("keep_global", "scale"))
+
+
+@dataclass(frozen=True)
+class ObserveConfig:
+    """Metrics, logs and TensorBoard."""
+
+    log_period: int = key(10, "Print a metrics line every this many steps.", minimum=1)
+    enable_tensorboard: bool = key(True, "Write TensorBoard scalars to the run directory.")
+    peak_tflops_per_device: float = key(
+        0.0, "Peak TFLOP/s of one device for MFU; 0 = look up the device kind (null MFU if unknown).",
+        minimum=0.0)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The run itself: identity, length, output location, seed."""
+
+    run_name: str = key("", "Run name; the run directory is <base_output_directory>/<run_name>. "
+                            "Empty = a timestamped name.")
+    base_output_directory: str = key("runs", "Parent directory of run directories.")
+    steps: int = key(100, "Optimizer steps to train.", minimum=1)
+    init_weights_seed: int = key(0, "Seed of parameter initialisation.")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The whole resolved config: one sub-config per concern."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+
+
+def section_classes() -> dict[str, type]:
+    """Section name -> dataclass, in RunConfig order."""
+    hints = {
+        "train": TrainConfig, "model": ModelConfig, "mesh": MeshConfig, "data": DataConfig,
+        "optim": OptimConfig, "checkpoint": CheckpointConfig, "elastic": ElasticConfig,
+        "observe": ObserveConfig,
+    }
+    return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig)}
+
+
+def flat_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Flat key -> (section, field). Flat keys are unique across sections (checked here)."""
+    out: dict[str, tuple[str, dataclasses.Field]] = {}
+    for section, cls in section_classes().items():
+        for f in dataclasses.fields(cls):
+            if f.name in out:
+                raise AssertionError(f"config key {f.name!r} is declared in two sections")
+            out[f.name] = (section, f)
+    return out

@@ -1,0 +1,70 @@
+"""Checks that need more than one key, or a value's range, collected so the user sees all at once."""
+from __future__ import annotations
+
+import dataclasses
+
+from trainer.config.errors import ConfigError
+from trainer.config.schema import RunConfig, section_classes
+
+
+def _field_constraints(cfg: RunConfig) -> list[str]:
+    problems = []
+    for section in section_classes():
+        sub = getattr(cfg, section)
+        for f in dataclasses.fields(sub):
+            value = getattr(sub, f.name)
+            choices, minimum = f.metadata.get("choices"), f.metadata.get("minimum")
+            if choices is not None and value not in choices:
+                problems.append(f"{f.name}={value!r} is not one of {', '.join(map(str, choices))}")
+            if minimum is not None and value < minimum:
+                problems.append(f"{f.name}={value!r} must be >= {minimum}")
+    return problems
+
+
+def _model_problems(cfg: RunConfig) -> list[str]:
+    m, problems = cfg.model, []
+    if m.base_num_query_heads % m.base_num_kv_heads:
+        problems.append(f"base_num_query_heads={m.base_num_query_heads} is not divisible by "
+                        f"base_num_kv_heads={m.base_num_kv_heads} (GQA needs whole groups)")
+    if m.num_experts > 1:
+        if m.base_moe_mlp_dim < 1:
+            problems.append("num_experts > 1 needs base_moe_mlp_dim >= 1 (the expert MLP size)")
+        if m.num_experts_per_tok > m.num_experts:
+            problems.append(f"num_experts_per_tok={m.num_experts_per_tok} exceeds num_experts={m.num_experts}")
+    return problems
+
+
+def _run_problems(cfg: RunConfig) -> list[str]:
+    problems = []
+    o, mesh, e = cfg.optim, cfg.mesh, cfg.elastic
+    if o.warmup_steps_fraction > 1:
+        problems.append(f"warmup_steps_fraction={o.warmup_steps_fraction} must be <= 1")
+    for name in ("adam_b1", "adam_b2"):
+        if getattr(o, name) >= 1:
+            problems.append(f"{name}={getattr(o, name)} must be < 1")
+    if o.learning_rate_schedule_steps < 1:
+        problems.append(f"learning_rate_schedule_steps={o.learning_rate_schedule_steps} must be >= 1 (or -1 = steps)")
+    if mesh.dcn_data_parallelism != mesh.num_slices:
+        problems.append(f"dcn_data_parallelism={mesh.dcn_data_parallelism} must equal num_slices="
+                        f"{mesh.num_slices} (slices are data-parallel replicas); leave it at -1")
+    ici = [mesh.ici_data_parallelism, mesh.ici_fsdp_parallelism, mesh.ici_tensor_parallelism,
+           mesh.ici_expert_parallelism]
+    if sum(v == -1 for v in ici) > 1:
+        problems.append("at most one ici_*_parallelism may be -1 (fill)")
+    if any(v == 0 or v < -1 for v in ici):
+        problems.append(f"ici_*_parallelism values must be >= 1 or -1, got {ici}")
+    if not (e.elastic_min_slice_count == -1 or 1 <= e.elastic_min_slice_count <= mesh.num_slices):
+        problems.append(f"elastic_min_slice_count={e.elastic_min_slice_count} must be -1 (all slices) or "
+                        f"between 1 and num_slices={mesh.num_slices}")
+    for rule in mesh.logical_axis_rules:
+        if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)
+                and isinstance(rule[1], (list, tuple, str, type(None)))):
+            problems.append(f"logical_axis_rules entry {rule!r} must be [logical_name, [mesh_axes...]]")
+    return problems
+
+
+def validate(cfg: RunConfig) -> None:
+    """Raise one ConfigError listing every problem found."""
+    problems = _field_constraints(cfg) + _model_problems(cfg) + _run_problems(cfg)
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

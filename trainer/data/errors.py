@@ -1,0 +1,5 @@
+"""The one exception type for unusable data; the CLI turns it into exit code 2 before training."""
+
+
+class DataError(ValueError):
+    """Data that cannot be trained on. The message names the file or field and the fix."""

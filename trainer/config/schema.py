@@ -108,6 +108,22 @@ class DataConfig:
     per_device_batch_size: int = key(2, "Sequences per device per micro-step.", minimum=1)
     max_target_length: int = key(2048, "Sequence length in tokens.", minimum=2)
     data_shuffle_seed: int = key(0, "Seed of the data order (shuffle, synthetic stream).")
+    grain_train_files: str = key("", "arrayrecord: glob(s) of ArrayRecord shards, comma-separated "
+                                     "(e.g. data/fc_sample/*.arrayrecord; relative to cwd, else the repo).")
+    tokenizer_path: str = key("data/tokenizer/fc_sp8k.model",
+                              "arrayrecord: sentencepiece .model or HF tokenizer.json (relative to cwd, else the repo).")
+    tokenizer_type: str = key("sentencepiece", "arrayrecord: sentencepiece | huggingface (tokenizer.json).",
+                              choices=("sentencepiece", "huggingface"))
+    packing: bool = key(True, "arrayrecord: pack several whole documents per row (else one per row, padded).")
+    use_sft: bool = key(False, "arrayrecord: chat records, Qwen chat template, loss on assistant tokens only.")
+    num_epoch: int = key(-1, "arrayrecord: passes over the data; <= 0 repeats forever (steps bounds training).")
+    grain_worker_count: int = key(1, "arrayrecord: Grain worker processes (0 = load in the training process).",
+                                  minimum=0)
+    grain_per_worker_buffer_size: int = key(2, "arrayrecord: global steps each worker prefetches.", minimum=1)
+    add_bos: bool = key(False, "arrayrecord: prepend the tokenizer's BOS to every document.")
+    add_eos: bool = key(True, "arrayrecord: append EOS (<|endoftext|>) to every document, a trained target.")
+    text_field: str = key("text", "arrayrecord: JSON field of a record holding plain text.")
+    messages_field: str = key("messages", "arrayrecord: JSON field of a record holding a chat (role/content list).")
 
 
 @dataclass(frozen=True)
@@ -133,6 +149,18 @@ class CheckpointConfig:
 
     enable_checkpointing: bool = key(True, "Save checkpoints.")
     checkpoint_period: int = key(10_000, "Save every this many steps (and at the final step).", minimum=1)
+    async_checkpointing: bool = key(True, "Write checkpoints in the background while training continues.")
+    max_num_checkpoints_to_keep: int = key(
+        3, "Committed checkpoints kept (oldest deleted first); <= 0 keeps all. Keep >= 2 so a corrupt "
+           "newest checkpoint can fall back to the previous one.")
+    enable_continuous_checkpointing: bool = key(
+        False, "Start the next save as soon as the previous one has finished, ignoring checkpoint_period.")
+    load_parameters_path: str = key(
+        "", "If the run has no checkpoint yet: start from these params only (a checkpoint step dir or a "
+            "params-only checkpoint), with a fresh optimizer.")
+    load_full_state_path: str = key(
+        "", "If the run has no checkpoint yet: start from this checkpoint step dir's full train state "
+            "(params, optimizer state, step).")
 
 
 @dataclass(frozen=True)
@@ -147,6 +175,12 @@ class ElasticConfig:
     elastic_resize_batch_policy: str = key(
         "keep_global", "On fewer slices: keep_global (same global batch via more micro-steps: same math) | "
         "scale (global batch and learning rate scale with the active slices).", choices=("keep_global", "scale"))
+    elastic_poll_interval_seconds: float = key(
+        1.0, "Seconds between slice-health checks while waiting for slices and for scale-up.", minimum=0.0)
+    snapshot_period: int = key(
+        0, "Copy train + data state to host RAM every this many steps (async); 0 disables.", minimum=0)
+    fault_schedule: str = key(
+        "", "Injected slice failures (local slices only), e.g. 'step=40,slice=1,down_s=5; step=90,slice=2'.")
 
 
 @dataclass(frozen=True)
@@ -169,6 +203,7 @@ class TrainConfig:
     base_output_directory: str = key("runs", "Parent directory of run directories.")
     steps: int = key(100, "Optimizer steps to train.", minimum=1)
     init_weights_seed: int = key(0, "Seed of parameter initialisation.")
+    jax_cache_dir: str = key("", "JAX persistent compilation cache directory; empty disables.")
 
 
 @dataclass(frozen=True)

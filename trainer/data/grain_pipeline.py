@@ -1,0 +1,388 @@
+"""Training batches from ArrayRecord shards through Grain: shuffle, epochs, tokenization, packing.
+
+The data order, and why it survives a change in the number of loader processes
+-----------------------------------------------------------------------------
+Global example k (k = 0, 1, 2, ...) is record `order[k]`, where `order` is Grain's global index
+shuffle of all records, reseeded every epoch (`MapDataset.range(N).shuffle(seed).repeat()`): a pure
+function of (files, data_shuffle_seed, epoch, position).
+
+Row j of every global batch (R rows) is a *row stream*: it packs examples base + j, base + j + R,
+base + j + 2R, ... in that order, greedily, as many whole documents as fit in max_target_length
+(a document that does not fit starts the next row of the same stream). A row stream's state is one
+integer, its cursor t (the next example is base + j + t*R), and row j of every later step is a pure
+function of that cursor. The iterator state is therefore the R cursors: global, small, and the same
+on every loader process, because every process advances every row stream (it tokenizes the whole
+global batch and packs only its own rows). That costs each process the tokenization of the global
+batch; in exchange any process count, any worker count and any resume point give the same global
+batches. Pre-tokenized shards (scripts/prepare_data.py --tokenizer) make the extra work a read.
+
+Grain worker processes (`grain_worker_count`) each own the row streams w, w + W, ... and produce one
+element per step; Grain interleaves them round-robin, so worker count never changes a batch.
+
+Running out: with num_epoch >= 1 a row stream ends after the last example of the last epoch; its
+rows are then padding, and the iterator stops when every row stream has ended (every process sees
+that at the same step). num_epoch <= 0 repeats forever: `steps` bounds training.
+"""
+from __future__ import annotations
+
+import glob as globlib
+import json
+import logging
+import os
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Any
+
+import grain
+import numpy as np
+
+from trainer.data.batch import BATCH_KEYS
+from trainer.data.errors import DataError
+from trainer.data.formatting import DocumentFormat, RecordError
+from trainer.data.packing import empty_row, pack_row, pairs
+from trainer.data.tokenizer import REPO_ROOT, Tokenizer
+
+log = logging.getLogger(__name__)
+STATE_KIND = "arrayrecord_row_streams"
+STATE_VERSION = 1
+
+
+# ---- files and records --------------------------------------------------------------------------
+
+def resolve_files(pattern: str) -> list[str]:
+    """Files matching comma-separated globs (relative to the working directory, else to the repo)."""
+    if not pattern.strip():
+        raise DataError("dataset_type=arrayrecord needs grain_train_files=<glob of .arrayrecord shards>, "
+                        "e.g. grain_train_files=data/fc_sample/*.arrayrecord")
+    files: list[str] = []
+    for part in (p.strip() for p in pattern.split(",") if p.strip()):
+        matches = sorted(globlib.glob(os.path.expanduser(part), recursive=True))
+        if not matches and not os.path.isabs(part):
+            matches = sorted(globlib.glob(str(REPO_ROOT / part), recursive=True))
+        matches = [m for m in matches if os.path.isfile(m)]
+        if not matches:
+            where = sorted({os.getcwd(), str(REPO_ROOT)})
+            raise DataError(f"grain_train_files: {part!r} matches no file (looked relative to "
+                            f"{' and '.join(where)}); check the path, or make shards with scripts/prepare_data.py")
+        files += matches
+    return files
+
+
+def count_records(path: str) -> int:
+    """Records in one shard; DataError naming the file if it cannot be read as ArrayRecord."""
+    from array_record.python import array_record_module
+
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+        reader = array_record_module.ArrayRecordReader(path, "readahead_buffer_size:0")
+        n = reader.num_records()
+        if n:
+            reader.read([0, n - 1])
+        reader.close()
+    except Exception as e:  # noqa: BLE001 - OSError, RuntimeError from the C++ reader
+        raise DataError(f"cannot read ArrayRecord shard {path}: {e}; regenerate it with "
+                        "scripts/prepare_data.py or drop it from grain_train_files") from None
+    if n == 0:
+        raise DataError(f"ArrayRecord shard {path} has no readable records (empty, truncated or not an "
+                        "ArrayRecord file); regenerate it with scripts/prepare_data.py or drop it from "
+                        "grain_train_files")
+    return n
+
+
+class DocumentLoader:
+    """Source record index -> (ids, mask) document; errors name the shard and the record."""
+
+    def __init__(self, files: list[str], counts: list[int], fmt: DocumentFormat, tok: Tokenizer,
+                 vocab_size: int):
+        self.files, self.fmt, self.tok, self.vocab_size = files, fmt, tok, vocab_size
+        self.ends = list(np.cumsum(counts))
+        self.source = grain.sources.ArrayRecordDataSource(files)
+
+    def where(self, index: int) -> str:
+        shard = bisect_right(self.ends, index)
+        start = self.ends[shard - 1] if shard else 0
+        return f"{self.files[shard]} record {index - start}"
+
+    def __call__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            ids, mask = self.fmt.document(self.source[index], self.tok)
+        except RecordError as e:
+            raise DataError(f"{self.where(index)}: {e}") from None
+        if len(ids) and (ids.max() >= self.vocab_size or ids.min() < 0):
+            raise DataError(f"{self.where(index)}: token id {int(ids.max())} is outside the model's "
+                            f"vocab_size={self.vocab_size}; the record was pre-tokenized with another "
+                            "tokenizer: re-run scripts/prepare_data.py with this tokenizer_path")
+        return ids, mask
+
+
+# ---- row streams: the Grain dataset the workers run ----------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """The static shape of the order: rows per global batch, row length, end of data."""
+
+    global_rows: int
+    length: int
+    packing: bool
+    limit: int | None  # examples in all epochs; None = repeat forever
+
+
+class RowStreams(grain.IterDataset):
+    """One element per global step: the next packed row of each of `rows` (arrays only for `own`)."""
+
+    def __init__(self, order: grain.MapDataset, load: DocumentLoader, layout: Layout, *, base: int,
+                 cursors: np.ndarray, rows: list[int], own: range):
+        super().__init__()
+        self.order, self.load, self.layout = order, load, layout
+        self.base, self.cursors, self.rows, self.own = base, cursors, rows, own
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """Grain calls this in worker w of W with slice(w, None, W): the worker owns those row streams."""
+        del sequential_slice  # row streams are already independent; there is nothing sequential to keep
+        self.rows = self.rows[sl]
+
+    def __iter__(self) -> "RowStreamsIterator":
+        return RowStreamsIterator(self)
+
+
+class RowStreamsIterator(grain.DatasetIterator):
+    """Runs inside a worker (or in-process): packs its row streams one global step at a time."""
+
+    def __init__(self, ds: RowStreams):
+        super().__init__()
+        self.ds = ds
+        self.cursors = {j: int(ds.cursors[j]) for j in ds.rows}
+        self.pending: dict[int, tuple[int, tuple[np.ndarray, np.ndarray]]] = {}
+
+    def _doc(self, row: int, k: int):
+        cached = self.pending.pop(row, None)
+        if cached is not None and cached[0] == k:
+            return cached[1]
+        return self.ds.load(int(self.ds.order[k]))
+
+    def _fill(self, row: int) -> tuple[list, bool]:
+        """Advance row stream `row` by one row: its documents, and whether the stream has ended."""
+        layout, ds = self.ds.layout, self.ds
+        docs, used, skipped = [], 0, 0
+        t = self.cursors[row]
+        while True:
+            k = ds.base + row + t * layout.global_rows
+            if layout.limit is not None and k >= layout.limit:
+                self.cursors[row] = t
+                return docs, True
+            doc = self._doc(row, k)
+            n = pairs(doc[0])
+            if n == 0:  # an empty document teaches nothing; skip it (still part of the order)
+                t, skipped = t + 1, skipped + 1
+                if skipped > 64 * len(ds.load.source):  # construction checked a sample: rare
+                    raise DataError("no record yields a document of 2 or more tokens: the data set is "
+                                    "effectively empty; check text_field/messages_field and the shards")
+                continue
+            if docs and used + n > layout.length:
+                self.pending[row] = (k, doc)  # starts this stream's next row
+                break
+            docs.append(doc)
+            used, t = used + n, t + 1
+            if not layout.packing or used >= layout.length:
+                break
+        self.cursors[row] = t
+        return docs, False
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        length = self.ds.layout.length
+        out_rows, cursors, placed, ended, own, packed = [], [], [], [], [], []
+        for row in self.ds.rows:
+            docs, done = self._fill(row)
+            out_rows.append(row)
+            cursors.append(self.cursors[row])
+            placed.append(len(docs))
+            ended.append(done)
+            if row in self.ds.own:
+                own.append(row)
+                packed.append(pack_row(docs, length) if docs else empty_row(length))
+        element = {"rows": np.asarray(out_rows, np.int64), "cursors": np.asarray(cursors, np.int64),
+                   "placed": np.asarray(placed, np.int32), "ended": np.asarray(ended, bool),
+                   "own": np.asarray(own, np.int64)}
+        for key in BATCH_KEYS:
+            element[key] = (np.stack([p[key] for p in packed]) if packed
+                            else np.zeros((0, length), np.int32))
+        return element
+
+    def get_state(self) -> dict[str, Any]:
+        return {"cursors": dict(self.cursors)}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.cursors = {int(j): int(t) for j, t in state["cursors"].items()}
+        self.pending.clear()
+
+
+# ---- the iterator the trainer uses ---------------------------------------------------------------
+
+class ArrayRecordIterator:
+    """This process's rows of each global batch; `get_state()` is global (the same on every process)."""
+
+    def __init__(self, load: DocumentLoader, layout: Layout, *, seed: int, num_epoch: int,
+                 process_index: int, process_count: int, worker_count: int, worker_buffer_size: int):
+        rows = layout.global_rows // process_count
+        self.load, self.layout, self.seed = load, layout, seed
+        self.own = range(process_index * rows, (process_index + 1) * rows)
+        self.worker_count, self.worker_buffer_size = worker_count, worker_buffer_size
+        order = grain.MapDataset.range(len(load.source)).shuffle(seed=seed)
+        self.order = order.repeat(num_epoch) if num_epoch > 0 else order.repeat()
+        self.base, self.step = 0, 0
+        self.cursors = np.zeros(layout.global_rows, np.int64)
+        self._it = None
+        self._exhausted = False
+
+    def _pipeline(self):
+        ds = RowStreams(self.order, self.load, self.layout, base=self.base, cursors=self.cursors.copy(),
+                        rows=list(range(self.layout.global_rows)), own=self.own)
+        workers = min(self.worker_count, self.layout.global_rows)
+        if workers > 0:
+            _absl_flags_parsed()
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(
+                num_workers=workers, per_worker_buffer_size=self.worker_buffer_size))
+        return iter(ds), max(workers, 1)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._exhausted:
+            raise StopIteration
+        if self._it is None:
+            self._it = self._pipeline()
+        it, elements_per_step = self._it
+        elements = [next(it) for _ in range(elements_per_step)]
+        if all(e["ended"].all() and not e["placed"].any() for e in elements):
+            self._exhausted = True  # every row stream ran out: the state stays at the last real batch
+            raise StopIteration
+        batch = {k: np.zeros((len(self.own), self.layout.length), np.int32) for k in BATCH_KEYS}
+        for e in elements:
+            self.cursors[e["rows"]] = e["cursors"]
+            local = e["own"] - self.own.start
+            for k in BATCH_KEYS:
+                batch[k][local] = e[k]
+        self.step += 1
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON-serializable position after the last batch returned; independent of process_count."""
+        return {"kind": STATE_KIND, "version": STATE_VERSION, "step": self.step,
+                "num_records": len(self.load.source), "data_shuffle_seed": self.seed,
+                "global_batch_size": self.layout.global_rows, "base": int(self.base),
+                "cursors": [int(c) for c in self.cursors]}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue from `get_state()` of any run over the same files and seed, any process count."""
+        if state.get("kind") != STATE_KIND or state.get("version") != STATE_VERSION:
+            raise DataError(f"the checkpoint's data state is {state.get('kind')!r} v{state.get('version')}, "
+                            f"not {STATE_KIND!r} v{STATE_VERSION}: it was written by another dataset_type "
+                            "or version; resume with the dataset_type it was saved with")
+        if (state["num_records"], state["data_shuffle_seed"]) != (len(self.load.source), self.seed):
+            raise DataError(f"the checkpoint's data order was over {state['num_records']} records with "
+                            f"data_shuffle_seed={state['data_shuffle_seed']}; now {len(self.load.source)} records "
+                            f"and seed {self.seed}: resume with the same grain_train_files and data_shuffle_seed")
+        cursors = np.asarray(state["cursors"], np.int64)
+        if state["global_batch_size"] == self.layout.global_rows:
+            self.base, self.cursors = int(state["base"]), cursors
+        else:
+            # A new row count has new row streams: start them all after the furthest example any old
+            # stream reached. No example repeats; the few the slower old streams had not reached are skipped.
+            old_rows = int(state["global_batch_size"])
+            self.base = int(state["base"]) + old_rows * int(cursors.max(initial=0))
+            self.cursors = np.zeros(self.layout.global_rows, np.int64)
+            skipped = int((cursors.max(initial=0) - cursors).sum())
+            log.warning("global batch changed from %d to %d rows: data order restarts at example %d "
+                        "(%d examples skipped, none repeated)", old_rows, self.layout.global_rows,
+                        self.base, skipped)
+        self.step = int(state["step"])
+        self._exhausted = False
+        self._close_pipeline()
+
+    def _close_pipeline(self) -> None:
+        if self._it is not None:
+            close = getattr(self._it[0], "close", None)
+            if close is not None:
+                close()
+            self._it = None
+
+    def close(self) -> None:
+        self._close_pipeline()
+
+
+def _absl_flags_parsed() -> None:
+    """Grain's worker processes read absl flags, which raise unless parsed; outside an absl app
+    (our CLI, tests) nobody parses them, so take their defaults."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+# ---- construction: validate everything before training starts ------------------------------------
+
+def make_arrayrecord_iterator(data_cfg, *, vocab_size: int, global_batch_size: int,
+                              process_index: int = 0, process_count: int = 1) -> ArrayRecordIterator:
+    """The Grain/ArrayRecord iterator for `data_cfg` (a DataConfig); DataError now if it cannot run."""
+    if global_batch_size % process_count or not 0 <= process_index < process_count:
+        raise DataError(f"global batch of {global_batch_size} rows does not split into {process_count} "
+                        f"loader processes (process_index={process_index})")
+    if not 0 <= data_cfg.data_shuffle_seed < 2**32:
+        raise DataError(f"data_shuffle_seed={data_cfg.data_shuffle_seed} must be in [0, 2**32)")
+    tok = load_tokenizer(data_cfg, vocab_size)
+    fmt = DocumentFormat(text_field=data_cfg.text_field, messages_field=data_cfg.messages_field,
+                         use_sft=data_cfg.use_sft, add_bos=data_cfg.add_bos, add_eos=data_cfg.add_eos,
+                         max_len=data_cfg.max_target_length)
+    files = resolve_files(data_cfg.grain_train_files)
+    check_pretokenized_with(tok, files)
+    load = DocumentLoader(files, [count_records(f) for f in files], fmt, tok, vocab_size)
+    check_documents(load, data_cfg.data_shuffle_seed)
+    epochs = data_cfg.num_epoch
+    layout = Layout(global_rows=global_batch_size, length=data_cfg.max_target_length, packing=data_cfg.packing,
+                    limit=epochs * len(load.source) if epochs > 0 else None)
+    return ArrayRecordIterator(load, layout, seed=data_cfg.data_shuffle_seed, num_epoch=epochs,
+                               process_index=process_index, process_count=process_count,
+                               worker_count=data_cfg.grain_worker_count,
+                               worker_buffer_size=data_cfg.grain_per_worker_buffer_size)
+
+
+def load_tokenizer(data_cfg, vocab_size: int) -> Tokenizer:
+    """The configured tokenizer, checked against the model's vocabulary and the BOS/EOS settings."""
+    tok = Tokenizer(data_cfg.tokenizer_path, data_cfg.tokenizer_type)
+    if tok.vocab_size > vocab_size:
+        raise DataError(f"tokenizer {tok.path} has {tok.vocab_size} tokens but the model's vocab_size is "
+                        f"{vocab_size}: ids would fall outside the embedding; use a model with vocab_size >= "
+                        f"{tok.vocab_size} or a smaller tokenizer (tokenizer_path)")
+    if data_cfg.add_eos and tok.eos_id is None:
+        raise DataError(f"tokenizer {tok.path} has no EOS token (<|endoftext|> or </s>); set add_eos=false "
+                        "or use a tokenizer that has one")
+    if data_cfg.add_bos and tok.bos_id is None:
+        raise DataError(f"tokenizer {tok.path} has no BOS token (<s>); set add_bos=false or use a tokenizer "
+                        "that has one")
+    return tok
+
+
+def check_pretokenized_with(tok: Tokenizer, files: list[str]) -> None:
+    """Shards pre-tokenized by scripts/prepare_data.py must be read with the tokenizer that made them."""
+    for directory in sorted({os.path.dirname(f) for f in files}):
+        info_path = os.path.join(directory, "dataset_info.json")
+        if not os.path.isfile(info_path):
+            continue
+        with open(info_path) as f:
+            made_with = (json.load(f).get("tokenizer") or {}).get("fingerprint")
+        if made_with is not None and made_with != tok.fingerprint():
+            raise DataError(f"{directory} was pre-tokenized with another tokenizer ({info_path} records "
+                            f"fingerprint {made_with}, {tok.path} is {tok.fingerprint()}); set tokenizer_path to "
+                            "the one it was made with, or re-run scripts/prepare_data.py")
+
+
+def check_documents(load: DocumentLoader, seed: int, sample: int = 32) -> None:
+    """The first record of every shard and the first records of the order must load (fields, template,
+    ids in range), and not all of them may be empty."""
+    order = grain.MapDataset.range(len(load.source)).shuffle(seed=seed)
+    indices = sorted({0, *load.ends[:-1], *(order[i] for i in range(min(sample, len(order))))})
+    if all(pairs(load(int(i))[0]) == 0 for i in indices):
+        raise DataError(f"the {len(indices)} records checked all yield fewer than 2 tokens: the data set is "
+                        "effectively empty; check text_field/messages_field and the shards")

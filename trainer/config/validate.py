@@ -56,6 +56,10 @@ def _run_problems(cfg: RunConfig) -> list[str]:
     if not (e.elastic_min_slice_count == -1 or 1 <= e.elastic_min_slice_count <= mesh.num_slices):
         problems.append(f"elastic_min_slice_count={e.elastic_min_slice_count} must be -1 (all slices) or "
                         f"between 1 and num_slices={mesh.num_slices}")
+    c = cfg.checkpoint
+    if c.load_parameters_path and c.load_full_state_path:
+        problems.append("set at most one of load_parameters_path (params only) and load_full_state_path "
+                        "(params + optimizer state + step)")
     for rule in mesh.logical_axis_rules:
         if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)
                 and isinstance(rule[1], (list, tuple, str, type(None)))):

@@ -1,0 +1,290 @@
+"""The checkpoint contract: what is committed, what is restored, and that failures are never silent.
+
+Tiny pytrees on the 8 virtual CPU devices tests/conftest.py sets up. Faults are real storage states
+(a directory that is a file, a truncated data file, a tmp dir a killed save leaves, a step without
+its commit marker) or real save errors, not mocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from trainer.checkpoint import (CheckpointSaveError, Checkpointer, is_committed, load_full_state,
+                                load_parameters, save_parameters)
+from trainer.config.schema import CheckpointConfig
+
+
+def _cfg(**changes) -> CheckpointConfig:
+    return dataclasses.replace(CheckpointConfig(), **{"checkpoint_period": 10, **changes})
+
+
+def _mesh(shape: tuple[int, ...], axes: tuple[str, ...]) -> Mesh:
+    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
+
+
+def _state(mesh: Mesh, spec: P, step: int = 7) -> dict:
+    """{"step", "params", "opt_state"}, the matrices sharded over `mesh` by `spec`."""
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
+    w = jnp.arange(32, dtype=jnp.float32).reshape(8, 4) + step
+    return {"step": put(jnp.array(step, jnp.int32), P()),
+            "params": {"w": put(w, spec), "b": put(jnp.ones(4, jnp.bfloat16), P())},
+            "opt_state": {"mu": put(w * 0.5, spec)}}
+
+
+def _abstract(state: dict, mesh: Mesh, spec: P) -> dict:
+    """The same tree as ShapeDtypeStructs: matrices sharded by `spec` on `mesh`, the rest replicated."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(mesh, spec if x.ndim == 2 else P())), state)
+
+
+def _assert_same(restored, expected) -> None:
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+class Events(list):
+    def __call__(self, name: str, fields: dict) -> None:
+        self.append((name, fields))
+
+    def named(self, name: str) -> list[dict]:
+        return [fields for n, fields in self if n == name]
+
+
+@pytest.fixture
+def mesh4():
+    return _mesh((4,), ("fsdp",))
+
+
+@pytest.mark.parametrize("async_checkpointing", [True, False], ids=["async", "sync"])
+def test_save_then_restore_returns_the_same_state_data_state_and_metadata(tmp_path, mesh4, async_checkpointing):
+    events = Events()
+    ckpt = Checkpointer(tmp_path / "ckpt", _cfg(async_checkpointing=async_checkpointing), on_event=events)
+    state = _state(mesh4, P("fsdp"))
+    assert ckpt.save(7, state, {"position": 7, "epoch": 0}, {"config": {"steps": 9}, "mesh": {"fsdp": 4}})
+    if not async_checkpointing:
+        assert ckpt.committed_steps() == [7]  # a sync save returns once committed
+    ckpt.wait()
+
+    restored = Checkpointer(tmp_path / "ckpt", _cfg()).restore(_abstract(state, mesh4, P("fsdp")))
+
+    assert ckpt.committed_steps() == [7] and restored.step == 7
+    _assert_same(restored.state, state)
+    assert restored.data_state == {"position": 7, "epoch": 0}
+    assert restored.metadata == {"config": {"steps": 9}, "mesh": {"fsdp": 4}}
+    assert restored.bytes == 32 * 4 * 2 + 4 * 2 + 4
+    [committed] = events.named("checkpoint_save_committed")
+    assert committed["step"] == 7 and committed["bytes"] == restored.bytes and committed["seconds"] >= 0
+    ckpt.close()
+
+
+def test_an_async_save_no_longer_needs_the_device_arrays_once_save_returns(tmp_path, mesh4):
+    """The train step donates the state right after save(): the save must not read it later."""
+    ckpt = Checkpointer(tmp_path / "ckpt", _cfg(async_checkpointing=True))
+    state = _state(mesh4, P("fsdp"))
+    expected = jax.tree.map(np.asarray, state)
+
+    ckpt.save(7, state, {}, {})
+    jax.tree.map(lambda x: x.delete(), state)
+    ckpt.wait()
+
+    _assert_same(ckpt.restore(_abstract(expected, mesh4, P("fsdp"))).state, expected)
+    ckpt.close()
+
+
+def test_restore_reshards_onto_meshes_of_other_sizes_and_axes(tmp_path, mesh4):
+    state = _state(mesh4, P("fsdp"))
+    ckpt = Checkpointer(tmp_path / "ckpt", _cfg())
+    ckpt.save(7, state, {}, {})
+    ckpt.wait()
+
+    for mesh, spec in [(_mesh((2,), ("data",)), P("data")), (_mesh((2,), ("data",)), P()),
+                       (_mesh((2, 2), ("fsdp", "tensor")), P("fsdp", "tensor")),
+                       (_mesh((2, 2), ("fsdp", "tensor")), P("tensor", "fsdp"))]:
+        abstract = _abstract(state, mesh, spec)
+        restored = ckpt.restore(abstract)
+        _assert_same(restored.state, state)
+        assert jax.tree.map(lambda x: x.sharding, restored.state) == jax.tree.map(lambda x: x.sharding, abstract)
+        params = load_parameters(tmp_path / "ckpt" / "7", abstract["params"])
+        _assert_same(params, state["params"])
+        assert params["w"].sharding == abstract["params"]["w"].sharding
+    ckpt.close()
+
+
+def test_cleanup_partial_removes_every_partial_step_and_restore_never_reads_one(tmp_path, mesh4):
+    events = Events()
+    root = tmp_path / "ckpt"
+    ckpt = Checkpointer(root, _cfg(), on_event=events)
+    abstract = _abstract(_state(mesh4, P("fsdp")), mesh4, P("fsdp"))
+    assert ckpt.restore(abstract) is None
+    for step in (10, 20, 30):
+        ckpt.save(step, _state(mesh4, P("fsdp"), step), {"position": step}, {})
+        ckpt.wait()
+    # A save killed before its rename, older than the newest committed step:
+    shutil.copytree(root / "10", root / "15.orbax-checkpoint-tmp")
+    # the newest step, complete but for its commit marker (an unfinished object-store save):
+    shutil.copytree(root / "30", root / "40")
+    os.remove(root / "40" / "commit_success.txt")
+    # a save killed between writing the marker and the rename:
+    shutil.copytree(root / "30", root / "50.orbax-checkpoint-tmp")
+
+    assert ckpt.committed_steps() == [10, 20, 30] and ckpt.latest_committed_step() == 30
+    assert ckpt.restore(abstract).data_state == {"position": 30}
+    with pytest.raises(FileNotFoundError):
+        ckpt.restore(abstract, step=40)
+
+    removed = ckpt.cleanup_partial()
+
+    expected = sorted(str(root / name) for name in ("15.orbax-checkpoint-tmp", "40", "50.orbax-checkpoint-tmp"))
+    assert sorted(removed) == expected
+    assert sorted(f["path"] for f in events.named("checkpoint_partial_removed")) == expected
+    assert sorted(os.listdir(root)) == ["10", "20", "30"]
+    ckpt.close()
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_committed_one(tmp_path, mesh4):
+    events = Events()
+    root = tmp_path / "ckpt"
+    ckpt = Checkpointer(root, _cfg(), on_event=events)
+    for step in (10, 20):
+        ckpt.save(step, _state(mesh4, P("fsdp"), step), {"position": step}, {})
+        ckpt.wait()
+    for data_dir in (root / "20" / "state").glob("**/d"):
+        for chunk in data_dir.iterdir():
+            chunk.write_bytes(chunk.read_bytes()[:3])
+
+    restored = ckpt.restore(_abstract(_state(mesh4, P("fsdp")), mesh4, P("fsdp")))
+
+    assert restored.step == 10 and restored.data_state == {"position": 10}
+    _assert_same(restored.state, _state(mesh4, P("fsdp"), 10))
+    [failed] = events.named("checkpoint_restore_failed")
+    assert failed["step"] == 20 and failed["error"]
+    assert [f["step"] for f in events.named("checkpoint_restore_start")] == [20, 10]
+    ckpt.close()
+
+
+def test_a_save_to_broken_storage_raises_and_a_later_save_to_a_healthy_directory_commits(tmp_path, mesh4):
+    events = Events()
+    root = tmp_path / "ckpt"
+    ckpt = Checkpointer(root, _cfg(), on_event=events)
+    ckpt.save(10, _state(mesh4, P("fsdp")), {}, {})
+    ckpt.wait()
+    os.rename(root, tmp_path / "moved")
+    root.write_text("not a directory")  # every write under root now fails
+
+    with pytest.raises(CheckpointSaveError) as raised:
+        ckpt.save(20, _state(mesh4, P("fsdp")), {}, {})
+        ckpt.wait()
+
+    assert raised.value.step == 20 and isinstance(raised.value.__cause__, OSError)
+    assert [f["step"] for f in events.named("checkpoint_save_failed")] == [20]
+    root.unlink()
+    os.rename(tmp_path / "moved", root)
+    assert ckpt.save(30, _state(mesh4, P("fsdp")), {}, {})
+    ckpt.wait()
+    assert ckpt.committed_steps() == [10, 30]
+    ckpt.close()
+
+
+def test_a_background_save_failure_raises_from_wait_or_the_next_save_and_saving_then_resumes(tmp_path, mesh4):
+    events = Events()
+    ckpt = Checkpointer(tmp_path / "ckpt", _cfg(async_checkpointing=True), on_event=events)
+    unwritable = {"position": object()}  # fails in Orbax's background writer, as a storage error would
+
+    assert ckpt.save(10, _state(mesh4, P("fsdp")), unwritable, {})
+    with pytest.raises(CheckpointSaveError) as raised:
+        ckpt.wait()
+    assert raised.value.step == 10
+    assert ckpt.save(20, _state(mesh4, P("fsdp")), {}, {})
+
+    assert ckpt.save(30, _state(mesh4, P("fsdp")), unwritable, {})
+    with pytest.raises(CheckpointSaveError) as raised:
+        ckpt.save(40, _state(mesh4, P("fsdp")), {}, {})
+    assert raised.value.step == 30
+    assert ckpt.save(40, _state(mesh4, P("fsdp")), {}, {})
+    ckpt.wait()
+
+    assert ckpt.committed_steps() == [20, 40]
+    assert [f["step"] for f in events.named("checkpoint_save_failed")] == [10, 30]
+    assert [f["step"] for f in events.named("checkpoint_save_committed")] == [20, 40]
+    assert ckpt.latest_committed_step() == 40  # the failed steps' tmp dirs are partial, never listed
+    ckpt.close()
+
+
+def test_close_reports_a_failed_background_save_without_raising_and_is_idempotent(tmp_path, mesh4):
+    events = Events()
+    ckpt = Checkpointer(tmp_path / "ckpt", _cfg(async_checkpointing=True), on_event=events)
+    ckpt.save(10, _state(mesh4, P("fsdp")), {"position": object()}, {})
+
+    ckpt.close(timeout_s=30)
+    ckpt.close()
+
+    assert [f["step"] for f in events.named("checkpoint_save_failed")] == [10]
+
+
+def test_should_save_on_the_period_and_on_the_final_step_only(tmp_path):
+    ckpt = Checkpointer(tmp_path / "ckpt", _cfg(checkpoint_period=10))
+    off = Checkpointer(tmp_path / "off", _cfg(enable_checkpointing=False))
+
+    assert [s for s in range(1, 31) if ckpt.should_save(s, final=False)] == [10, 20, 30]
+    assert ckpt.should_save(13, final=True)
+    assert not off.should_save(10, final=False) and not off.should_save(13, final=True)
+    ckpt.close()
+    off.close()
+
+
+def test_continuous_mode_saves_as_soon_as_the_previous_save_has_finished(tmp_path, mesh4):
+    continuous = Checkpointer(tmp_path / "c", _cfg(checkpoint_period=1000, enable_continuous_checkpointing=True))
+    periodic = Checkpointer(tmp_path / "p", _cfg(checkpoint_period=1000))
+    for ckpt in (continuous, periodic):
+        assert ckpt.save(1, _state(mesh4, P("fsdp")), {}, {})
+        ckpt.wait()
+
+    assert continuous.should_save(2, final=False)
+    assert not periodic.should_save(2, final=False)
+    continuous.close()
+    periodic.close()
+
+
+@pytest.mark.parametrize("keep, expected", [(2, [3, 4]), (0, [1, 2, 3, 4])])
+def test_retention_keeps_the_newest_max_num_checkpoints_to_keep(tmp_path, mesh4, keep, expected):
+    ckpt = Checkpointer(tmp_path / "ckpt", _cfg(max_num_checkpoints_to_keep=keep))
+    for step in (1, 2, 3, 4):
+        ckpt.save(step, _state(mesh4, P("fsdp")), {}, {})
+        ckpt.wait()
+
+    assert ckpt.committed_steps() == expected
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [str(s) for s in expected]
+    ckpt.close()
+
+
+def test_load_parameters_reads_a_params_only_checkpoint_onto_another_mesh(tmp_path, mesh4):
+    params = _state(mesh4, P("fsdp"))["params"]
+    save_parameters(tmp_path / "params", params)
+    mesh = _mesh((2, 2), ("fsdp", "tensor"))
+    abstract = _abstract(params, mesh, P("tensor", "fsdp"))
+
+    loaded = load_parameters(tmp_path / "params", abstract)
+
+    assert is_committed(tmp_path / "params")
+    _assert_same(loaded, params)
+    assert loaded["w"].sharding == abstract["w"].sharding
+
+
+def test_load_full_state_reads_a_step_directory_and_refuses_a_partial_one(tmp_path, mesh4):
+    state = _state(mesh4, P("fsdp"))
+    ckpt = Checkpointer(tmp_path / "ckpt", _cfg())
+    ckpt.save(7, state, {}, {})
+    ckpt.close()
+    abstract = _abstract(state, _mesh((2,), ("data",)), P("data"))
+
+    _assert_same(load_full_state(tmp_path / "ckpt" / "7", abstract), state)
+    os.remove(tmp_path / "ckpt" / "7" / "commit_success.txt")
+    with pytest.raises(FileNotFoundError):
+        load_full_state(tmp_path / "ckpt" / "7", abstract)

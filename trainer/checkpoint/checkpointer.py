@@ -1,0 +1,313 @@
+"""`Checkpointer`: one per training attempt, over an Orbax CheckpointManager.
+
+Saves are period / final / continuous (`should_save`), asynchronous when configured, and kept to the
+newest `max_num_checkpoints_to_keep`. Restores take the newest committed step and fall back to older
+committed steps when one fails to read; they reshard onto whatever mesh the abstract state names.
+Every outcome is a log line and an `on_event(name, fields)` call:
+
+    checkpoint_save_start {step}         checkpoint_save_committed {step, seconds, bytes}
+    checkpoint_restore_start {step}      checkpoint_restore_done {step, seconds, bytes}
+    checkpoint_save_failed {step, error}      checkpoint_restore_failed {step, error}
+    checkpoint_partial_removed {path}
+
+`seconds` of a save runs from `save()` to the moment this object saw the commit; an async commit is
+seen at the next `should_save`/`save`/`wait`, so call `should_save` every step. `bytes` counts the
+arrays of the train state (in memory, not on disk).
+
+Errors of a save are never swallowed: a save that fails while `save()` runs raises at once; one that
+fails in the background is logged and emitted when seen, then raised by the next `save()` (which
+starts nothing; the call after it saves normally) or by `wait()`. `close()` is the exception to the
+rule, so that tearing down an attempt after a failure never masks that failure: it reports, it does
+not raise. End every successful run with `wait()`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from trainer.checkpoint import commit
+from trainer.config.schema import CheckpointConfig
+
+log = logging.getLogger(__name__)
+
+# The items of a step directory (each is a subdirectory of <step>/).
+STATE, DATA, METADATA = "state", "data", "metadata"
+_POLL_S = 0.05
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save failed (storage error, disk full, permission, ...); the cause is chained."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(message)
+        self.step = step
+
+
+class CheckpointRestoreError(RuntimeError):
+    """None of the committed checkpoints could be restored; the newest one's error is chained."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    step: int
+    state: Any
+    data_state: dict
+    metadata: dict
+    bytes: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    step: int
+    started: float
+    nbytes: int
+
+
+def array_bytes(tree) -> int:
+    """Bytes of the arrays (or ShapeDtypeStructs) in `tree`, at their global shapes."""
+    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:500]
+
+
+class Checkpointer:
+    """Saves and restores {state, data_state, metadata} under `directory`/<step>/ (see the package doc).
+
+    Not thread-safe (nor is Orbax's CheckpointManager): call it from the train loop's thread."""
+
+    def __init__(self, directory: epath.PathLike, cfg: CheckpointConfig, *,
+                 on_event: Callable[[str, dict], None] = lambda name, fields: None,
+                 clock: Callable[[], float] = time.monotonic):
+        self._manager = None  # first, so that close() works on a half-built object
+        self.directory = epath.Path(directory)
+        self._cfg, self._on_event, self._clock = cfg, on_event, clock
+        self._inflight: _InFlight | None = None
+        self._failure: CheckpointSaveError | None = None  # newest failed save, not raised yet
+        keep = cfg.max_num_checkpoints_to_keep
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep if keep > 0 else None,
+            enable_async_checkpointing=cfg.async_checkpointing,
+            # Create the step's directory inside save(), not in the background: a broken path then
+            # fails save() at once, whereas a failed background creation leaves Orbax's other writer
+            # threads waiting minutes for a signal that never comes.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    # ---- what is on storage ----------------------------------------------------------------------
+
+    def committed_steps(self) -> list[int]:
+        """Committed steps, ascending, read from storage now (Orbax's step cache is not consulted)."""
+        return commit.committed_steps(self.directory)
+
+    def latest_committed_step(self) -> int | None:
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    def cleanup_partial(self) -> list[str]:
+        """Remove every partial step (tmp dirs and step dirs without the commit marker), not only the
+        newest; return their paths. The step this object is writing right now is left alone, and a
+        partial that cannot be removed yet is logged and kept for the next call: for up to a second
+        after a failed save, Orbax's remaining writer threads may still be writing into its tmp dir."""
+        busy = self._inflight.step if self._inflight is not None else None
+        removed = []
+        for step, path in commit.partial_step_paths(self.directory):
+            if step == busy:
+                continue
+            try:
+                if path.is_dir():
+                    path.rmtree()
+                else:
+                    path.unlink()
+            except OSError as e:
+                log.warning("checkpoint partial not removed yet path=%s: %s", path, _describe(e))
+                continue
+            removed.append(str(path))
+            self._emit("checkpoint_partial_removed", logging.WARNING, path=str(path))
+        if removed:
+            self._manager.reload()  # Orbax may have listed a marker-less step dir as a checkpoint
+        return removed
+
+    # ---- saving -----------------------------------------------------------------------------------
+
+    def should_save(self, step: int, *, final: bool) -> bool:
+        """Whether to save after `step` optimizer steps: every checkpoint_period steps and at the final
+        step; in continuous mode whenever no save is still being written. Call it every step: it is
+        also where a finished async save is noticed."""
+        self._poll()
+        if not self._cfg.enable_checkpointing:
+            return False
+        if self._inflight is not None and self._inflight.step == step:
+            return False
+        if final:
+            return True
+        if self._cfg.enable_continuous_checkpointing:
+            return self._inflight is None
+        return step % self._cfg.checkpoint_period == 0
+
+    def save(self, step: int, state, data_state: dict, metadata: dict, *, force: bool = False) -> bool:
+        """Start saving `state` (a pytree of jax.Arrays), `data_state` and `metadata` (JSON-able) as `step`.
+
+        The caller decides when (should_save). Returns False, saving nothing, when checkpointing is
+        disabled or `step` is already committed or being written. First waits for the previous save;
+        if that one failed, raises its CheckpointSaveError instead of saving (the next call saves),
+        unless `force` (the SIGTERM save: a fresh checkpoint matters more; the failure stays logged).
+        Returns once the arrays are copied off the devices (async) or once committed (sync).
+        """
+        self._poll()
+        if not self._cfg.enable_checkpointing:
+            return False
+        if self._inflight is not None and self._inflight.step == step:
+            return False
+        self._settle()  # Orbax would wait for the previous save anyway; this reports how it ended
+        if self._failure is not None and not force:
+            self._raise_failure()
+        started = self._clock()
+        items = {STATE: ocp.args.StandardSave(state), DATA: ocp.args.JsonSave(data_state),
+                 METADATA: ocp.args.JsonSave(metadata)}
+        try:  # every storage access is inside: a broken path is a failed save, like any other
+            if step in self.committed_steps():
+                log.info("checkpoint step=%d is already committed; not saving it again", step)
+                return False
+            self._manager.reload()  # retention and "step exists" use Orbax's cache: refresh it
+            self._emit("checkpoint_save_start", step=step)
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:
+            self._record_failure(step, e)
+            self._raise_failure()
+        self._inflight = _InFlight(step, started, array_bytes(state))
+        if not self._cfg.async_checkpointing:
+            self.wait()
+        return True
+
+    def wait(self) -> None:
+        """Block until the in-flight save is committed; raise CheckpointSaveError if a save failed."""
+        self._settle()
+        self._raise_failure()
+
+    def close(self, *, timeout_s: float | None = None) -> None:
+        """Settle the in-flight save and release Orbax's threads. Safe on a half-built object; never
+        raises a save's error (it is logged and emitted; wait() is what raises).
+
+        `timeout_s` bounds the wait, for tearing down an attempt after a slice failure: a save still
+        writing after that is abandoned (reported as checkpoint_save_failed) and Orbax's background
+        thread is left to end on its own, within Orbax's async timeout (20 min by default). Until then
+        it may still commit its step (and, as every commit does, apply retention). If a later
+        Checkpointer's cleanup_partial removes its tmp directory under it, it fails, or at worst
+        commits a step with missing chunks, which restore() reports and falls back from. Orbax's own
+        cancel() is not used: a cancelled save still applies retention, so with
+        max_num_checkpoints_to_keep=1 it would delete the only committed checkpoint.
+        """
+        manager = getattr(self, "_manager", None)
+        if manager is None:
+            return
+        self._manager = None
+        try:
+            if not self._settle(timeout_s, manager=manager):
+                step = self._inflight.step
+                self._inflight = None
+                self._emit("checkpoint_save_failed", logging.ERROR, step=step,
+                           error=f"abandoned: still writing after {timeout_s} s")
+                return
+            if self._failure is not None:
+                log.error("closing with an unraised checkpoint failure (wait() raises it): %s", self._failure)
+                self._failure = None
+            manager.close()
+        except Exception as e:  # a teardown must not mask the error that caused it
+            log.exception("checkpoint manager close failed: %s", _describe(e))
+
+    # ---- restoring --------------------------------------------------------------------------------
+
+    def restore(self, abstract_state, step: int | None = None) -> Restored | None:
+        """Restore the newest committed step (or `step`, which must be committed) onto the shardings of
+        `abstract_state` (jax.ShapeDtypeStruct leaves with .sharding, any mesh). A step that fails to
+        read is logged and emitted, and the next older committed step is tried. Returns None if there
+        is no committed step; raises CheckpointRestoreError if every one failed. A JaxRuntimeError
+        (a device or slice failure, not a bad checkpoint) propagates at once."""
+        self._settle()
+        steps = self.committed_steps()
+        if step is not None:
+            if step not in steps:
+                raise FileNotFoundError(f"step {step} is not a committed checkpoint in {self.directory} "
+                                        f"(committed: {steps})")
+            steps = [s for s in steps if s <= step]
+        first_error = None
+        for candidate in reversed(steps):
+            try:
+                return self._restore_step(candidate, abstract_state)
+            except jax.errors.JaxRuntimeError:
+                raise
+            except Exception as e:
+                self._emit("checkpoint_restore_failed", logging.ERROR, step=candidate, error=_describe(e))
+                first_error = first_error or e
+        if first_error is None:
+            return None
+        raise CheckpointRestoreError(f"no committed checkpoint in {self.directory} could be restored "
+                                     f"(tried {steps[::-1]})") from first_error
+
+    def _restore_step(self, step: int, abstract_state) -> Restored:
+        self._emit("checkpoint_restore_start", step=step)
+        started = self._clock()
+        items = {STATE: ocp.args.StandardRestore(abstract_state), DATA: ocp.args.JsonRestore(),
+                 METADATA: ocp.args.JsonRestore()}
+        out = self._manager.restore(step, args=ocp.args.Composite(**items))
+        state = jax.block_until_ready(out[STATE])  # read errors surface here, inside the fallback
+        seconds, nbytes = self._clock() - started, array_bytes(state)
+        self._emit("checkpoint_restore_done", step=step, seconds=round(seconds, 4), bytes=nbytes)
+        return Restored(step, state, out[DATA], out[METADATA], nbytes, seconds)
+
+    # ---- the in-flight save -------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        """Report the in-flight save if it has ended; never blocks."""
+        if self._inflight is not None and not self._manager.is_saving_in_progress():
+            self._settle()
+
+    def _settle(self, timeout_s: float | None = None, *, manager=None) -> bool:
+        """Wait (at most timeout_s) for the in-flight save and report how it ended. False: still writing."""
+        inflight, manager = self._inflight, manager or self._manager
+        if inflight is None:
+            return True
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while deadline is not None and manager.is_saving_in_progress():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+        self._inflight = None
+        try:
+            manager.wait_until_finished()  # raises the background error
+            if not commit.is_committed(commit.step_dir(self.directory, inflight.step)):
+                raise RuntimeError("Orbax finished the save but the step directory is not committed")
+        except Exception as e:
+            self._record_failure(inflight.step, e)
+            return True
+        self._failure = None  # a newer committed checkpoint supersedes an earlier failure
+        self._emit("checkpoint_save_committed", step=inflight.step,
+                   seconds=round(self._clock() - inflight.started, 4), bytes=inflight.nbytes)
+        return True
+
+    def _record_failure(self, step: int, error: Exception) -> None:
+        failure = CheckpointSaveError(step, f"checkpoint save of step {step} failed: {_describe(error)}")
+        failure.__cause__ = error
+        self._failure = failure
+        self._emit("checkpoint_save_failed", logging.ERROR, step=step, error=_describe(error))
+
+    def _raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def _emit(self, name: str, level: int = logging.INFO, **fields) -> None:
+        log.log(level, "%s %s", name, " ".join(f"{k}={v}" for k, v in fields.items()))
+        self._on_event(name, fields)

@@ -1,0 +1,67 @@
+"""The one commit rule, and the directory scans built on it.
+
+A checkpoint directory counts only once Orbax has finalized it. Orbax (>= 0.12.3) ends every save by
+writing `commit_success.txt`: on POSIX into `<step>.orbax-checkpoint-tmp` just before the atomic rename
+to `<step>`, on object stores (gs://) into `<step>` itself, which has no rename. So on every
+filesystem "finalized" is the same test, `is_committed` below. Everything else in the checkpoints
+directory that looks like a step is partial: an `<step>.orbax-checkpoint-tmp*` directory left by a
+killed save, or a `<step>` directory without the marker (an object-store save that never finished, or
+an interrupted copy). Paths go through etils.epath, so local and gs:// paths work alike.
+"""
+from __future__ import annotations
+
+import re
+
+from etils import epath
+import orbax.checkpoint as ocp
+
+COMMIT_MARKER = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE  # "commit_success.txt"
+TMP_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
+_STEP_DIR = re.compile(r"(\d+)")
+_TMP_STEP_DIR = re.compile(r"(\d+)" + re.escape(TMP_SUFFIX) + r".*")
+
+
+def _require_orbax_with_commit_marker() -> None:
+    # Orbax < 0.12.3 renamed POSIX saves without writing the marker: its finished checkpoints would
+    # look partial here and cleanup_partial would delete them. Fail loudly instead.
+    version = tuple(int(p) for p in re.findall(r"\d+", ocp.__version__)[:3])
+    if version < (0, 12, 3):
+        raise ImportError(f"trainer.checkpoint needs orbax-checkpoint >= 0.12.3 (found {ocp.__version__}): "
+                          f"older versions do not write {COMMIT_MARKER} on POSIX filesystems")
+
+
+_require_orbax_with_commit_marker()
+
+
+def is_committed(path: epath.PathLike) -> bool:
+    """THE commit rule: `path` is a finalized Orbax checkpoint (not a tmp dir, and holds the marker)."""
+    path = epath.Path(path)
+    return TMP_SUFFIX not in path.name and (path / COMMIT_MARKER).exists()
+
+
+def step_dir(root: epath.PathLike, step: int) -> epath.Path:
+    """Where step `step` lives (Orbax's default step naming: the bare number)."""
+    return epath.Path(root) / str(step)
+
+
+def committed_steps(root: epath.PathLike) -> list[int]:
+    """Committed steps under `root`, ascending; read from storage on every call."""
+    root = epath.Path(root)
+    if not root.exists():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir()
+                  if (m := _STEP_DIR.fullmatch(p.name)) and is_committed(p))
+
+
+def partial_step_paths(root: epath.PathLike) -> list[tuple[int, epath.Path]]:
+    """(step, path) of every step-like entry under `root` that is not committed, by step."""
+    root = epath.Path(root)
+    if not root.exists():
+        return []
+    found = []
+    for p in root.iterdir():
+        if m := _TMP_STEP_DIR.fullmatch(p.name):
+            found.append((int(m.group(1)), p))
+        elif (m := _STEP_DIR.fullmatch(p.name)) and not is_committed(p):
+            found.append((int(m.group(1)), p))
+    return sorted(found, key=lambda sp: (sp[0], sp[1].name))

@@ -1,0 +1,156 @@
+"""Dense building blocks of the Qwen3 transformer: named parameters, RMSNorm, RoPE, attention, SwiGLU.
+
+Layers take sizes and dtypes, never the model config. Every parameter is an `nnx.Param` created through
+`nnx.with_partitioning`, so it carries one logical axis name per dim; `parallel/` maps the names to mesh
+axes. Activations are pinned with `constrain` (the identity when no mesh is active).
+
+Numerics follow Hugging Face `transformers` Qwen3 so that imported checkpoints agree:
+- RMSNorm normalises in float32, casts back to the activation dtype, then multiplies by the weight
+  (`Qwen3RMSNorm` order).
+- RoPE uses the rotate-half layout with inv_freq = theta^(-arange(0, hd, 2) / hd), tables computed in
+  float32 and cast to the activation dtype.
+- Attention scores and softmax are float32; probabilities are cast back before the value matmul.
+Init (HF `initializer_range=0.02`): matrices and the embedding ~ normal(0, 0.02); norm weights = 1.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trainer.parallel.context import constrain
+
+BTD = ("activation_batch", "activation_length", "activation_embed")
+_NORMAL = jax.nn.initializers.normal(stddev=0.02)
+_ONES = jax.nn.initializers.ones
+
+
+def param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Sequence[str | None], dtype) -> nnx.Param:
+    """A parameter tagged with logical axis names (never sharded eagerly: placement is the caller's)."""
+    named_init = nnx.with_partitioning(init, tuple(names), eager_sharding=False)
+    return nnx.Param(named_init(rngs.params(), tuple(shape), jnp.dtype(dtype)))
+
+
+def matrix(rngs, shape, names, dtype) -> nnx.Param:
+    return param(rngs, _NORMAL, shape, names, dtype)
+
+
+def norm_weight(rngs, size: int, dtype) -> nnx.Param:
+    return param(rngs, _ONES, (size,), ("norm",), dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) * weight: statistics in float32, result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return normed.astype(x.dtype) * weight.astype(x.dtype)
+
+
+class Context(NamedTuple):
+    """Per-forward tensors every block needs, computed once outside the layer loop."""
+
+    cos: jax.Array  # [B, T, head_dim], activation dtype
+    sin: jax.Array  # [B, T, head_dim]
+    mask: jax.Array  # [B, 1, 1, T, S] bool: same document and key index <= query index
+    valid: jax.Array  # [B, T] bool: not padding (segment id > 0)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of RoPE angles [B, T, head_dim], both halves repeated (HF rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, N, hd] rotated: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def attention_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, 1, 1, T, S]: causal by index and only within the same segment (packed documents stay apart).
+
+    The diagonal is always allowed (a token shares its own segment), so no row is fully masked.
+    """
+    t = segment_ids.shape[1]
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (causal[None] & same)[:, None, None]
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with per-head q/k RMSNorm before RoPE (Qwen3)."""
+
+    def __init__(self, *, emb_dim: int, num_heads: int, num_kv_heads: int, head_dim: int, use_qk_norm: bool,
+                 eps: float, dtype, weight_dtype, rngs: nnx.Rngs):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.eps, self.dtype = eps, jnp.dtype(dtype)
+        self.q_proj = matrix(rngs, (emb_dim, num_heads, head_dim), ("embed", "heads", "head_dim"), weight_dtype)
+        self.k_proj = matrix(rngs, (emb_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
+                             weight_dtype)
+        self.v_proj = matrix(rngs, (emb_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
+                             weight_dtype)
+        self.o_proj = matrix(rngs, (num_heads, head_dim, emb_dim), ("heads", "head_dim", "embed"), weight_dtype)
+        self.q_norm = norm_weight(rngs, head_dim, weight_dtype) if use_qk_norm else None
+        self.k_norm = norm_weight(rngs, head_dim, weight_dtype) if use_qk_norm else None
+
+    def __call__(self, x: jax.Array, ctx: Context) -> jax.Array:
+        dt, b, t = self.dtype, x.shape[0], x.shape[1]
+        rows = x.reshape(b * t, x.shape[2])  # 2-D matmuls: XLA CPU then needs no transposes for the grads
+        q = (rows @ _flat_in(self.q_proj[...], dt)).reshape(b, t, self.num_heads, self.head_dim)
+        k = (rows @ _flat_in(self.k_proj[...], dt)).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = (rows @ _flat_in(self.v_proj[...], dt)).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm[...], self.eps)
+            k = rms_norm(k, self.k_norm[...], self.eps)
+        q = constrain(apply_rope(q, ctx.cos, ctx.sin), ("activation_batch", "activation_length",
+                                                         "activation_heads", None))
+        k = constrain(apply_rope(k, ctx.cos, ctx.sin), ("activation_batch", "activation_length",
+                                                         "activation_kv_heads", None))
+        v = constrain(v, ("activation_batch", "activation_length", "activation_kv_heads", None))
+        out = grouped_attention(q, k, v, ctx.mask, self.num_kv_heads)
+        o = self.o_proj[...].astype(dt)
+        return (out.reshape(b * t, -1) @ o.reshape(-1, o.shape[-1])).reshape(b, t, -1)
+
+
+def _flat_in(kernel: jax.Array, dtype) -> jax.Array:
+    """[D, heads, hd] -> [D, heads * hd] in the matmul dtype."""
+    return kernel.astype(dtype).reshape(kernel.shape[0], -1)
+
+
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, num_kv_heads: int) -> jax.Array:
+    """Softmax attention, q [B,T,N,hd], k/v [B,S,K,hd] -> [B,T,N,hd]; q head n uses kv head n // (N/K).
+
+    Query heads are viewed as [K, G] so k/v are never repeated; scores and softmax are float32.
+    """
+    b, t, n, hd = q.shape
+    qg = q.reshape(b, t, num_kv_heads, n // num_kv_heads, hd)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask, scores * (hd ** -0.5), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    return out.reshape(b, t, n, hd)
+
+
+class Mlp(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, *, emb_dim: int, mlp_dim: int, dtype, weight_dtype, rngs: nnx.Rngs):
+        self.dtype = jnp.dtype(dtype)
+        self.gate_proj = matrix(rngs, (emb_dim, mlp_dim), ("embed", "mlp"), weight_dtype)
+        self.up_proj = matrix(rngs, (emb_dim, mlp_dim), ("embed", "mlp"), weight_dtype)
+        self.down_proj = matrix(rngs, (mlp_dim, emb_dim), ("mlp", "embed"), weight_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype
+        b, t, d = x.shape
+        x2 = x.reshape(b * t, d)
+        gate = (x2 @ self.gate_proj[...].astype(dt)).reshape(b, t, -1)
+        up = (x2 @ self.up_proj[...].astype(dt)).reshape(b, t, -1)
+        hidden = constrain(jax.nn.silu(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
+        return (hidden.reshape(b * t, -1) @ self.down_proj[...].astype(dt)).reshape(b, t, d)

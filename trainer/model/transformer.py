@@ -1,0 +1,206 @@
+"""The Qwen3 decoder (dense or MoE) as Flax NNX modules, and the functional facade the trainer calls.
+
+Params are a plain nested dict of arrays; structure (scan_layers=true, "[L]" = stacked layer dim):
+
+    embed_tokens                          [V, D]          ("vocab", "embed")
+    layers/input_layernorm                [L, D]          ("layers", "norm")
+    layers/self_attn/q_proj               [L, D, N, hd]   ("layers", "embed", "heads", "head_dim")
+    layers/self_attn/k_proj, v_proj       [L, D, K, hd]   ("layers", "embed", "kv_heads", "head_dim")
+    layers/self_attn/o_proj               [L, N, hd, D]   ("layers", "heads", "head_dim", "embed")
+    layers/self_attn/q_norm, k_norm       [L, hd]         ("layers", "norm")         (use_qk_norm)
+    layers/post_attention_layernorm       [L, D]
+    layers/mlp/gate_proj, up_proj         [L, D, F]       ("layers", "embed", "mlp")  (dense)
+    layers/mlp/down_proj                  [L, F, D]       ("layers", "mlp", "embed")
+    layers/mlp/router                     [L, D, E]       ("layers", "embed", None)  (MoE)
+    layers/mlp/gate_proj, up_proj         [L, E, D, Fm]   ("layers", "exp", "embed", "mlp")
+    layers/mlp/down_proj                  [L, E, Fm, D]   ("layers", "exp", "mlp", "embed")
+    norm                                  [D]             ("norm",)
+    lm_head                               [D, V]          ("embed", "vocab")         (untied only)
+
+With scan_layers=false the same leaves sit under layers/"0", layers/"1", ... without the L dim.
+
+Hugging Face mapping (safetensors name -> ours; W is the torch [out, in] matrix): our path with "/" -> "."
+is the HF name minus "model." and ".weight", layer i being layers.{i} (or index i of the L dim):
+    model.embed_tokens.weight [V, D]            -> embed_tokens                      (as is)
+    self_attn.q_proj.weight   [N*hd, D]         -> q_proj = W.T.reshape(D, N, hd)
+    self_attn.k_proj/v_proj   [K*hd, D]         -> W.T.reshape(D, K, hd)
+    self_attn.o_proj.weight   [D, N*hd]         -> o_proj = W.T.reshape(N, hd, D)
+    self_attn.q_norm/k_norm, *_layernorm, model.norm  -> as is
+    mlp.gate_proj/up_proj     [F, D]            -> W.T;   mlp.down_proj [D, F] -> W.T
+    mlp.gate.weight           [E, D]            -> mlp/router = W.T
+    mlp.experts.{e}.gate_proj/up_proj [Fm, D]   -> mlp/gate_proj[e] = W.T  (stacked over e)
+    mlp.experts.{e}.down_proj [D, Fm]           -> mlp/down_proj[e] = W.T
+    lm_head.weight            [V, D]            -> lm_head = W.T  (absent when tied)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trainer.config.schema import ModelConfig
+from trainer.model.layers import (BTD, Attention, Context, Mlp, attention_mask, matrix, norm_weight, rms_norm,
+                                  rope_tables)
+from trainer.model.moe import MoeMlp
+from trainer.parallel.context import constrain
+
+Params = dict[str, Any]
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing but the block inputs
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projection/MLP matmul outputs
+}
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x)); returns (x, moe aux loss)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, wdt = cfg.base_emb_dim, cfg.weight_dtype
+        self.eps = cfg.normalization_layer_epsilon
+        self.input_layernorm = norm_weight(rngs, d, wdt)
+        self.self_attn = Attention(
+            emb_dim=d, num_heads=cfg.base_num_query_heads, num_kv_heads=cfg.base_num_kv_heads,
+            head_dim=cfg.head_dim, use_qk_norm=cfg.use_qk_norm, eps=self.eps, dtype=cfg.dtype,
+            weight_dtype=wdt, rngs=rngs)
+        self.post_attention_layernorm = norm_weight(rngs, d, wdt)
+        if cfg.num_experts > 1:
+            self.mlp = MoeMlp(
+                emb_dim=d, moe_mlp_dim=cfg.base_moe_mlp_dim, num_experts=cfg.num_experts,
+                top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+                capacity_factor=cfg.moe_capacity_factor, dtype=cfg.dtype, weight_dtype=wdt, rngs=rngs)
+        else:
+            self.mlp = Mlp(emb_dim=d, mlp_dim=cfg.base_mlp_dim, dtype=cfg.dtype, weight_dtype=wdt, rngs=rngs)
+
+    def __call__(self, x: jax.Array, ctx: Context) -> tuple[jax.Array, jax.Array]:
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm[...], self.eps), ctx)
+        x = constrain(x, BTD)
+        h = rms_norm(x, self.post_attention_layernorm[...], self.eps)
+        if isinstance(self.mlp, MoeMlp):
+            h, aux = self.mlp(h, ctx.valid)
+        else:
+            h, aux = self.mlp(h), jnp.zeros((), jnp.float32)
+        return constrain(x + h, BTD), aux
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """num_layers blocks whose params carry a leading "layers" dim (one rng split per layer)."""
+
+    @nnx.split_rngs(splits=cfg.base_num_decoder_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(layer_rngs: nnx.Rngs) -> Block:
+        return Block(cfg, layer_rngs)
+
+    return create(rngs)
+
+
+def _block_fn(graphdef, remat_policy: str, scanned: bool):
+    """(block state, x, ctx) -> (x, aux), rematerialised per the policy. The same for scan and loop."""
+
+    def run(state, x, ctx):
+        return nnx.merge(graphdef, state)(x, ctx)
+
+    if remat_policy == "none":
+        return run
+    # Inside a scan the loop boundary already prevents CSE across the recomputation.
+    return jax.checkpoint(run, policy=_REMAT_POLICIES[remat_policy], prevent_cse=not scanned)
+
+
+class Transformer(nnx.Module):
+    """Embedding, decoder blocks (stacked + scanned, or a python list), final RMSNorm, output head."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        v, d, wdt = cfg.vocab_size, cfg.base_emb_dim, cfg.weight_dtype
+        self.embed_tokens = matrix(rngs, (v, d), ("vocab", "embed"), wdt)
+        if cfg.scan_layers:
+            self.layers = _stacked_blocks(cfg, rngs)
+        else:
+            self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.base_num_decoder_layers)])
+        self.norm = norm_weight(rngs, d, wdt)
+        self.lm_head = None if cfg.logits_via_embedding else matrix(rngs, (d, v), ("embed", "vocab"), wdt)
+
+    def __call__(self, inputs: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        x = constrain(jnp.take(self.embed_tokens[...], inputs, axis=0).astype(dt), BTD)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_max_timescale, dt)
+        ctx = Context(cos=cos, sin=sin, mask=attention_mask(segment_ids), valid=segment_ids > 0)
+        if cfg.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+            block = _block_fn(graphdef, cfg.remat_policy, scanned=True)
+
+            def body(carry, layer_state):
+                y, a = block(layer_state, carry[0], ctx)
+                return (y, carry[1] + a), None
+
+            (x, aux), _ = jax.lax.scan(body, (x, jnp.zeros((), jnp.float32)), state)
+        else:
+            aux = jnp.zeros((), jnp.float32)
+            for layer in self.layers:
+                graphdef, state = nnx.split(layer)
+                x, a = _block_fn(graphdef, cfg.remat_policy, scanned=False)(state, x, ctx)
+                aux = aux + a
+        hidden = rms_norm(x, self.norm[...], cfg.normalization_layer_epsilon)
+        if cfg.num_experts > 1:
+            aux = cfg.load_balance_loss_weight * aux / cfg.base_num_decoder_layers
+        return hidden, aux
+
+
+# ---------------------------------------------------------------------------------------------------
+# Functional facade: plain dicts in and out; NNX split/merge happens at trace time only.
+
+
+def _stringify_keys(tree):
+    if isinstance(tree, dict):
+        return {str(k): _stringify_keys(v) for k, v in tree.items()}
+    return tree
+
+
+def _abstract_model(cfg: ModelConfig) -> Transformer:
+    return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(params=0)))
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
+    """Freshly initialised params (dtype weight_dtype). Jittable with cfg static."""
+    model = Transformer(cfg, nnx.Rngs(params=rng))
+    return _stringify_keys(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+    """Same structure as init_params, as jax.ShapeDtypeStruct leaves (nothing allocated)."""
+    return _stringify_keys(nnx.to_pure_dict(nnx.state(_abstract_model(cfg), nnx.Param)))
+
+
+def param_logical_axes(cfg: ModelConfig) -> Params:
+    """Same structure as init_params; each leaf a tuple of logical axis names, one per dim."""
+    specs = nnx.get_partition_spec(nnx.state(_abstract_model(cfg), nnx.Param))
+    return jax.tree.map(tuple, _stringify_keys(nnx.to_pure_dict(specs)),
+                        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
+def bind(cfg: ModelConfig, params: Params) -> Transformer:
+    """An NNX Transformer whose Params are the given arrays (trace-time only under jit)."""
+    graphdef, state = nnx.split(_abstract_model(cfg))
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def forward(params: Params, cfg: ModelConfig, inputs: jax.Array, positions: jax.Array,
+            segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """int32 [B, T] inputs/positions/segment_ids -> (hidden [B, T, D] after the final norm in cfg.dtype,
+    float32 aux loss: load_balance_loss_weight * mean over layers of the MoE balance loss; 0 if dense).
+
+    Attention is causal and restricted to tokens with the same segment id (0 = padding)."""
+    return bind(cfg, params)(inputs, positions, segment_ids)
+
+
+def logits_from_hidden(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """float32 logits [..., V] of (a chunk of) hidden states: tied to the embedding or via lm_head."""
+    dt = jnp.dtype(cfg.dtype)
+    if cfg.logits_via_embedding:
+        table = params["embed_tokens"].astype(dt)
+        return jnp.einsum("...d,vd->...v", hidden.astype(dt), table, preferred_element_type=jnp.float32)
+    head = params["lm_head"].astype(dt)
+    return jnp.einsum("...d,dv->...v", hidden.astype(dt), head, preferred_element_type=jnp.float32)

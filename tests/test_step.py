@@ -1,0 +1,97 @@
+"""The train step: accumulation equals a bigger batch, determinism, loss masking, LR schedule."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trainer import model as qwen3
+from trainer.attempt import BatchPlan, init_state, plan_batch, state_shardings
+from trainer.optim import learning_rate_schedule, make_optimizer
+from trainer.parallel.mesh import build_mesh
+from trainer.step import LOSS_CHUNK_TOKENS, make_train_step, token_losses
+
+from helpers import micro_config, replace, synthetic_batch
+
+
+def _one_step(cfg, micro_steps, batch):
+    mesh = build_mesh(cfg.mesh, [jax.devices()[:1]])
+    opt = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model))
+    shardings, _ = state_shardings(cfg, mesh, opt)
+    state = init_state(cfg, opt, shardings)
+    step = jax.jit(make_train_step(cfg.model, opt, z_loss_multiplier=cfg.optim.z_loss_multiplier,
+                                   micro_steps=micro_steps))
+    return jax.device_get(step(state, batch))
+
+
+def test_k_micro_steps_equal_one_k_times_larger_batch():
+    cfg = micro_config()
+    batch = synthetic_batch(cfg, rows=8)
+    big, m_big = _one_step(cfg, 1, batch)
+    acc, m_acc = _one_step(cfg, 4, batch)
+    assert float(m_acc["loss"]) == pytest.approx(float(m_big["loss"]), rel=1e-6)
+    assert float(m_acc["grad_norm"]) == pytest.approx(float(m_big["grad_norm"]), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(acc["params"]), jax.tree.leaves(big["params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_train_step_is_deterministic_for_a_seed():
+    cfg = micro_config()
+    batch = synthetic_batch(cfg, rows=4)
+    a, _ = _one_step(cfg, 1, batch)
+    b, _ = _one_step(cfg, 1, batch)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_masked_tokens_do_not_contribute_to_the_loss():
+    cfg = micro_config()
+    batch = synthetic_batch(cfg, rows=2)
+    changed = {k: v.copy() for k, v in batch.items()}
+    masked = batch["loss_mask"] == 0
+    changed["targets"][masked] = (changed["targets"][masked] + 7) % cfg.model.vocab_size
+    _, m1 = _one_step(cfg, 1, batch)
+    _, m2 = _one_step(cfg, 1, changed)
+    assert float(m1["loss"]) == float(m2["loss"])
+
+
+def test_chunked_loss_equals_full_logits_loss(monkeypatch):
+    cfg = micro_config()
+    params = qwen3.init_params(cfg.model, jax.random.key(1))
+    hidden = jax.random.normal(jax.random.key(2), (4, 16, cfg.model.base_emb_dim))
+    targets = jax.random.randint(jax.random.key(3), (4, 16), 0, cfg.model.vocab_size)
+    mask = jnp.ones((4, 16))
+    full = token_losses(params, cfg.model, hidden, targets, mask)
+    monkeypatch.setattr("trainer.step.LOSS_CHUNK_TOKENS", 24)  # 64 tokens -> 3 chunks, one padded
+    chunked = token_losses(params, cfg.model, hidden, targets, mask)
+    np.testing.assert_allclose(np.array(chunked), np.array(full), rtol=1e-5)
+    assert LOSS_CHUNK_TOKENS > 24
+
+
+def test_learning_rate_warms_up_then_decays_to_the_final_fraction():
+    cfg = micro_config("learning_rate=1e-3", "warmup_steps_fraction=0.1", "steps=100",
+                       "cosine_learning_rate_final_fraction=0.1")
+    lr = learning_rate_schedule(cfg.optim)
+    assert float(lr(0)) == 0.0
+    assert float(lr(10)) == pytest.approx(1e-3)
+    assert float(lr(5)) == pytest.approx(5e-4)
+    assert float(lr(100)) == pytest.approx(1e-4)
+    assert float(lr(55)) < float(lr(20))
+
+
+def test_norm_scales_are_not_weight_decayed():
+    from trainer.optim import weight_decay_mask
+
+    mask = weight_decay_mask({"w": ("embed", "mlp"), "scale": ("layers", "norm")})
+    assert mask == {"w": True, "scale": False}
+
+
+def test_keep_global_uses_more_micro_steps_on_fewer_slices_and_scale_shrinks_batch_and_lr():
+    cfg = micro_config("num_slices=3", "per_device_batch_size=2")
+    full = plan_batch(cfg, devices_per_slice=1, active_slices=3, batch_shards=3)
+    kept = plan_batch(cfg, devices_per_slice=1, active_slices=2, batch_shards=2)
+    assert full == BatchPlan(6, 1, 1.0) and kept.global_batch_size == 6 and kept.lr_scale == 1.0
+    scaled = plan_batch(replace(cfg, "elastic", elastic_resize_batch_policy="scale"),
+                        devices_per_slice=1, active_slices=2, batch_shards=2)
+    assert scaled.global_batch_size == 4 and scaled.lr_scale == pytest.approx(2 / 3)
+    odd = plan_batch(cfg, devices_per_slice=4, active_slices=1, batch_shards=4)
+    assert odd.global_batch_size == 24 and odd.rows_per_micro % 4 == 0

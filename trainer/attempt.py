@@ -1,0 +1,255 @@
+"""Build one training attempt: mesh, sharded state, compiled step, data iterator, checkpointer.
+
+Everything an attempt needs is created here and torn down by its ExitStack, so a retry after a slice
+failure starts from clean objects (no threads, arrays of a dead mesh or stale caches survive).
+The only things passed in are the config, the active slices and long-lived services (event log,
+executable cache) that the caller owns.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from trainer import model as qwen3
+from trainer.config.schema import RunConfig
+from trainer.data.pipeline import make_train_iterator
+from trainer.optim import learning_rate_schedule, make_optimizer
+from trainer.parallel.context import activation_sharding
+from trainer.parallel.mesh import build_mesh
+from trainer.parallel.rules import logical_to_spec, tree_shardings
+from trainer.step import make_train_step
+
+log = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """How the global batch is run on the current mesh."""
+
+    global_batch_size: int
+    micro_steps: int
+    lr_scale: float
+
+    @property
+    def rows_per_micro(self) -> int:
+        return self.global_batch_size // self.micro_steps
+
+
+def plan_batch(cfg: RunConfig, *, devices_per_slice: int, active_slices: int, batch_shards: int) -> BatchPlan:
+    """Global batch and micro-steps for the active slices.
+
+    The nominal global batch is per_device_batch_size x all devices of all configured slices x
+    gradient_accumulation_steps. With fewer active slices, `keep_global` runs the same global batch
+    with more micro-steps (same math); `scale` shrinks the global batch and the learning rate in
+    proportion to the active slices.
+    """
+    accum = cfg.optim.gradient_accumulation_steps
+    per_step = cfg.data.per_device_batch_size * devices_per_slice
+    nominal = per_step * cfg.mesh.num_slices * accum
+    policy = cfg.elastic.elastic_resize_batch_policy
+    if policy == "scale" and active_slices != cfg.mesh.num_slices:
+        global_batch = per_step * active_slices * accum
+        lr_scale = active_slices / cfg.mesh.num_slices
+    else:
+        global_batch, lr_scale = nominal, 1.0
+    micro = accum
+    while micro <= global_batch:
+        rows = global_batch // micro
+        if global_batch % micro == 0 and rows % batch_shards == 0:
+            return BatchPlan(global_batch, micro, lr_scale)
+        micro += 1
+    raise ValueError(f"global batch {global_batch} cannot be split evenly over {batch_shards} batch shards")
+
+
+def _batch_axes_size(mesh: Mesh, rules) -> tuple[PartitionSpec, int]:
+    spec = logical_to_spec(("activation_batch", None), (1 << 30, 1), mesh, rules)
+    axes = spec[0] if spec[0] is not None else ()
+    axes = (axes,) if isinstance(axes, str) else axes
+    return spec, int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+@dataclasses.dataclass
+class Attempt:
+    """What one attempt trains with. `close()` releases everything it owns."""
+
+    cfg: RunConfig
+    mesh: Mesh
+    plan: BatchPlan
+    state: dict
+    start_step: int
+    restored_from: str
+    step_fn: Callable
+    batch_sharding: NamedSharding
+    iterator: Any
+    checkpointer: Any
+    lr_schedule: optax.Schedule
+    flops_per_step: float
+    compile_s: float
+    stack: contextlib.ExitStack
+
+    def device_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in host_batch.items()}
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def state_shardings(cfg: RunConfig, mesh: Mesh, optimizer) -> tuple[Any, Any]:
+    """(shardings, abstract state) of {"step", "params", "opt_state"} on this mesh, from the logical rules."""
+    rules = cfg.mesh.logical_axis_rules
+    logical = qwen3.param_logical_axes(cfg.model)
+    abstract_params = qwen3.abstract_params(cfg.model)
+    param_sh = tree_shardings(logical, abstract_params, mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, param_sh,
+                                   transform_non_params=lambda _: replicated)
+    shardings = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
+    abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract_params, "opt_state": abstract_opt}
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return shardings, abstract
+
+
+def init_state(cfg: RunConfig, optimizer, shardings) -> dict:
+    """Fresh parameters and optimizer state, created already sharded (never whole on one device)."""
+
+    def init(rng):
+        params = qwen3.init_params(cfg.model, rng)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+
+    return jax.jit(init, out_shardings=shardings)(jax.random.key(cfg.train.init_weights_seed))
+
+
+def compile_step(cfg: RunConfig, mesh: Mesh, optimizer, plan: BatchPlan, shardings, abstract_state,
+                 batch_sharding: NamedSharding):
+    """AOT-compile the train step for this mesh and batch plan; returns (executable, seconds)."""
+    rules = cfg.mesh.logical_axis_rules
+    micro_spec = NamedSharding(mesh, batch_sharding.spec)
+
+    def constrain_micro(micro):
+        return {k: jax.lax.with_sharding_constraint(v, micro_spec) for k, v in micro.items()}
+
+    step = make_train_step(cfg.model, optimizer, z_loss_multiplier=cfg.optim.z_loss_multiplier,
+                           micro_steps=plan.micro_steps, constrain_micro=constrain_micro)
+
+    def traced(state, batch):
+        with activation_sharding(mesh, rules):
+            return step(state, batch)
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    jitted = jax.jit(traced, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated),
+                     donate_argnums=(0,))
+    length = cfg.data.max_target_length
+    abstract_batch = {k: jax.ShapeDtypeStruct((plan.global_batch_size, length), jnp.int32, sharding=batch_sharding)
+                      for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+    t0 = time.perf_counter()
+    compiled = jitted.lower(abstract_state, abstract_batch).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def build_attempt(cfg: RunConfig, slices: list[list], *, checkpoint_dir, events, total_slices: int,
+                  executable_cache: dict | None = None, restore_source: Callable | None = None,
+                  wrap_step: Callable | None = None) -> Attempt:
+    """Everything one attempt needs, on the mesh over `slices` (the active ones).
+
+    `restore_source(abstract_state, newest_checkpoint_step)` may supply a newer state than the newest
+    checkpoint (an elastic host-RAM snapshot); it returns (state, data_state, label) or None.
+    `wrap_step` wraps the compiled step (the elastic fault injector's guard).
+    """
+    stack = contextlib.ExitStack()
+    try:
+        mesh = build_mesh(cfg.mesh, slices)
+        rules = cfg.mesh.logical_axis_rules
+        batch_spec, shards = _batch_axes_size(mesh, rules)
+        batch_sharding = NamedSharding(mesh, batch_spec)
+        plan = plan_batch(cfg, devices_per_slice=len(slices[0]), active_slices=len(slices), batch_shards=shards)
+        # Data first: a bad dataset or tokenizer must stop the run before any compile or device work.
+        iterator = make_train_iterator(cfg.data, vocab_size=cfg.model.vocab_size,
+                                       global_batch_size=plan.global_batch_size,
+                                       process_index=jax.process_index(), process_count=jax.process_count())
+        stack.callback(iterator.close)
+        logical = qwen3.param_logical_axes(cfg.model)
+        optimizer = make_optimizer(cfg.optim, logical, lr_scale=plan.lr_scale)
+        shardings, abstract_state = state_shardings(cfg, mesh, optimizer)
+
+        key = (tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, plan)
+        if executable_cache is not None and key in executable_cache:
+            step_fn, compile_s = executable_cache[key], 0.0
+            events.emit("compile_cached", devices=mesh.size, micro_steps=plan.micro_steps)
+        else:
+            step_fn, compile_s = compile_step(cfg, mesh, optimizer, plan, shardings, abstract_state, batch_sharding)
+            if executable_cache is not None:
+                executable_cache[key] = step_fn
+            events.emit("compile_done", seconds=round(compile_s, 3), devices=mesh.size,
+                        micro_steps=plan.micro_steps)
+
+        checkpointer = None
+        if cfg.checkpoint.enable_checkpointing:
+            from trainer.checkpoint import Checkpointer
+
+            checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, on_event=events)
+            # A normal finish has already waited for its saves; after a failure, settle an in-flight save
+            # for a bounded time (Orbax finishes or fails it in the background; it never counts until
+            # committed).
+            stack.callback(partial(checkpointer.close, timeout_s=CLOSE_TIMEOUT_S))
+        t0 = time.perf_counter()
+        events.emit("restore_start")
+        state, data_state, source = _initial_state(cfg, optimizer, shardings, abstract_state, checkpointer,
+                                                   restore_source)
+        jax.block_until_ready(state)
+        events.emit("restore_end", source=source, seconds=round(time.perf_counter() - t0, 4),
+                    bytes=int(sum(x.nbytes for x in jax.tree.leaves(state))))
+        if data_state is not None:
+            iterator.set_state(data_state)
+        start_step = int(jax.device_get(state["step"]))
+        flops = qwen3.training_flops_per_token(cfg.model, cfg.data.max_target_length) * \
+            plan.global_batch_size * cfg.data.max_target_length
+        log.info("attempt ready: mesh=%s global_batch=%d micro_steps=%d lr_scale=%.3f start_step=%d source=%s",
+                 dict(mesh.shape), plan.global_batch_size, plan.micro_steps, plan.lr_scale, start_step, source)
+        return Attempt(cfg=cfg, mesh=mesh, plan=plan, state=state, start_step=start_step, restored_from=source,
+                       step_fn=step_fn if wrap_step is None else wrap_step(step_fn), batch_sharding=batch_sharding, iterator=iterator,
+                       checkpointer=checkpointer, lr_schedule=learning_rate_schedule(cfg.optim, lr_scale=plan.lr_scale),
+                       flops_per_step=flops, compile_s=compile_s, stack=stack)
+    except BaseException:
+        stack.close()
+        raise
+
+
+def _initial_state(cfg: RunConfig, optimizer, shardings, abstract_state, checkpointer, restore_source):
+    """Newest of (snapshot, committed checkpoint); else load_parameters_path / load_full_state_path; else init."""
+    ckpt_step = None
+    if checkpointer is not None:
+        checkpointer.cleanup_partial()
+        ckpt_step = checkpointer.latest_committed_step()
+    if restore_source is not None:
+        snap = restore_source(abstract_state, ckpt_step)
+        if snap is not None:
+            return snap
+    if ckpt_step is not None:
+        restored = checkpointer.restore(abstract_state)
+        return restored.state, restored.data_state, f"checkpoint:{restored.step}"
+    if cfg.checkpoint.load_full_state_path:
+        from trainer.checkpoint import load_full_state
+
+        return load_full_state(cfg.checkpoint.load_full_state_path, abstract_state), None, "load_full_state_path"
+    if cfg.checkpoint.load_parameters_path:
+        from trainer.checkpoint import load_parameters
+
+        params = load_parameters(cfg.checkpoint.load_parameters_path, abstract_state["params"])
+        opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
+        step = jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])
+        return {"step": step, "params": params, "opt_state": opt_state}, None, "load_parameters_path"
+    return init_state(cfg, optimizer, shardings), None, "init"

@@ -1,0 +1,55 @@
+"""Run events (start, compile, checkpoint, elastic phases, finish) as one JSON object per line."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+
+class EventLog:
+    """Appends `{"event", "time", "pid", ...fields}` to events.jsonl and logs one line per event.
+
+    Thread-safe (async checkpoint callbacks emit from other threads); the clock is injectable.
+    """
+
+    def __init__(self, path: Path | None, *, clock: Callable[[], float] = time.time):
+        self.path, self.clock = path, clock
+        self._lock = threading.Lock()
+        self._file = open(path, "a", buffering=1) if path is not None else None
+        self.records: list[dict[str, Any]] = []
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = {"event": event, "time": self.clock(), "pid": os.getpid(), **fields}
+        with self._lock:
+            self.records.append(record)
+            if self._file is not None:
+                self._file.write(json.dumps(record, default=str) + "\n")
+        log.info("event=%s %s", event, " ".join(f"{k}={v}" for k, v in fields.items()))
+        return record
+
+    def __call__(self, event: str, fields: dict[str, Any] | None = None) -> None:
+        """The `on_event(name, fields)` callback shape other packages take."""
+        self.emit(event, **(fields or {}))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """Parse events.jsonl, skipping a torn last line (the run may have been killed mid-write)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

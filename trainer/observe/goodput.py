@@ -1,0 +1,64 @@
+"""Goodput and badput of a run, computed from its events and metrics (a pure function of the records).
+
+goodput = time of the steps whose results survived / wall time. Badput is the rest, by cause:
+startup_compile (process start to the first step, plus any compile), checkpoint_save (time the loop
+was blocked saving), restore, wasted_progress (steps computed and then rewound by a failure),
+waiting_for_slices, and other (detection, teardown, logging, data).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+CAUSES = ("startup_compile", "checkpoint_save", "restore", "wasted_progress", "waiting_for_slices", "other")
+
+
+def _durations(events: list[dict], start: str, end: str, skip_first: bool = False) -> float:
+    total, opened, seen = 0.0, None, 0
+    for e in events:
+        if e["event"] == start:
+            opened = e["time"]
+        elif e["event"] == end and opened is not None:
+            seen += 1
+            if not (skip_first and seen == 1):
+                total += e["time"] - opened
+            opened = None
+    return total
+
+
+def account(events: Iterable[dict[str, Any]], metrics: Iterable[dict[str, Any]], *, now: float | None = None) -> dict:
+    events, metrics = list(events), list(metrics)
+    if not events:
+        return {"wall_s": 0.0, "productive_s": 0.0, "goodput": None, "badput_s": {c: 0.0 for c in CAUSES}}
+    t0 = events[0]["time"]
+    finish = [e for e in events if e["event"] == "finish"]
+    t1 = finish[-1]["time"] if finish else (now if now is not None else max(
+        [e["time"] for e in events] + [m["time"] for m in metrics]))
+    wall = max(t1 - t0, 1e-9)
+    last_of_step: dict[int, int] = {}
+    for i, m in enumerate(metrics):
+        last_of_step[m["step"]] = i
+    kept = set(last_of_step.values())
+    productive = sum(m["step_time_s"] for i, m in enumerate(metrics) if i in kept)
+    wasted = sum(m["step_time_s"] for i, m in enumerate(metrics) if i not in kept)
+    first_attempt = next((e["time"] for e in events if e["event"] == "attempt_start"), t1)
+    startup = (first_attempt - t0) + sum(e.get("seconds", 0.0) for e in events
+                                         if e["event"] == "compile_done" and e["time"] > first_attempt)
+    first_restore = _durations(events, "restore_start", "restore_end")
+    restore = first_restore - _first_duration(events, "restore_start", "restore_end")  # the first is startup
+    waiting = _durations(events, "wait_start", "wait_end", skip_first=True)
+    saving = sum(e.get("seconds", 0.0) for e in events if e["event"] == "checkpoint_save_blocked")
+    bad = {"startup_compile": startup, "checkpoint_save": saving, "restore": restore,
+           "wasted_progress": wasted, "waiting_for_slices": waiting}
+    bad["other"] = max(0.0, wall - productive - sum(bad.values()))
+    return {"wall_s": wall, "productive_s": productive, "goodput": productive / wall,
+            "badput_s": {c: round(bad[c], 4) for c in CAUSES}}
+
+
+def _first_duration(events: list[dict], start: str, end: str) -> float:
+    opened = None
+    for e in events:
+        if e["event"] == start:
+            opened = e["time"]
+        elif e["event"] == end and opened is not None:
+            return e["time"] - opened
+    return 0.0

@@ -1,0 +1,137 @@
+"""CLI: `python -m trainer.train [CONFIG] [key=value ...] [--print-config]`.
+
+CONFIG is a path, or a name inside configs/ (default base.yml). Exit codes: 0 finished (or preempted
+after a final save), 2 bad config or data (before any compute), 3 elastic retries exhausted or
+timed out, 1 any other failure. The last line printed is one `STATUS:` line saying how it ended.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ELASTIC = 0, 1, 2, 3
+
+
+def _parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.splitlines()[0])
+    p.add_argument("config", nargs="?", default="base.yml", help="config file path or name in configs/")
+    p.add_argument("overrides", nargs="*", help="key=value overrides (values parsed as YAML scalars)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    args = p.parse_args(argv)
+    if "=" in args.config:  # `python -m trainer.train steps=10`: no config file given
+        args.overrides.insert(0, args.config)
+        args.config = "base.yml"
+    return args
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s] %(message)s",
+                        stream=sys.stderr, force=True)
+    for noisy in ("absl", "jax._src", "orbax", "tensorstore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _status(line: str) -> None:
+    print(f"STATUS: {line}", flush=True)
+
+
+class _StopFlag:
+    """Set by SIGTERM (a preemption notice): the loop finishes the step, saves and exits 0."""
+
+    def __init__(self):
+        self._event = threading.Event()
+
+    def install(self) -> None:
+        def handler(signum, frame):
+            logging.getLogger(__name__).warning("SIGTERM received: finishing the current step and saving")
+            self._event.set()
+
+        signal.signal(signal.SIGTERM, handler)
+
+    def __call__(self) -> bool:
+        return self._event.is_set()
+
+
+def main(argv=None) -> int:
+    args = _parse_args(sys.argv[1:] if argv is None else argv)
+    _setup_logging()
+    from trainer.config import ConfigError, load_config, to_yaml
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        _status("config_error")
+        return EXIT_BAD_INPUT
+    if args.print_config:
+        sys.stdout.write(to_yaml(cfg))
+        return EXIT_OK
+    return _train(cfg)
+
+
+def _train(cfg) -> int:
+    from trainer.config import ConfigError, to_yaml
+    from trainer.data.errors import DataError
+    from trainer.elastic.errors import ElasticGiveUp
+    from trainer.observe.events import EventLog
+    from trainer.observe.rundir import run_paths
+    from trainer.run import run
+
+    log = logging.getLogger("trainer.train")
+    paths = run_paths(cfg.train.base_output_directory, cfg.train.run_name)
+    run_dir = paths.local
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yml").write_text(to_yaml(cfg))
+    events = EventLog(run_dir / "events.jsonl")
+    events.emit("start", run_name=cfg.train.run_name, model=cfg.model.model, steps=cfg.train.steps,
+                argv=sys.argv[1:])
+    stop = _StopFlag()
+    stop.install()
+    try:
+        outcome = run(cfg, paths=paths, events=events, stop_requested=stop)
+        if outcome.preempted:
+            code, status, line = EXIT_OK, "preempted", (
+                f"preempted step={outcome.final_step}: checkpoint saved; rerun the same command to resume")
+        else:
+            code, status, line = EXIT_OK, "finished", f"finished step={outcome.final_step} run_dir={paths.remote or run_dir}"
+        fields = {"step": outcome.final_step}
+    except (ConfigError, DataError) as e:
+        status = "config_error" if isinstance(e, ConfigError) else "data_error"
+        print(f"{status.replace('_', ' ')}: {e}", file=sys.stderr)
+        code, line, fields = EXIT_BAD_INPUT, status, {"error": str(e)}
+    except ElasticGiveUp as e:
+        log.error("elastic recovery gave up: %s", e)
+        code, status, line, fields = EXIT_ELASTIC, "elastic_gave_up", f"elastic_gave_up: {e}", {"error": str(e)}
+    except Exception as e:  # every other failure: logged with its traceback, reported, non-zero
+        log.exception("training failed")
+        code, status = EXIT_FAILED, "failed"
+        line, fields = f"failed: {type(e).__name__}: {e}", {"error": f"{type(e).__name__}: {e}"}
+    _emit_goodput(events, run_dir)
+    events.emit("finish", status=status, **fields)
+    events.close()
+    paths.sync()
+    _status(line)
+    return code
+
+
+def _emit_goodput(events, run_dir: Path) -> None:
+    """One summary event and log line: where the wall time went (see trainer.observe.goodput)."""
+    import json
+    import time
+
+    from trainer.observe.goodput import account
+
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+    summary = account(events.records, records, now=time.time())
+    events.emit("goodput", goodput=None if summary["goodput"] is None else round(summary["goodput"], 4),
+                wall_s=round(summary["wall_s"], 3), productive_s=round(summary["productive_s"], 3),
+                badput_s=summary["badput_s"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Run the real CLI on 3 virtual CPU slices and read back what it left (metrics, events, final state)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+# A micro model: the elastic machinery, not the model, is under test; it compiles in about a second.
+MICRO = ["model=qwen3-tiny", "base_num_decoder_layers=2", "base_emb_dim=64", "base_num_query_heads=4",
+         "base_num_kv_heads=2", "head_dim=16", "base_mlp_dim=128", "vocab_size=512", "max_target_length=32",
+         "per_device_batch_size=2", "remat_policy=none", "enable_tensorboard=false", "log_period=1"]
+
+
+def cli_env(devices: int) -> dict:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+    return env
+
+
+def command(run_root: Path, run_name: str, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "trainer.train", "base.yml", *MICRO, f"base_output_directory={run_root}",
+            f"run_name={run_name}", *overrides]
+
+
+def run_cli(run_root: Path, run_name: str, *overrides: str, devices: int = 3, timeout: int = 300):
+    return subprocess.run(command(run_root, run_name, *overrides), capture_output=True, text=True,
+                          timeout=timeout, env=cli_env(devices))
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines() if l.strip()]
+
+
+def final_by_step(records: list[dict]) -> dict[int, dict]:
+    """The last record of each step: replayed steps after a rewind overwrite the lost ones."""
+    out = {}
+    for r in records:
+        out[r["step"]] = r
+    return out
+
+
+def final_params(run_dir: Path) -> dict[str, np.ndarray]:
+    """Parameters of the newest committed checkpoint, as flat {path: array} (read with Orbax alone)."""
+    import orbax.checkpoint as ocp
+
+    ckpt_root = run_dir / "checkpoints"
+    steps = sorted(int(p.name) for p in ckpt_root.iterdir() if p.name.isdigit())
+    item = ckpt_root / str(steps[-1]) / "state"
+    with ocp.PyTreeCheckpointer() as ckptr:
+        tree = ckptr.restore(item)
+    import jax
+
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree["params"])}

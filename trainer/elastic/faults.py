@@ -1,0 +1,135 @@
+"""Slice failures on local (virtual) slices: scheduled in config or requested from outside the job.
+
+A failure marks a slice down until its down time has passed. The step that next runs on a down slice
+fails with `jax.errors.JaxRuntimeError("DATA_LOSS: ...")`, the error Pathways raises when a slice is
+lost mid-computation, so pathwaysutils' classifier and the same recovery path handle it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import jax
+
+from trainer.config.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    step: int
+    slice: int
+    down_s: float = 0.0
+
+
+def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
+    """'step=40,slice=1,down_s=5; step=90,slice=2' -> Faults, or a ConfigError naming the bad entry."""
+    faults = []
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        fields = {}
+        for part in entry.split(","):
+            k, sep, v = part.strip().partition("=")
+            if not sep:
+                raise ConfigError(f"fault_schedule entry {entry!r}: {part!r} is not key=value")
+            fields[k.strip()] = v.strip()
+        unknown = set(fields) - {"step", "slice", "down_s"}
+        if unknown or not {"step", "slice"} <= set(fields):
+            raise ConfigError(f"fault_schedule entry {entry!r}: use step=N,slice=K[,down_s=S]")
+        try:
+            fault = Fault(int(fields["step"]), int(fields["slice"]), float(fields.get("down_s", 0)))
+        except ValueError:
+            raise ConfigError(f"fault_schedule entry {entry!r}: step and slice are integers, down_s seconds") from None
+        if not 0 <= fault.slice < num_slices or fault.step < 1 or fault.down_s < 0:
+            raise ConfigError(f"fault_schedule entry {entry!r}: slice must be in [0, {num_slices}), step >= 1, "
+                              f"down_s >= 0")
+        faults.append(fault)
+    return faults
+
+
+class Outages:
+    """Which virtual slices are down, and until when (injectable clock)."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._down_until: dict[int, float] = {}
+        self._unreported: set[int] = set()
+
+    def mark_down(self, slice_index: int, down_s: float) -> None:
+        """The slice fails the next step that uses it (even with down_s=0) and is unhealthy for down_s."""
+        self._down_until[slice_index] = self.clock() + down_s
+        self._unreported.add(slice_index)
+
+    def take_failures(self, slices: Iterable[int]) -> list[int]:
+        """Slices among `slices` that must fail the current step: down now, or killed since last asked."""
+        failed = sorted(set(self.down(slices)) | (self._unreported & set(slices)))
+        self._unreported -= set(failed)
+        return failed
+
+    def is_down(self, slice_index: int) -> bool:
+        until = self._down_until.get(slice_index)
+        return until is not None and self.clock() < until
+
+    def down(self, slices: Iterable[int]) -> list[int]:
+        return [s for s in slices if self.is_down(s)]
+
+
+def slice_down_error(slices: list[int], how: str) -> jax.errors.JaxRuntimeError:
+    return jax.errors.JaxRuntimeError(f"DATA_LOSS: slice(s) {slices} lost during the step ({how})")
+
+
+class FaultInjector:
+    """Fires scheduled faults and `trainer.chaos` requests; fails steps that run on a down slice.
+
+    Lives for the whole run (a scheduled fault fires once, not once per attempt). The loop calls
+    `at_step_boundary(next_step)` between steps; a compiled step is wrapped by `guard`.
+    """
+
+    def __init__(self, faults: list[Fault], outages: Outages, chaos_dir: Path | None, events):
+        self.pending = sorted(faults, key=lambda f: f.step)
+        self.outages, self.chaos_dir, self.events = outages, chaos_dir, events
+        self.last_cause = ""
+
+    def at_step_boundary(self, next_step: int) -> None:
+        while self.pending and self.pending[0].step <= next_step:
+            f = self.pending.pop(0)
+            self._fire(f.slice, f.down_s, f"fault_schedule step={f.step}")
+        for slice_index, down_s, source in self._chaos_requests():
+            self._fire(slice_index, down_s, source)
+
+    def _fire(self, slice_index: int, down_s: float, cause: str) -> None:
+        self.outages.mark_down(slice_index, down_s)
+        self.last_cause = cause
+        self.events.emit("slice_killed", slice=slice_index, down_s=down_s, cause=cause)
+
+    def _chaos_requests(self):
+        if self.chaos_dir is None or not self.chaos_dir.is_dir():
+            return []
+        out = []
+        for entry in sorted(os.scandir(self.chaos_dir), key=lambda e: e.name):
+            if not entry.name.endswith(".json"):
+                continue
+            path = Path(entry.path)
+            try:
+                request = json.loads(path.read_text())
+                out.append((int(request["slice"]), float(request.get("down_s", 0)), f"chaos {path.name}"))
+            except (ValueError, KeyError, OSError) as e:
+                log.error("ignoring unreadable chaos request %s: %s", path, e)
+            path.rename(path.with_suffix(".done"))
+        return out
+
+    def guard(self, step_fn, active_slices: list[int]):
+        """`step_fn` that raises the Pathways slice-down error while any of `active_slices` is down."""
+
+        def guarded(*args, **kwargs):
+            down = self.outages.take_failures(active_slices)
+            if down:
+                raise slice_down_error(down, self.last_cause or "slice down")
+            return step_fn(*args, **kwargs)
+
+        return guarded

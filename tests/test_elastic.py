@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from elastic_harness import cli_env, command, events, final_by_step, final_params, metrics, run_cli
+from cli_harness import cli_env, command, events, final_by_step, final_params, metrics, run_cli
 
 STEPS = 12
 COMMON = [f"steps={STEPS}", "num_slices=3", "elastic_enabled=true", "checkpoint_period=4",

@@ -1,4 +1,4 @@
-"""Run the real CLI on 3 virtual CPU slices and read back what it left (metrics, events, final state)."""
+"""Run the real CLI (on N virtual CPU devices) and read back what it left: metrics, events, final state."""
 from __future__ import annotations
 
 import json

@@ -1,0 +1,136 @@
+"""Checkpoints through the real CLI: kill -9 anywhere, SIGTERM, resume onto another mesh.
+
+The oracle is an uninterrupted run: a killed-and-restarted run must end with bitwise-equal
+parameters (CPU, float32) and the same batch for every step.
+"""
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from cli_harness import cli_env, command, events, final_by_step, final_params, metrics, run_cli
+
+STEPS = 12
+COMMON = [f"steps={STEPS}", "checkpoint_period=3", "num_slices=1"]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckbase")
+    proc = run_cli(root, "base", *COMMON, devices=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "base"
+
+
+def _assert_same_run(run, baseline):
+    got, base = final_by_step(metrics(run)), final_by_step(metrics(baseline))
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert [got[s]["batch_fingerprint"] for s in got] == [base[s]["batch_fingerprint"] for s in got]
+    a, b = final_params(run), final_params(baseline)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def _kill_when(root, name, ready, *extra):
+    proc = subprocess.Popen(command(root, name, *COMMON, *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=cli_env(1))
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            if ready(root / name):
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.002)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before the kill point was reached"
+
+
+def _committed(run):
+    ck = run / "checkpoints"
+    return sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists())
+
+
+def _in_flight_save_after_a_commit(run):
+    ck = run / "checkpoints"
+    if not ck.is_dir():
+        return False
+    names = [p.name for p in ck.iterdir()]
+    return any(".orbax-checkpoint-tmp" in n for n in names) and bool(_committed(run))
+
+
+def _after_step(n):
+    def ready(run):
+        return (run / "metrics.jsonl").exists() and len(metrics(run)) >= n
+    return ready
+
+
+@pytest.mark.parametrize("point", ["during an async save", "between steps after step 7"])
+def test_kill_9_anywhere_then_restart_resumes_from_the_newest_committed_step(baseline, tmp_path, point):
+    ready = _in_flight_save_after_a_commit if point.startswith("during") else _after_step(7)
+    _kill_when(tmp_path, "k", ready)
+    newest = _committed(tmp_path / "k")[-1]
+    partial = [p.name for p in (tmp_path / "k" / "checkpoints").iterdir() if not p.name.isdigit()]
+    proc = run_cli(tmp_path, "k", *COMMON, devices=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evs = events(tmp_path / "k")
+    second = [e for e in evs if e["event"] == "attempt_start"][-1]
+    assert second["source"] == f"checkpoint:{newest}"
+    removed = [e["path"] for e in evs if e["event"] == "checkpoint_partial_removed"]
+    assert all(any(r.endswith(p) for r in removed) for p in partial), (partial, removed)
+    _assert_same_run(tmp_path / "k", baseline)
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0_then_resumes(baseline, tmp_path):
+    proc = subprocess.Popen(command(tmp_path, "t", *COMMON), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=cli_env(1))
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not _after_step(4)(tmp_path / "t"):
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    status = out.strip().splitlines()[-1]
+    assert status.startswith("STATUS: preempted step=")
+    step = int(status.split("step=")[1].split(":")[0])
+    assert (tmp_path / "t" / "checkpoints" / str(step) / "commit_success.txt").exists()
+    proc2 = run_cli(tmp_path, "t", *COMMON, devices=1)
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    second = [e for e in events(tmp_path / "t") if e["event"] == "attempt_start"][-1]
+    assert second["source"] == f"checkpoint:{step}"
+    _assert_same_run(tmp_path / "t", baseline)
+
+
+def test_resume_onto_another_mesh_continues_the_same_run(tmp_path):
+    # Global batch 4 throughout: 1 device x 4 (reference), saved on fsdp=4 x 1 (4 devices) at step 6,
+    # resumed on data=2 x 2 (2 devices). Same math on another layout: reductions run in another order.
+    ref = run_cli(tmp_path, "ref", *COMMON, "per_device_batch_size=4", devices=1)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    first = run_cli(tmp_path, "m", *COMMON[1:], "steps=6", "learning_rate_schedule_steps=12",
+                    "ici_fsdp_parallelism=4", "per_device_batch_size=1", devices=4)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_cli(tmp_path, "m", *COMMON, "ici_fsdp_parallelism=1", "ici_data_parallelism=2",
+                     "per_device_batch_size=2", devices=2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    attempts = [e for e in events(tmp_path / "m") if e["event"] == "attempt_start"]
+    assert attempts[-1]["source"] == "checkpoint:6" and attempts[-1]["global_batch_size"] == 4
+    got, base = final_by_step(metrics(tmp_path / "m")), final_by_step(metrics(tmp_path / "ref"))
+    assert [got[s]["batch_fingerprint"] for s in sorted(got)] == [base[s]["batch_fingerprint"] for s in sorted(base)]
+    a, b = final_params(tmp_path / "m"), final_params(tmp_path / "ref")
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_a_failing_checkpoint_write_exits_non_zero_never_0(tmp_path):
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "checkpoints").write_text("not a directory")  # every save must fail
+    proc = run_cli(tmp_path, "w", *COMMON, devices=1)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("STATUS: failed")

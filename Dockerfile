@@ -1,0 +1,45 @@
+# Trainer image: the project installed on a slim Python, entrypoint `python -m trainer.train`.
+# The JAX flavour is a build argument:
+#   docker build -t trainer:cpu .                                  # CPU (default): tests, multi-host CPU
+#   docker build --build-arg JAX_EXTRA=cuda12 -t trainer:gpu .     # NVIDIA GPUs (CUDA 12 wheels, no CUDA base image needed)
+#   docker build --build-arg JAX_EXTRA=tpu -t trainer:tpu .        # TPU VMs and the Pathways controller (head pod)
+# Run: docker run --rm trainer:cpu                                 # = python -m trainer.train base.yml
+#      docker run --rm trainer:cpu base.yml steps=10 model=qwen3-tiny   # any args replace the default config
+# Push (Artifact Registry): see docs/running_at_scale.md.
+ARG PYTHON_VERSION=3.11
+FROM python:${PYTHON_VERSION}-slim
+
+ARG JAX_EXTRA=cpu
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    TRAINER_CONFIGS_DIR=/app/configs
+WORKDIR /app
+
+# 1. Dependencies only (the slow, rarely changing layer): read them from pyproject.toml, so editing the
+#    code does not reinstall JAX. jax[<flavour>] pulls the accelerator plugin (CUDA 12 wheels, libtpu).
+COPY pyproject.toml ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+    && jax_pin=$(grep -E '^jax[<>=! ]' /tmp/requirements.txt | sed 's/^jax//') \
+    && pip install "setuptools>=70.1" "jax[${JAX_EXTRA}]${jax_pin}" -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+
+# 2. The project. Installed in editable mode so the package stays at /app/trainer and finds the bundled
+#    configs/ and data/ (tokenizer, sample shards) next to it; --no-deps: step 1 installed them.
+COPY README.md ./
+COPY trainer ./trainer
+COPY configs ./configs
+COPY data ./data
+COPY scripts ./scripts
+RUN pip install --no-deps --no-build-isolation -e . \
+    && python -c "import trainer.train, trainer.config" \
+    && useradd --create-home --uid 1000 --shell /usr/sbin/nologin trainer \
+    && mkdir -p /app/runs && chown trainer:trainer /app/runs
+
+# Runs as an unprivileged user. Default outputs go to /app/runs (mount a volume there, or pass
+# base_output_directory=gs://...). Kubernetes pods that need root can set securityContext.runAsUser: 0.
+USER trainer
+ENTRYPOINT ["python", "-m", "trainer.train"]
+CMD ["base.yml"]

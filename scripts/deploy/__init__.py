@@ -1,0 +1,1 @@
+"""Deployment artefacts (xpk, JobSet, Slurm) rendered from one parameter set: see render.py."""

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import jax
 
 from trainer.attempt import Attempt
+from trainer.nonfinite import NonFinitePolicy
 from trainer.data.batch import fingerprint
 from trainer.observe.peaks import peak_tflops
 from trainer.observe.sinks import Sinks
@@ -39,8 +40,9 @@ class MetricsReader:
     step s happens after step s+1 was dispatched, so the device is never idle waiting for logging.
     """
 
-    def __init__(self, attempt: Attempt, sinks: Sinks, *, clock: Callable[[], float] = time.perf_counter):
-        self.attempt, self.sinks, self.clock = attempt, sinks, clock
+    def __init__(self, attempt: Attempt, sinks: Sinks, nonfinite: NonFinitePolicy, *,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.attempt, self.sinks, self.nonfinite, self.clock = attempt, sinks, nonfinite, clock
         self.last_ready = clock()
         cfg = attempt.cfg
         self.peak = peak_tflops(attempt.mesh.devices.flat[0].device_kind, cfg.observe.peak_tflops_per_device)
@@ -61,22 +63,32 @@ class MetricsReader:
             "global_batch_size": self.attempt.plan.global_batch_size, "pid": os.getpid(), "time": time.time(),
             "batch_fingerprint": pending.fingerprint, "loss_tokens": int(m["tokens"]),
             "z_loss": float(m["z_loss"]), "aux_loss": float(m["aux_loss"]), "devices": devices,
+            "finite": bool(m["finite"]), "skipped_steps": self.nonfinite.skipped_steps,
         }
         if last:
             record["last"] = True
         self.sinks.write(record)
+        self.nonfinite.check(record)
         return record
 
 
-def train_loop(attempt: Attempt, sinks: Sinks, events, *, steps: int,
+def train_loop(attempt: Attempt, sinks: Sinks, events, *, steps: int, nonfinite: NonFinitePolicy,
                stop_requested: Callable[[], bool] = lambda: False,
-               after_step: Callable[[int, Attempt], None] = lambda step, attempt: None) -> LoopResult:
-    """Run steps start_step+1 .. `steps`. Returns early (preempted) when `stop_requested()` turns true."""
-    reader = MetricsReader(attempt, sinks)
+               before_step: Callable[[int], None] = lambda step: None,
+               after_step: Callable[[int, Attempt], None] = lambda step, attempt: None,
+               skip_batches: frozenset[int] = frozenset()) -> LoopResult:
+    """Run steps start_step+1 .. `steps`. Returns early (preempted) when `stop_requested()` turns true.
+
+    `skip_batches`: steps whose batch is discarded once (nan_policy=rollback), the next batch used instead.
+    """
+    reader = MetricsReader(attempt, sinks, nonfinite)
     ckpt, state, step = attempt.checkpointer, attempt.state, attempt.start_step
     pending: _Pending | None = None
     try:
         while step < steps:
+            if step + 1 in skip_batches:
+                next(attempt.iterator)  # the batch that produced a non-finite update is skipped
+            before_step(step + 1)
             host_batch = next(attempt.iterator)
             fp = fingerprint(host_batch)
             state, metrics = attempt.step_fn(state, attempt.device_batch(host_batch))

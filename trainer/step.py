@@ -98,15 +98,16 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
             parts = dict(parts, aux_loss=parts["aux_loss"] / micro_steps)
         denom = jnp.maximum(parts["tokens"], 1.0)
         grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
+        loss, grad_norm = parts["ce_sum"] / denom, optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
-        metrics = {
-            "loss": parts["ce_sum"] / denom,
-            "z_loss": parts["z_sum"] / denom,
-            "aux_loss": parts["aux_loss"],
-            "grad_norm": optax.tree.norm(grads),
-            "tokens": parts["tokens"],
-        }
-        return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
+        # A non-finite loss or gradient never reaches the state: the update is dropped here and the host
+        # applies nan_policy when it reads `finite` (one step late), so no saved state is ever poisoned.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        metrics = {"loss": loss, "z_loss": parts["z_sum"] / denom, "aux_loss": parts["aux_loss"],
+                   "grad_norm": grad_norm, "tokens": parts["tokens"], "finite": finite}
+        return {"step": state["step"] + 1, "params": keep(new_params, params),
+                "opt_state": keep(opt_state, state["opt_state"])}, metrics
 
     return train_step

@@ -123,11 +123,13 @@ def _emit_goodput(events, run_dir: Path) -> None:
     import json
     import time
 
+    from trainer.observe.events import read_events
     from trainer.observe.goodput import account
 
     path = run_dir / "metrics.jsonl"
     records = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
-    summary = account(events.records, records, now=time.time())
+    # The whole run, earlier processes included (a resumed run appends to the same files).
+    summary = account(read_events(run_dir / "events.jsonl"), records, now=time.time())
     events.emit("goodput", goodput=None if summary["goodput"] is None else round(summary["goodput"], 4),
                 wall_s=round(summary["wall_s"], 3), productive_s=round(summary["productive_s"], 3),
                 badput_s=summary["badput_s"])

@@ -192,6 +192,15 @@ class ObserveConfig:
     peak_tflops_per_device: float = key(
         0.0, "Peak TFLOP/s of one device for MFU; 0 = look up the device kind (null MFU if unknown).",
         minimum=0.0)
+    nan_policy: str = key(
+        "stop", "Non-finite loss or gradients (the update is never applied): stop (error, exit 1) | "
+        "skip_step (continue, counted) | rollback (restore newest snapshot/checkpoint, skip the batch).",
+        choices=("stop", "skip_step", "rollback"))
+    profiler: str = key("", "'' (off) | xplane: a JAX profiler trace (TensorBoard/XProf) under <run dir>/profile.",
+                        choices=("", "xplane"))
+    skip_first_n_steps_for_profiler: int = key(3, "Steps to run before the trace starts (compile, warm-up).",
+                                               minimum=0)
+    profiler_steps: int = key(5, "Steps to trace.", minimum=1)
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Fault:
     step: int
-    slice: int
+    slice: int = -1
     down_s: float = 0.0
+    nan: bool = False  # report the step's result as non-finite (exercises nan_policy) instead of a slice loss
 
 
 def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
@@ -38,14 +39,15 @@ def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
             if not sep:
                 raise ConfigError(f"fault_schedule entry {entry!r}: {part!r} is not key=value")
             fields[k.strip()] = v.strip()
-        unknown = set(fields) - {"step", "slice", "down_s"}
-        if unknown or not {"step", "slice"} <= set(fields):
-            raise ConfigError(f"fault_schedule entry {entry!r}: use step=N,slice=K[,down_s=S]")
+        unknown = set(fields) - {"step", "slice", "down_s", "nan"}
+        if unknown or "step" not in fields or ("slice" in fields) == ("nan" in fields):
+            raise ConfigError(f"fault_schedule entry {entry!r}: use step=N,slice=K[,down_s=S] or step=N,nan=1")
         try:
-            fault = Fault(int(fields["step"]), int(fields["slice"]), float(fields.get("down_s", 0)))
+            fault = Fault(int(fields["step"]), int(fields.get("slice", -1)), float(fields.get("down_s", 0)),
+                          nan="nan" in fields)
         except ValueError:
             raise ConfigError(f"fault_schedule entry {entry!r}: step and slice are integers, down_s seconds") from None
-        if not 0 <= fault.slice < num_slices or fault.step < 1 or fault.down_s < 0:
+        if (not fault.nan and not 0 <= fault.slice < num_slices) or fault.step < 1 or fault.down_s < 0:
             raise ConfigError(f"fault_schedule entry {entry!r}: slice must be in [0, {num_slices}), step >= 1, "
                               f"down_s >= 0")
         faults.append(fault)
@@ -91,11 +93,14 @@ class FaultInjector:
     """
 
     def __init__(self, faults: list[Fault], outages: Outages, chaos_dir: Path | None, events):
-        self.pending = sorted(faults, key=lambda f: f.step)
+        self.pending = sorted((f for f in faults if not f.nan), key=lambda f: f.step)
+        self.nan_steps = {f.step for f in faults if f.nan}
         self.outages, self.chaos_dir, self.events = outages, chaos_dir, events
         self.last_cause = ""
+        self.next_step = 1
 
     def at_step_boundary(self, next_step: int) -> None:
+        self.next_step = next_step
         while self.pending and self.pending[0].step <= next_step:
             f = self.pending.pop(0)
             self._fire(f.slice, f.down_s, f"fault_schedule step={f.step}")
@@ -130,6 +135,11 @@ class FaultInjector:
             down = self.outages.take_failures(active_slices)
             if down:
                 raise slice_down_error(down, self.last_cause or "slice down")
-            return step_fn(*args, **kwargs)
+            state, metrics = step_fn(*args, **kwargs)
+            if self.next_step in self.nan_steps:
+                self.nan_steps.discard(self.next_step)  # fires once, like a slice fault
+                self.events.emit("nan_injected", step=self.next_step)
+                metrics = dict(metrics, loss=metrics["loss"] * float("nan"), finite=metrics["finite"] & False)
+            return state, metrics
 
         return guarded

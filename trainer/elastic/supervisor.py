@@ -1,4 +1,7 @@
-"""The elastic supervisor: retries the whole train attempt, in-process, across slice failures.
+"""The supervisor: runs train attempts and, with elastic_enabled, retries them in-process across slice failures.
+
+Every run goes through it (one code path): without elastic_enabled a slice failure ends the run,
+but nan_policy=rollback, snapshots and the profiler window work the same either way.
 
 Semantics follow pathwaysutils' `Manager.elastic_retry`: before each attempt wait for enough slices
 (`wait_for_slices`); a `JaxRuntimeError` that pathwaysutils classifies as slice-down ends the attempt
@@ -29,6 +32,8 @@ from trainer.elastic.faults import FaultInjector, Outages, parse_fault_schedule
 from trainer.elastic.slices import make_checker
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.loop import train_loop
+from trainer.nonfinite import NonFinitePolicy, RollbackRequested
+from trainer.observe.profiler import StepProfiler
 from trainer.observe.rundir import RunPaths
 
 log = logging.getLogger(__name__)
@@ -56,9 +61,11 @@ class _StepHooks:
     def __call__(self, step: int, attempt: Attempt) -> None:
         sup = self.sup
         sup.clock.last_step = step
+        sup.profiler.after_step(step, attempt.state)
         if not self.first_step_seen:
             self.first_step_seen = True
             if sup.clock.detected_at is not None:
+                jax.block_until_ready(attempt.state)  # the timeline's "first step" means completed
                 down = time.time() - sup.clock.detected_at
                 sup.clock.downtime_s += down
                 sup.events.emit("first_step_after_recovery", step=step, seconds_since_detection=round(down, 3),
@@ -103,9 +110,14 @@ class Supervisor:
         self.snapshots = HostSnapshots(events)
         self.executables: dict = {}
         self.clock = RecoveryClock()
+        self.nonfinite = NonFinitePolicy(cfg.observe.nan_policy, events)
+        self.profiler = StepProfiler(cfg.observe, paths.local / "profile", events)
+        self.skip_batches: set[int] = set()
 
     def wait_for_slices(self) -> list[int]:
         e = self.cfg.elastic
+        if not e.elastic_enabled:
+            return sorted(self.slice_to_devices)
         t0 = time.time()
         self.events.emit("wait_start", min_slices=self.min_slices, total_slices=self.total)
         try:
@@ -137,15 +149,18 @@ class Supervisor:
             log.info("attempt %d: slices=%s global_batch=%d micro_steps=%d lr_scale=%.3f from %s (rewound %d steps)",
                      number, active, attempt.plan.global_batch_size, attempt.plan.micro_steps, attempt.plan.lr_scale,
                      attempt.restored_from, rewound)
+            self.nonfinite.already_skipped = frozenset(self.skip_batches)
+            if self.injector is not None:
+                self.injector.at_step_boundary(attempt.start_step + 1)
             try:
-                return train_loop(attempt, self.sinks, self.events, steps=cfg.train.steps,
-                                  stop_requested=self.stop_requested, after_step=_StepHooks(self, active))
+                return train_loop(attempt, self.sinks, self.events, steps=cfg.train.steps, nonfinite=self.nonfinite,
+                                  stop_requested=self.stop_requested, before_step=self.profiler.before_step,
+                                  after_step=_StepHooks(self, active), skip_batches=frozenset(self.skip_batches))
             finally:
+                self.profiler.close()
                 self.paths.sync()
 
     def run(self):
-        from trainer.run import RunOutcome
-
         number = 0
         while True:
             number += 1
@@ -154,11 +169,16 @@ class Supervisor:
                 result = self.run_attempt(number, active)
                 self.snapshots.settle()
                 self._summary()
-                return RunOutcome(result.final_step, result.preempted)
+                return result
             except ScaleUpSignalError as err:
                 self.events.emit("scale_up", step=self.clock.last_step, detail=str(err))
+            except RollbackRequested as req:
+                log.warning("%s", req)
+                self.skip_batches.add(req.step)
+                self.events.emit("rollback", step=req.step, last_step=self.clock.last_step)
             except jax.errors.JaxRuntimeError as err:
-                if not pw_elastic.is_error_due_to_slice_down(err, log_traceback=False):
+                if not (self.cfg.elastic.elastic_enabled and pw_elastic.is_error_due_to_slice_down(
+                        err, log_traceback=False)):
                     raise
                 self._on_slice_down(number, active, err)
 
@@ -179,5 +199,5 @@ class Supervisor:
                          downtime_s=round(self.clock.downtime_s, 3))
 
 
-def run_elastic(cfg: RunConfig, slices: list[list], *, paths: RunPaths, events, sinks, stop_requested):
+def run_supervised(cfg: RunConfig, slices: list[list], *, paths: RunPaths, events, sinks, stop_requested):
     return Supervisor(cfg, slices, paths=paths, events=events, sinks=sinks, stop_requested=stop_requested).run()

@@ -38,15 +38,18 @@ def account(events: Iterable[dict[str, Any]], metrics: Iterable[dict[str, Any]],
     for i, m in enumerate(metrics):
         last_of_step[m["step"]] = i
     kept = set(last_of_step.values())
-    productive = sum(m["step_time_s"] for i, m in enumerate(metrics) if i in kept)
+    saving = sum(e.get("seconds", 0.0) for e in events if e["event"] == "checkpoint_save_blocked")
+    # A step's step_time_s includes the time the loop was blocked starting its save: count that once,
+    # as checkpoint_save, not also as productive time.
+    productive = max(0.0, sum(m["step_time_s"] for i, m in enumerate(metrics) if i in kept) - saving)
     wasted = sum(m["step_time_s"] for i, m in enumerate(metrics) if i not in kept)
     first_attempt = next((e["time"] for e in events if e["event"] == "attempt_start"), t1)
     startup = (first_attempt - t0) + sum(e.get("seconds", 0.0) for e in events
                                          if e["event"] == "compile_done" and e["time"] > first_attempt)
-    first_restore = _durations(events, "restore_start", "restore_end")
-    restore = first_restore - _first_duration(events, "restore_start", "restore_end")  # the first is startup
+    # The first restore (or init) belongs to startup; later ones are recoveries.
+    restore = _durations(events, "restore_start", "restore_end") - _first_duration(events, "restore_start",
+                                                                                    "restore_end")
     waiting = _durations(events, "wait_start", "wait_end", skip_first=True)
-    saving = sum(e.get("seconds", 0.0) for e in events if e["event"] == "checkpoint_save_blocked")
     bad = {"startup_compile": startup, "checkpoint_save": saving, "restore": restore,
            "wasted_progress": wasted, "waiting_for_slices": waiting}
     bad["other"] = max(0.0, wall - productive - sum(bad.values()))

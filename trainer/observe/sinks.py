@@ -1,11 +1,14 @@
 """Where step metrics go: metrics.jsonl, TensorBoard, the log. One interface, swappable sinks."""
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
+import statistics
+import sys
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 log = logging.getLogger("trainer.metrics")
 
@@ -65,6 +68,43 @@ class LogSink:
 
     def close(self) -> None:
         pass
+
+
+class ProgressSink:
+    """One live line on a terminal, rewritten in place (\\r) every step: step/total, loss, tokens/s, ETA.
+
+    ETA = the median of the last `window` step times × the steps remaining; the median ignores the
+    spikes of checkpoint saves and recompiles. After an elastic rewind the step goes back and the ETA
+    grows accordingly. The stream is injectable (stderr by default); close ends the line with a newline
+    so whatever is printed next starts on its own line.
+    """
+
+    def __init__(self, total_steps: int, *, stream: TextIO | None = None, window: int = 20):
+        self.total_steps = total_steps
+        self.stream = sys.stderr if stream is None else stream
+        self._step_times: collections.deque[float] = collections.deque(maxlen=window)
+        self._width = 0  # length of the line on screen, to blank out what a shorter line leaves behind
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._step_times.append(record["step_time_s"])
+        remaining = max(self.total_steps - record["step"], 0)
+        eta = statistics.median(self._step_times) * remaining
+        line = (f"step {record['step']}/{self.total_steps}  loss {record['loss']:.4f}  "
+                f"{record['tokens_per_s']:,.0f} tokens/s  ETA {_clock(eta)}")
+        self.stream.write("\r" + line + " " * max(self._width - len(line), 0))
+        self.stream.flush()
+        self._width = len(line)
+
+    def close(self) -> None:
+        if self._width:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._width = 0
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 class Sinks:

@@ -1,0 +1,53 @@
+"""A JAX profiler trace over a window of steps that survives elastic retries.
+
+The trace covers steps skip_first_n_steps_for_profiler+1 .. +profiler_steps. If an attempt ends inside
+the window (a slice failure), `close()` stops the trace cleanly and the next attempt starts a new
+one at its next step inside the window, under <run dir>/profile.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+
+from trainer.config.schema import ObserveConfig
+
+log = logging.getLogger(__name__)
+
+
+class StepProfiler:
+    def __init__(self, cfg: ObserveConfig, logdir: Path, events):
+        self.enabled = cfg.profiler == "xplane"
+        self.first = cfg.skip_first_n_steps_for_profiler + 1
+        self.last = cfg.skip_first_n_steps_for_profiler + cfg.profiler_steps
+        self.logdir, self.events = logdir, events
+        self.active = False
+        self.done = False
+
+    def before_step(self, step: int) -> None:
+        """`step` is about to run."""
+        if self.enabled and not self.done and not self.active and self.first <= step <= self.last:
+            jax.profiler.start_trace(str(self.logdir))
+            self.active = True
+            self.events.emit("profiler_start", step=step, logdir=str(self.logdir))
+
+    def after_step(self, step: int, state=None) -> None:
+        if self.active and step >= self.last:
+            if state is not None:
+                jax.block_until_ready(state)
+            self._stop(step, complete=True)
+
+    def close(self) -> None:
+        """End of an attempt: a trace still running is stopped; the window resumes in the next attempt."""
+        if self.active:
+            self._stop(None, complete=False)
+
+    def _stop(self, step, *, complete: bool) -> None:
+        try:
+            jax.profiler.stop_trace()
+        except Exception as e:  # a trace broken by a device failure must not break recovery
+            log.warning("stopping the profiler trace failed: %s", e)
+        self.active = False
+        self.done = complete
+        self.events.emit("profiler_stop", step=step, complete=complete)

@@ -1,0 +1,171 @@
+"""A run directory read back for reports: its events and step records, and the numbers a summary shows.
+
+After an elastic rewind the trainer records steps again, so metrics.jsonl can hold a step more than
+once. Read in file order, a record whose step is not past the previous one starts a new attempt; the
+records it replaces are `superseded` and the rest `surviving` (the trajectory the final state came
+from). This also holds for a run still in progress that has not yet re-reached its old last step.
+
+Everything here is a pure function of the two files, so a run still in progress (no finish event, a
+torn last line) reads the same way as a finished one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from trainer.observe.events import read_events
+from trainer.observe.goodput import account
+from trainer.observe.timeline import recovery_timelines
+
+METRICS_FILE, EVENTS_FILE = "metrics.jsonl", "events.jsonl"
+
+# Recovery phases, in the order they happen after a slice failure.
+DOWN, WAITING, RESTORING, TO_FIRST_STEP = "down → detected", "waiting for slices", "restoring", "restored → first step"
+
+
+class MissingRunFiles(FileNotFoundError):
+    """The directory holds no metrics.jsonl / events.jsonl, so it is not (yet) a run directory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLog:
+    name: str
+    path: Path
+    events: list[dict[str, Any]]
+    records: list[dict[str, Any]]      # every step record, in file order
+    surviving: list[dict[str, Any]]    # the last record of each step on the final trajectory
+    superseded: list[dict[str, Any]]   # records of steps that a rewind threw away
+
+    @property
+    def t0(self) -> float:
+        """Wall-clock origin of the run: its first event (or, without events, its first step's start)."""
+        if self.events:
+            return self.events[0]["time"]
+        if self.records:
+            return self.records[0]["time"] - self.records[0].get("step_time_s", 0.0)
+        return 0.0
+
+    @property
+    def t_end(self) -> float:
+        return max([e["time"] for e in self.events] + [r["time"] for r in self.records] + [self.t0])
+
+    @property
+    def status(self) -> str:
+        """The finish status of the newest process, or "in progress" when it has not finished."""
+        last_start = max((i for i, e in enumerate(self.events) if e["event"] == "start"), default=-1)
+        finish = [e for e in self.events[last_start + 1:] if e["event"] == "finish"]
+        return finish[-1].get("status", "finished") if finish else "in progress"
+
+
+def load_run(run_dir: Path) -> RunLog:
+    run_dir = Path(run_dir)
+    missing = [n for n in (METRICS_FILE, EVENTS_FILE) if not (run_dir / n).is_file()]
+    if missing:
+        raise MissingRunFiles(f"{run_dir} has no {' or '.join(missing)}; expected a run directory "
+                              f"<base_output_directory>/<run_name>/ written by python -m trainer.train")
+    events = read_events(run_dir / EVENTS_FILE)
+    # read_events parses any JSONL file and skips a torn last line, which metrics.jsonl can have too.
+    records = [r for r in read_events(run_dir / METRICS_FILE) if "step" in r and "time" in r]
+    if not events and not records:
+        raise MissingRunFiles(f"{run_dir}: {METRICS_FILE} and {EVENTS_FILE} are both empty; nothing to report yet")
+    surviving, superseded = split_rewound(records)
+    return RunLog(run_dir.name, run_dir, events, records, surviving, superseded)
+
+
+def split_rewound(records: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
+    """(surviving, superseded): a record at step s throws away every earlier-kept record at step >= s."""
+    kept: list[dict] = []
+    dropped: list[dict] = []
+    for r in records:
+        while kept and kept[-1]["step"] >= r["step"]:
+            dropped.append(kept.pop())
+        kept.append(r)
+    return kept, sorted(dropped, key=lambda r: r["time"])
+
+
+def recovery_phases(run: RunLog) -> list[tuple[dict, list[tuple[str, float, float]]]]:
+    """For each failure: its timeline (trainer.observe.timeline) and its phases as (name, start, end).
+
+    A phase still open (a run in progress waiting for slices) ends at the newest record in the files.
+    """
+    timelines = recovery_timelines(run.events)
+    out = []
+    for i, t in enumerate(timelines):
+        next_detect = timelines[i + 1]["detected"] if i + 1 < len(timelines) else math.inf
+        end = t.get("first_step", next_detect)
+        window = [e for e in run.events if t["detected"] <= e["time"] <= end]
+        phases: list[tuple[str, float, float]] = []
+        if t["killed"] is not None:
+            phases.append((DOWN, t["killed"], t["detected"]))
+        phases += _spans(window, "wait_start", "wait_end", WAITING, run.t_end)
+        phases += _spans(window, "restore_start", "restore_end", RESTORING, run.t_end)
+        restored = [e["time"] for e in window if e["event"] == "restore_end"]
+        if restored and "first_step" in t:
+            phases.append((TO_FIRST_STEP, restored[-1], t["first_step"]))
+        out.append((t, phases))
+    return out
+
+
+def _spans(events: list[dict], start: str, end: str, name: str, now: float) -> list[tuple[str, float, float]]:
+    out, opened = [], None
+    for e in events:
+        if e["event"] == start:
+            opened = e["time"]
+        elif e["event"] == end and opened is not None:
+            out.append((name, opened, e["time"]))
+            opened = None
+    if opened is not None:
+        out.append((name, opened, now))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """The numbers a report prints, derived from the files (see `summarize`)."""
+
+    name: str
+    status: str
+    steps_done: int
+    steps_planned: int | None
+    final_loss: float | None
+    median_step_time_s: float | None
+    median_tokens_per_s: float | None
+    failures: int
+    steps_lost: int
+    downtime_s: float
+    goodput: dict[str, Any]            # trainer.observe.goodput.account over the whole file
+    recorded: dict[str, Any]           # the newest elastic_summary / goodput events the trainer logged, if any
+    timelines: list[dict[str, Any]]
+
+
+def summarize(run: RunLog) -> RunSummary:
+    """Derive every number from the records, so an unfinished run reports the same way as a finished one.
+
+    failures = slice_down_detected events; steps lost = the sum of attempt_start.steps_rewound;
+    downtime = the sum of first_step_after_recovery.seconds_since_detection (detection to first step,
+    as the supervisor counts it). For a finished single-process run these equal its elastic_summary
+    event; `recorded` keeps the trainer's own numbers so a report can show where they differ.
+    """
+    ev = run.events
+    start = next((e for e in reversed(ev) if e["event"] == "start"), {})
+    step_times = [r["step_time_s"] for r in run.surviving if r.get("step_time_s")]
+    tokens = [r["tokens_per_s"] for r in run.surviving if r.get("tokens_per_s")]
+    recorded = {name: e for e in ev for name in ("elastic_summary", "goodput") if e["event"] == name}
+    return RunSummary(
+        name=run.name, status=run.status,
+        steps_done=run.surviving[-1]["step"] if run.surviving else 0,
+        steps_planned=start.get("steps"),
+        final_loss=run.surviving[-1].get("loss") if run.surviving else None,
+        median_step_time_s=statistics.median(step_times) if step_times else None,
+        median_tokens_per_s=statistics.median(tokens) if tokens else None,
+        failures=sum(e["event"] == "slice_down_detected" for e in ev),
+        steps_lost=sum(e.get("steps_rewound") or 0 for e in ev if e["event"] == "attempt_start"),
+        downtime_s=sum(e.get("seconds_since_detection") or 0.0 for e in ev
+                       if e["event"] == "first_step_after_recovery"),
+        goodput=account(ev, run.records),
+        recorded=recorded,
+        timelines=recovery_timelines(ev),
+    )

@@ -219,11 +219,13 @@ def test_grouped_query_attention_matches_per_head_attention_with_repeated_kv(kv_
     mask = jnp.tril(jnp.ones((T, T), bool))[None, None, None]
     out = jax.jit(grouped_attention, static_argnums=4)(q, k, v, mask, kv_heads)
     rep = heads // kv_heads
-    k_full, v_full = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)  # head n uses kv head n // rep
-    scores = jnp.einsum("btnh,bsnh->bnts", q, k_full) / np.sqrt(hd)
-    scores = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -jnp.inf)
-    expected = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), v_full)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    k_full, v_full = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)  # head n uses kv head n // rep
+    scores = np.einsum("btnh,bsnh->bnts", q, k_full) / np.sqrt(hd)
+    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = np.einsum("bnts,bsnh->btnh", weights / weights.sum(-1, keepdims=True), v_full)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_model_with_a_single_kv_head_runs_and_has_one_kv_head_of_params():

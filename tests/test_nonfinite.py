@@ -2,7 +2,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from trainer import model as qwen3
 from trainer.attempt import init_state, state_shardings

@@ -26,7 +26,7 @@ def render() -> str:
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             doc = f.metadata["doc"]
-            if isinstance(default, list):
+            if isinstance(default, list) and default:  # an empty list stays `[]` (a bare key is null)
                 lines.append(f"# {doc}")
                 lines.append(f"{f.name}:")
                 lines.extend(f"  - {_scalar(item)}" for item in default)

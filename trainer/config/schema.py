@@ -74,7 +74,8 @@ class ModelConfig:
     norm_topk_prob: bool = key(True, "Renormalise the top-k router probabilities to sum to 1 (MoE).")
     load_balance_loss_weight: float = key(0.0, "Coefficient of the MoE load-balancing auxiliary loss.", minimum=0.0)
     moe_capacity_factor: float = key(
-        1.25, "Expert capacity = factor * tokens * top_k / experts; routed tokens past it are dropped.",
+        1.25, "Expert capacity per batch row = factor * row tokens * top_k / experts; overflow tokens are "
+              "dropped (factor >= experts / top_k never drops).",
         minimum=0.0)
     dtype: str = key("bfloat16", "Activation and matmul dtype.", choices=DTYPES)
     weight_dtype: str = key("float32", "Parameter (and optimizer state) dtype.", choices=DTYPES)
@@ -180,7 +181,8 @@ class ElasticConfig:
     snapshot_period: int = key(
         0, "Copy train + data state to host RAM every this many steps (async); 0 disables.", minimum=0)
     fault_schedule: str = key(
-        "", "Injected slice failures (local slices only), e.g. 'step=40,slice=1,down_s=5; step=90,slice=2'.")
+        "", "Injected failures (local slices): 'step=40,slice=1,down_s=5; step=90,slice=2,down_steps=10; "
+            "step=120,nan=1' (down_steps: back after that many more steps; nan: a non-finite step).")
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,47 @@ class TrainConfig:
     base_output_directory: str = key("runs", "Parent directory of run directories.")
     steps: int = key(100, "Optimizer steps to train.", minimum=1)
     init_weights_seed: int = key(0, "Seed of parameter initialisation.")
-    jax_cache_dir: str = key("", "JAX persistent compilation cache directory; empty disables.")
+    jax_cache_dir: str = key("~/.cache/elastic-trainer/jax",
+                             "JAX persistent compilation cache (restarts skip compiling); empty disables.")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process JAX (one process per host, no Pathways): joining the job and surviving a dead peer."""
+
+    coordinator_address: str = key(
+        "", "host:port of process 0, which hosts the coordination service; '' = $JAX_COORDINATOR_ADDRESS "
+            "(unset: one process, no jax.distributed).")
+    num_processes: int = key(-1, "Processes in the job; -1 = $JAX_NUM_PROCESSES, else $SLURM_NTASKS, else 1.",
+                             minimum=-1)
+    process_id: int = key(-1, "This process's id (0 hosts the coordination service); -1 = $JAX_PROCESS_ID, "
+                              "else $SLURM_PROCID, else $JOB_COMPLETION_INDEX.", minimum=-1)
+    processes_per_slice: int = key(
+        -1, "Processes per slice (a replica group that fails and returns as a whole); -1 = $NODES_PER_SLICE, "
+            "else 1. num_slices must equal num_processes / processes_per_slice.", minimum=-1)
+    heartbeat_timeout_seconds: int = key(
+        0, "Seconds without a heartbeat before a process is declared dead (the detection time of a kill); "
+           "shorter detects sooner but a stalled host (swap, GC, CPU starvation) is then dropped as dead. "
+           "0 = $JAX_HEARTBEAT_TIMEOUT_SECONDS, else 10.", minimum=0)
+    collective_timeout_seconds: int = key(
+        0, "Bound on one CPU (gloo) collective: a survivor blocked on a dead peer's data fails after this. "
+           "Must exceed any legitimate wait inside a collective (step skew, one process compiling or "
+           "checkpointing); a longer value only delays recovery in the rare case a receive hangs. "
+           "0 = keep what XLA_FLAGS sets, else 60.", minimum=0)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Text generation (`python -m trainer.decode`): prompt, length and sampling."""
+
+    prompt: str = key("", "Text to continue, encoded with tokenizer_path / tokenizer_type.")
+    prompt_ids: list = key([], "Token ids to continue instead of a text prompt, e.g. [1, 2, 3] (no tokenizer).")
+    max_decode_length: int = key(64, "Tokens to generate after the prompt (fewer if EOS comes first).", minimum=1)
+    temperature: float = key(0.0, "Sampling temperature; 0 = greedy (argmax).", minimum=0.0)
+    top_k: int = key(0, "Sample among the top_k most likely tokens only; 0 = no limit.", minimum=0)
+    top_p: float = key(1.0, "Sample among the most likely tokens up to this total probability (0 < p <= 1); "
+                            "1 = no limit.", minimum=0.0)
+    decode_seed: int = key(0, "Seed of sampling: the same seed reproduces a sampled continuation.")
 
 
 @dataclass(frozen=True)
@@ -227,6 +269,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
 
 
 def section_classes() -> dict[str, type]:
@@ -234,7 +278,7 @@ def section_classes() -> dict[str, type]:
     hints = {
         "train": TrainConfig, "model": ModelConfig, "mesh": MeshConfig, "data": DataConfig,
         "optim": OptimConfig, "checkpoint": CheckpointConfig, "elastic": ElasticConfig,
-        "observe": ObserveConfig,
+        "observe": ObserveConfig, "distributed": DistributedConfig, "decode": DecodeConfig,
     }
     return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig)}
 

@@ -100,6 +100,12 @@ class Attention(nnx.Module):
         self.k_norm = norm_weight(rngs, head_dim, weight_dtype) if use_qk_norm else None
 
     def __call__(self, x: jax.Array, ctx: Context) -> jax.Array:
+        q, k, v = self.project_qkv(x, ctx.cos, ctx.sin)
+        return self.project_out(grouped_attention(q, k, v, ctx.mask, self.num_kv_heads))
+
+    def project_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B,T,D] -> q [B,T,N,hd], k and v [B,T,K,hd]: projected, q/k normed and rotated (the KV cache
+        stores k and v exactly as returned here)."""
         dt, b, t = self.dtype, x.shape[0], x.shape[1]
         rows = x.reshape(b * t, x.shape[2])  # 2-D matmuls: XLA CPU then needs no transposes for the grads
         q = (rows @ _flat_in(self.q_proj[...], dt)).reshape(b, t, self.num_heads, self.head_dim)
@@ -108,13 +114,14 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)
-        q = constrain(apply_rope(q, ctx.cos, ctx.sin), ("activation_batch", "activation_length",
-                                                         "activation_heads", None))
-        k = constrain(apply_rope(k, ctx.cos, ctx.sin), ("activation_batch", "activation_length",
-                                                         "activation_kv_heads", None))
-        v = constrain(v, ("activation_batch", "activation_length", "activation_kv_heads", None))
-        out = grouped_attention(q, k, v, ctx.mask, self.num_kv_heads)
-        o = self.o_proj[...].astype(dt)
+        q = constrain(apply_rope(q, cos, sin), ("activation_batch", "activation_length", "activation_heads", None))
+        kv_names = ("activation_batch", "activation_length", "activation_kv_heads", None)
+        return q, constrain(apply_rope(k, cos, sin), kv_names), constrain(v, kv_names)
+
+    def project_out(self, out: jax.Array) -> jax.Array:
+        """Attention output [B,T,N,hd] -> [B,T,D] through o_proj."""
+        b, t = out.shape[0], out.shape[1]
+        o = self.o_proj[...].astype(self.dtype)
         return (out.reshape(b * t, -1) @ o.reshape(-1, o.shape[-1])).reshape(b, t, -1)
 
 

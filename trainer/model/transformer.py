@@ -76,10 +76,13 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, ctx: Context) -> tuple[jax.Array, jax.Array]:
         x = x + self.self_attn(rms_norm(x, self.input_layernorm[...], self.eps), ctx)
-        x = constrain(x, BTD)
+        return self.feed_forward(constrain(x, BTD), ctx.valid)
+
+    def feed_forward(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The second residual half: (x + MLP(RMSNorm(x)), aux loss); the KV-cache decoder reuses it."""
         h = rms_norm(x, self.post_attention_layernorm[...], self.eps)
         if isinstance(self.mlp, MoeMlp):
-            h, aux = self.mlp(h, ctx.valid)
+            h, aux = self.mlp(h, valid)
         else:
             h, aux = self.mlp(h), jnp.zeros((), jnp.float32)
         return constrain(x + h, BTD), aux

@@ -1,0 +1,120 @@
+"""CLI: `python -m trainer.decode [CONFIG] [key=value ...]`: continue a prompt with a trained model.
+
+    python -m trainer.decode base.yml model=O/model.yml load_parameters_path=O prompt="Hello" max_decode_length=32
+    python -m trainer.decode base.yml model=qwen3-tiny load_parameters_path=runs/NAME/checkpoints/100 \\
+        prompt_ids=[5,17,42] temperature=0.8 top_k=50 top_p=0.95 decode_seed=1
+
+The model comes from the config exactly as for training; the params from load_parameters_path (a
+training checkpoint step dir, or a params-only checkpoint such as an hf-to-trainer output). A text
+`prompt` is encoded with tokenizer_path / tokenizer_type (BOS first if add_bos) and generation stops
+at the tokenizer's EOS; `prompt_ids` are used as given, with no tokenizer and no EOS stop.
+Decoding uses the KV cache of `trainer.model.decode` (prefill, then one compiled step per token);
+temperature=0 is greedy. Output: the generated text (text prompts only), then one line
+`output_ids: [...]` with the new token ids (up to and including EOS). Exit codes: 0 done, 2 bad
+config or input (before any compute), 1 any other failure.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m trainer.decode", description=__doc__.splitlines()[0])
+    p.add_argument("config", nargs="?", default="base.yml", help="config file path or name in configs/")
+    p.add_argument("overrides", nargs="*", help="key=value overrides (values parsed as YAML scalars)")
+    args = p.parse_args(argv)
+    if "=" in args.config:  # no config file given
+        args.overrides.insert(0, args.config)
+        args.config = "base.yml"
+    return args
+
+
+def _request(cfg):
+    """(prompt ids, tokenizer or None, Sampling) from the config; ConfigError/DataError if unusable."""
+    from trainer.config import ConfigError
+    from trainer.data.tokenizer import Tokenizer
+    from trainer.model.decode import Sampling
+
+    d = cfg.decode
+    if not cfg.checkpoint.load_parameters_path:
+        raise ConfigError("decoding needs load_parameters_path=<checkpoint step dir or params-only checkpoint>")
+    if bool(d.prompt) == bool(d.prompt_ids):
+        raise ConfigError("give exactly one of prompt=\"text\" and prompt_ids=[id, ...]")
+    try:
+        sampling = Sampling(temperature=d.temperature, top_k=d.top_k, top_p=d.top_p)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    tokenizer = None
+    if d.prompt:
+        tokenizer = Tokenizer(cfg.data.tokenizer_path, cfg.data.tokenizer_type)
+        ids = tokenizer.encode(d.prompt)
+        if cfg.data.add_bos and tokenizer.bos_id is not None:
+            ids = [tokenizer.bos_id, *ids]
+    else:
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in d.prompt_ids):
+            raise ConfigError(f"prompt_ids must be a list of integers, got {d.prompt_ids!r}")
+        ids = list(d.prompt_ids)
+    vocab = cfg.model.vocab_size
+    if not ids or min(ids) < 0 or max(ids) >= vocab:
+        raise ConfigError(f"prompt token ids must be non-empty and in [0, {vocab}) (vocab_size), got {ids}")
+    return ids, tokenizer, sampling
+
+
+def _load_params(cfg):
+    import jax
+
+    from trainer.checkpoint import load_parameters
+    from trainer.model import abstract_params
+
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+                          abstract_params(cfg.model))
+    return load_parameters(cfg.checkpoint.load_parameters_path, target)
+
+
+def decode(cfg) -> tuple[list[int], str | None]:
+    """New token ids (cut after the first EOS) and, for text prompts, their text."""
+    from trainer.model.decode import generate
+
+    ids, tokenizer, sampling = _request(cfg)
+    eos = tokenizer.eos_id if tokenizer is not None else None
+    out = generate(_load_params(cfg), cfg.model, ids, cfg.decode.max_decode_length, sampling,
+                   seed=cfg.decode.decode_seed, eos_id=eos)[0].tolist()
+    if eos is not None and eos in out:
+        out = out[:out.index(eos) + 1]
+    text = None if tokenizer is None else tokenizer.decode([i for i in out if i != eos])
+    return out, text
+
+
+def main(argv=None) -> int:
+    args = _parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s] %(message)s", stream=sys.stderr)
+    from trainer.config import ConfigError, load_config
+    from trainer.data.errors import DataError
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        _request(cfg)  # every input problem before any compute
+    except (ConfigError, DataError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        out, text = decode(cfg)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception:  # noqa: BLE001 - reported with its traceback
+        logging.getLogger("trainer.decode").exception("decoding failed")
+        return EXIT_FAILED
+    if text is not None:
+        print(text)
+    print(f"output_ids: {out}", flush=True)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -66,7 +66,7 @@ def test_recovery_without_a_snapshot_rewinds_to_the_newest_committed_checkpoint(
 
 def test_replica_resize_keeps_the_global_batch_and_scales_back_up_without_losing_steps(baseline, tmp_path):
     proc = run_cli(tmp_path, "rr", *COMMON, "elastic_min_slice_count=2", "snapshot_period=2",
-                   "fault_schedule=step=5,slice=2,down_s=4")
+                   "fault_schedule=step=5,slice=2,down_steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "rr"
     attempts = [e for e in events(run) if e["event"] == "attempt_start"]

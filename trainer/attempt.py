@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -33,6 +32,10 @@ from trainer.step import make_train_step
 log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 60.0
+# Several processes: a save in flight when a peer died waits in an Orbax barrier for that peer, which
+# never arrives (the coordination service keeps waiting for a recoverable task), so do not wait long.
+# Orderly ends (finish, scale-up) settle their saves before the attempt closes.
+MULTIPROCESS_CLOSE_TIMEOUT_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +78,9 @@ def plan_batch(cfg: RunConfig, *, devices_per_slice: int, active_slices: int, ba
 
 
 def _batch_axes_size(mesh: Mesh, rules) -> tuple[PartitionSpec, int]:
-    spec = logical_to_spec(("activation_batch", None), (1 << 30, 1), mesh, rules)
+    # A batch size every product of mesh axes divides (1 << 30 is not divisible by a 3-way data axis,
+    # which left the batch replicated on 3 slices: every replica computed the whole global batch).
+    spec = logical_to_spec(("activation_batch", None), (mesh.size, 1), mesh, rules)
     axes = spec[0] if spec[0] is not None else ()
     axes = (axes,) if isinstance(axes, str) else axes
     return spec, int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
@@ -160,14 +165,25 @@ def compile_step(cfg: RunConfig, mesh: Mesh, optimizer, plan: BatchPlan, shardin
     return compiled, time.perf_counter() - t0
 
 
+def loader_shard(batch_sharding: NamedSharding, global_rows: int) -> tuple[int, int]:
+    """(index, count) of this process's block of global-batch rows under `batch_sharding`: the rows its
+    devices hold, which make_array_from_process_local_data expects. Follows the mesh order, so it is
+    right on any subset of processes in any order (several processes, after a resize)."""
+    index = batch_sharding.addressable_devices_indices_map((global_rows, 1)).values()
+    lo = min(i[0].start or 0 for i in index)
+    hi = max(global_rows if i[0].stop is None else i[0].stop for i in index)
+    return lo // (hi - lo), global_rows // (hi - lo)
+
+
 def build_attempt(cfg: RunConfig, slices: list[list], *, checkpoint_dir, events, total_slices: int,
                   executable_cache: dict | None = None, restore_source: Callable | None = None,
-                  wrap_step: Callable | None = None) -> Attempt:
+                  wrap_step: Callable | None = None, checkpoint_multiprocessing=None) -> Attempt:
     """Everything one attempt needs, on the mesh over `slices` (the active ones).
 
     `restore_source(abstract_state, newest_checkpoint_step)` may supply a newer state than the newest
     checkpoint (an elastic host-RAM snapshot); it returns (state, data_state, label) or None.
     `wrap_step` wraps the compiled step (the elastic fault injector's guard).
+    `checkpoint_multiprocessing`: Orbax MultiprocessingOptions when only some processes take part.
     """
     stack = contextlib.ExitStack()
     try:
@@ -177,9 +193,10 @@ def build_attempt(cfg: RunConfig, slices: list[list], *, checkpoint_dir, events,
         batch_sharding = NamedSharding(mesh, batch_spec)
         plan = plan_batch(cfg, devices_per_slice=len(slices[0]), active_slices=len(slices), batch_shards=shards)
         # Data first: a bad dataset or tokenizer must stop the run before any compile or device work.
+        loader_index, loader_count = loader_shard(batch_sharding, plan.global_batch_size)
         iterator = make_train_iterator(cfg.data, vocab_size=cfg.model.vocab_size,
                                        global_batch_size=plan.global_batch_size,
-                                       process_index=jax.process_index(), process_count=jax.process_count())
+                                       process_index=loader_index, process_count=loader_count)
         stack.callback(iterator.close)
         logical = qwen3.param_logical_axes(cfg.model)
         optimizer = make_optimizer(cfg.optim, logical, lr_scale=plan.lr_scale)
@@ -200,11 +217,13 @@ def build_attempt(cfg: RunConfig, slices: list[list], *, checkpoint_dir, events,
         if cfg.checkpoint.enable_checkpointing:
             from trainer.checkpoint import Checkpointer
 
-            checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, on_event=events)
+            checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, on_event=events,
+                                        multiprocessing=checkpoint_multiprocessing)
             # A normal finish has already waited for its saves; after a failure, settle an in-flight save
             # for a bounded time (Orbax finishes or fails it in the background; it never counts until
             # committed).
-            stack.callback(partial(checkpointer.close, timeout_s=CLOSE_TIMEOUT_S))
+            stack.callback(partial(checkpointer.close, timeout_s=CLOSE_TIMEOUT_S if checkpoint_multiprocessing is None
+                                   else MULTIPROCESS_CLOSE_TIMEOUT_S))
         t0 = time.perf_counter()
         events.emit("restore_start")
         state, data_state, source = _initial_state(cfg, optimizer, shardings, abstract_state, checkpointer,
@@ -217,8 +236,9 @@ def build_attempt(cfg: RunConfig, slices: list[list], *, checkpoint_dir, events,
         start_step = int(jax.device_get(state["step"]))
         flops = qwen3.training_flops_per_token(cfg.model, cfg.data.max_target_length) * \
             plan.global_batch_size * cfg.data.max_target_length
-        log.info("attempt ready: mesh=%s global_batch=%d micro_steps=%d lr_scale=%.3f start_step=%d source=%s",
-                 dict(mesh.shape), plan.global_batch_size, plan.micro_steps, plan.lr_scale, start_step, source)
+        log.info("attempt ready: mesh=%s global_batch=%d micro_steps=%d lr_scale=%.3f start_step=%d source=%s "
+                 "loader_shard=%d/%d", dict(mesh.shape), plan.global_batch_size, plan.micro_steps, plan.lr_scale,
+                 start_step, source, loader_index, loader_count)
         return Attempt(cfg=cfg, mesh=mesh, plan=plan, state=state, start_step=start_step, restored_from=source,
                        step_fn=step_fn if wrap_step is None else wrap_step(step_fn), batch_sharding=batch_sharding, iterator=iterator,
                        checkpointer=checkpointer, lr_schedule=learning_rate_schedule(cfg.optim, lr_scale=plan.lr_scale),

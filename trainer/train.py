@@ -82,7 +82,7 @@ def _train(cfg) -> int:
     from trainer.run import run
 
     log = logging.getLogger("trainer.train")
-    paths = run_paths(cfg.train.base_output_directory, cfg.train.run_name)
+    paths = _process_paths(run_paths(cfg.train.base_output_directory, cfg.train.run_name), cfg)
     run_dir = paths.local
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yml").write_text(to_yaml(cfg))
@@ -116,6 +116,25 @@ def _train(cfg) -> int:
     paths.sync()
     _status(line)
     return code
+
+
+def _process_paths(paths, cfg):
+    """Several processes share the run directory and its checkpoints; process i > 0 writes its logs
+    (metrics.jsonl, events.jsonl, config.yml) under `process_<i>/`."""
+    import dataclasses
+
+    from trainer.config import ConfigError
+    from trainer.distributed import process_log_dir, resolve_settings
+
+    try:
+        settings = resolve_settings(cfg.distributed)
+    except ConfigError:
+        return paths  # reported, with exit code 2, when run() resolves the settings again
+    local = process_log_dir(paths.local, settings)
+    if local == paths.local:
+        return paths
+    remote = None if paths.remote is None else paths.remote / local.name
+    return dataclasses.replace(paths, local=local, remote=remote)
 
 
 def _emit_goodput(events, run_dir: Path) -> None:

@@ -88,21 +88,29 @@ class Checkpointer:
 
     def __init__(self, directory: epath.PathLike, cfg: CheckpointConfig, *,
                  on_event: Callable[[str, dict], None] = lambda name, fields: None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 multiprocessing: ocp.options.MultiprocessingOptions | None = None):
         self._manager = None  # first, so that close() works on a half-built object
         self.directory = epath.Path(directory)
         self._cfg, self._on_event, self._clock = cfg, on_event, clock
         self._inflight: _InFlight | None = None
         self._failure: CheckpointSaveError | None = None  # newest failed save, not raised yet
         keep = cfg.max_num_checkpoints_to_keep
+        subset = multiprocessing is not None and multiprocessing.active_processes is not None
+        if subset:  # Orbax leaves the root directory to us when only some processes take part
+            self.directory.mkdir(parents=True, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
+            create=not subset,
             max_to_keep=keep if keep > 0 else None,
             enable_async_checkpointing=cfg.async_checkpointing,
             # Create the step's directory inside save(), not in the background: a broken path then
             # fails save() at once, whereas a failed background creation leaves Orbax's other writer
             # threads waiting minutes for a signal that never comes.
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+            # Several processes: which of them take part, and which one writes shared files (primary).
+            multiprocessing_options=multiprocessing or ocp.options.MultiprocessingOptions(),
         )
+        self._primary_host = (multiprocessing or ocp.options.MultiprocessingOptions()).primary_host
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     # ---- what is on storage ----------------------------------------------------------------------
@@ -120,6 +128,8 @@ class Checkpointer:
         newest; return their paths. The step this object is writing right now is left alone, and a
         partial that cannot be removed yet is logged and kept for the next call: for up to a second
         after a failed save, Orbax's remaining writer threads may still be writing into its tmp dir."""
+        if self._primary_host is not None and jax.process_index() != self._primary_host:
+            return []  # several processes share the directory: only the primary host deletes
         busy = self._inflight.step if self._inflight is not None else None
         removed = []
         for step, path in commit.partial_step_paths(self.directory):

@@ -26,6 +26,7 @@ class Fault:
     step: int
     slice: int = -1
     down_s: float = 0.0
+    down_steps: int = 0  # also stay down until this many more steps have run (deterministic tests)
     nan: bool = False  # report the step's result as non-finite (exercises nan_policy) instead of a slice loss
 
 
@@ -39,12 +40,12 @@ def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
             if not sep:
                 raise ConfigError(f"fault_schedule entry {entry!r}: {part!r} is not key=value")
             fields[k.strip()] = v.strip()
-        unknown = set(fields) - {"step", "slice", "down_s", "nan"}
+        unknown = set(fields) - {"step", "slice", "down_s", "down_steps", "nan"}
         if unknown or "step" not in fields or ("slice" in fields) == ("nan" in fields):
             raise ConfigError(f"fault_schedule entry {entry!r}: use step=N,slice=K[,down_s=S] or step=N,nan=1")
         try:
             fault = Fault(int(fields["step"]), int(fields.get("slice", -1)), float(fields.get("down_s", 0)),
-                          nan="nan" in fields)
+                          int(fields.get("down_steps", 0)), nan="nan" in fields)
         except ValueError:
             raise ConfigError(f"fault_schedule entry {entry!r}: step and slice are integers, down_s seconds") from None
         if (not fault.nan and not 0 <= fault.slice < num_slices) or fault.step < 1 or fault.down_s < 0:
@@ -59,12 +60,16 @@ class Outages:
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
+        self.steps_run = 0  # steps the job has started, advanced by the injector at step boundaries
         self._down_until: dict[int, float] = {}
+        self._down_until_step: dict[int, int] = {}
         self._unreported: set[int] = set()
 
-    def mark_down(self, slice_index: int, down_s: float) -> None:
-        """The slice fails the next step that uses it (even with down_s=0) and is unhealthy for down_s."""
+    def mark_down(self, slice_index: int, down_s: float, down_steps: int = 0) -> None:
+        """The slice fails the next step that uses it (even with down_s=0) and stays unhealthy for down_s
+        seconds and until down_steps more steps have run (on the surviving slices)."""
         self._down_until[slice_index] = self.clock() + down_s
+        self._down_until_step[slice_index] = self.steps_run + down_steps
         self._unreported.add(slice_index)
 
     def take_failures(self, slices: Iterable[int]) -> list[int]:
@@ -75,7 +80,9 @@ class Outages:
 
     def is_down(self, slice_index: int) -> bool:
         until = self._down_until.get(slice_index)
-        return until is not None and self.clock() < until
+        if until is None:
+            return False
+        return self.clock() < until or self.steps_run < self._down_until_step[slice_index]
 
     def down(self, slices: Iterable[int]) -> list[int]:
         return [s for s in slices if self.is_down(s)]
@@ -100,17 +107,19 @@ class FaultInjector:
         self.next_step = 1
 
     def at_step_boundary(self, next_step: int) -> None:
+        if next_step != self.next_step:
+            self.outages.steps_run += 1
         self.next_step = next_step
         while self.pending and self.pending[0].step <= next_step:
             f = self.pending.pop(0)
-            self._fire(f.slice, f.down_s, f"fault_schedule step={f.step}")
+            self._fire(f.slice, f.down_s, f"fault_schedule step={f.step}", f.down_steps)
         for slice_index, down_s, source in self._chaos_requests():
             self._fire(slice_index, down_s, source)
 
-    def _fire(self, slice_index: int, down_s: float, cause: str) -> None:
-        self.outages.mark_down(slice_index, down_s)
+    def _fire(self, slice_index: int, down_s: float, cause: str, down_steps: int = 0) -> None:
+        self.outages.mark_down(slice_index, down_s, down_steps)
         self.last_cause = cause
-        self.events.emit("slice_killed", slice=slice_index, down_s=down_s, cause=cause)
+        self.events.emit("slice_killed", slice=slice_index, down_s=down_s, down_steps=down_steps, cause=cause)
 
     def _chaos_requests(self):
         if self.chaos_dir is None or not self.chaos_dir.is_dir():

@@ -2,7 +2,7 @@
 
 The trace covers steps skip_first_n_steps_for_profiler+1 .. +profiler_steps. If an attempt ends inside
 the window (a slice failure), `close()` stops the trace cleanly and the next attempt starts a new
-one at its next step inside the window, under <run dir>/profile.
+one at its next step inside the window, under <run dir>/profile/from_step_<N>.
 """
 from __future__ import annotations
 
@@ -28,9 +28,12 @@ class StepProfiler:
     def before_step(self, step: int) -> None:
         """`step` is about to run."""
         if self.enabled and not self.done and not self.active and self.first <= step <= self.last:
-            jax.profiler.start_trace(str(self.logdir))
+            # One directory per trace: JAX names a trace by the second it started, so a trace resumed
+            # after a quick recovery would otherwise overwrite the interrupted one.
+            logdir = self.logdir / f"from_step_{step:06d}"
+            jax.profiler.start_trace(str(logdir))
             self.active = True
-            self.events.emit("profiler_start", step=step, logdir=str(self.logdir))
+            self.events.emit("profiler_start", step=step, logdir=str(logdir))
 
     def after_step(self, step: int, state=None) -> None:
         if self.active and step >= self.last:

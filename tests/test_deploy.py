@@ -619,8 +619,6 @@ def test_dockerfile_copies_exist_and_are_not_ignored():
             assert src not in ignored, f"COPY source {src} is excluded by .dockerignore"
             if not (REPO / src).exists():
                 missing.append(src)
-    if missing == ["README.md"]:  # pyproject's readme: the build needs it; it is being written separately
-        pytest.skip("README.md does not exist yet; `docker build` needs it (pyproject.toml readme)")
     assert not missing, f"COPY sources missing: {missing}"
 
 

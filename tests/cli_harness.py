@@ -60,3 +60,22 @@ def final_params(run_dir: Path) -> dict[str, np.ndarray]:
     import jax
 
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree["params"])}
+
+
+def assert_same_params(run_dir: Path, baseline_dir: Path, *, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """Final parameters equal the baseline's: bitwise by default, else within rtol/atol."""
+    a, b = final_params(run_dir), final_params(baseline_dir)
+    assert a.keys() == b.keys()
+    for k in a:
+        if rtol == 0.0 and atol == 0.0:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        else:
+            np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=atol, err_msg=k)
+
+
+def assert_same_data_order(run_dir: Path, baseline_dir: Path, steps: int | None = None) -> None:
+    """The surviving record of every step saw the baseline's batch (and, given `steps`, all steps ran)."""
+    got, base = final_by_step(metrics(run_dir)), final_by_step(metrics(baseline_dir))
+    if steps is not None:
+        assert sorted(got) == list(range(1, steps + 1))
+    assert [got[s]["batch_fingerprint"] for s in sorted(got)] == [base[s]["batch_fingerprint"] for s in sorted(got)]

@@ -7,10 +7,10 @@ import signal
 import subprocess
 import time
 
-import numpy as np
 import pytest
 
-from cli_harness import cli_env, command, events, final_by_step, final_params, metrics, run_cli
+from cli_harness import (assert_same_data_order, assert_same_params, cli_env, command, events, metrics,
+                         run_cli)
 
 STEPS = 12
 COMMON = [f"steps={STEPS}", "checkpoint_period=3", "num_slices=1"]
@@ -25,13 +25,8 @@ def baseline(tmp_path_factory):
 
 
 def _assert_same_run(run, baseline):
-    got, base = final_by_step(metrics(run)), final_by_step(metrics(baseline))
-    assert sorted(got) == list(range(1, STEPS + 1))
-    assert [got[s]["batch_fingerprint"] for s in got] == [base[s]["batch_fingerprint"] for s in got]
-    a, b = final_params(run), final_params(baseline)
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert_same_data_order(run, baseline, STEPS)
+    assert_same_params(run, baseline)
 
 
 def _kill_when(root, name, ready, *extra):
@@ -121,11 +116,8 @@ def test_resume_onto_another_mesh_continues_the_same_run(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     attempts = [e for e in events(tmp_path / "m") if e["event"] == "attempt_start"]
     assert attempts[-1]["source"] == "checkpoint:6" and attempts[-1]["global_batch_size"] == 4
-    got, base = final_by_step(metrics(tmp_path / "m")), final_by_step(metrics(tmp_path / "ref"))
-    assert [got[s]["batch_fingerprint"] for s in sorted(got)] == [base[s]["batch_fingerprint"] for s in sorted(base)]
-    a, b = final_params(tmp_path / "m"), final_params(tmp_path / "ref")
-    for k in a:
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    assert_same_data_order(tmp_path / "m", tmp_path / "ref", STEPS)
+    assert_same_params(tmp_path / "m", tmp_path / "ref", rtol=1e-4, atol=1e-5)
 
 
 def test_a_failing_checkpoint_write_exits_non_zero_never_0(tmp_path):

@@ -119,7 +119,8 @@ class FaultInjector:
     def _fire(self, slice_index: int, down_s: float, cause: str, down_steps: int = 0) -> None:
         self.outages.mark_down(slice_index, down_s, down_steps)
         self.last_cause = cause
-        self.events.emit("slice_killed", slice=slice_index, down_s=down_s, down_steps=down_steps, cause=cause)
+        self.events.emit("slice_killed", slice=slice_index, step=self.next_step, down_s=down_s,
+                         down_steps=down_steps, cause=cause)
 
     def _chaos_requests(self):
         if self.chaos_dir is None or not self.chaos_dir.is_dir():

@@ -22,12 +22,10 @@ class EventLog:
         self.path, self.clock = path, clock
         self._lock = threading.Lock()
         self._file = open(path, "a", buffering=1) if path is not None else None
-        self.records: list[dict[str, Any]] = []
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"event": event, "time": self.clock(), "pid": os.getpid(), **fields}
         with self._lock:
-            self.records.append(record)
             if self._file is not None:
                 self._file.write(json.dumps(record, default=str) + "\n")
         log.info("event=%s %s", event, " ".join(f"{k}={v}" for k, v in fields.items()))

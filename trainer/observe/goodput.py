@@ -47,8 +47,7 @@ def account(events: Iterable[dict[str, Any]], metrics: Iterable[dict[str, Any]],
     startup = (first_attempt - t0) + sum(e.get("seconds", 0.0) for e in events
                                          if e["event"] == "compile_done" and e["time"] > first_attempt)
     # The first restore (or init) belongs to startup; later ones are recoveries.
-    restore = _durations(events, "restore_start", "restore_end") - _first_duration(events, "restore_start",
-                                                                                    "restore_end")
+    restore = _durations(events, "restore_start", "restore_end", skip_first=True)
     waiting = _durations(events, "wait_start", "wait_end", skip_first=True)
     bad = {"startup_compile": startup, "checkpoint_save": saving, "restore": restore,
            "wasted_progress": wasted, "waiting_for_slices": waiting}
@@ -56,12 +55,3 @@ def account(events: Iterable[dict[str, Any]], metrics: Iterable[dict[str, Any]],
     return {"wall_s": wall, "productive_s": productive, "goodput": productive / wall,
             "badput_s": {c: round(bad[c], 4) for c in CAUSES}}
 
-
-def _first_duration(events: list[dict], start: str, end: str) -> float:
-    opened = None
-    for e in events:
-        if e["event"] == start:
-            opened = e["time"]
-        elif e["event"] == end and opened is not None:
-            return e["time"] - opened
-    return 0.0

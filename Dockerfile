@@ -14,7 +14,8 @@ ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    TRAINER_CONFIGS_DIR=/app/configs
+    TRAINER_CONFIGS_DIR=/app/configs \
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 WORKDIR /app
 
 # 1. Dependencies only (the slow, rarely changing layer): read them from pyproject.toml, so editing the

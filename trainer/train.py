@@ -77,6 +77,7 @@ def _train(cfg) -> int:
     from trainer.config import ConfigError, to_yaml
     from trainer.data.errors import DataError
     from trainer.elastic.errors import ElasticGiveUp
+    from trainer.hostmem import hugepages_requested
     from trainer.observe.events import EventLog
     from trainer.observe.rundir import run_paths
     from trainer.run import run
@@ -88,7 +89,7 @@ def _train(cfg) -> int:
     (run_dir / "config.yml").write_text(to_yaml(cfg))
     events = EventLog(run_dir / "events.jsonl")
     events.emit("start", run_name=cfg.train.run_name, model=cfg.model.model, steps=cfg.train.steps,
-                argv=sys.argv[1:])
+                argv=sys.argv[1:], host_hugepages=hugepages_requested())
     stop = _StopFlag()
     stop.install()
     try:
@@ -155,4 +156,7 @@ def _emit_goodput(events, run_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    from trainer.hostmem import reexec_with_hugepages
+
+    reexec_with_hugepages()  # once, before JAX allocates anything (see trainer/hostmem.py)
     sys.exit(main())

@@ -102,7 +102,6 @@ class Attempt:
     checkpointer: Any
     lr_schedule: optax.Schedule
     flops_per_step: float
-    compile_s: float
     stack: contextlib.ExitStack
 
     def device_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -175,11 +174,55 @@ def loader_shard(batch_sharding: NamedSharding, global_rows: int) -> tuple[int, 
     return lo // (hi - lo), global_rows // (hi - lo)
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What an attempt derives from the config and its slices alone: no device data, threads or files.
+
+    Cached per slice set across attempts, so a retry on slices seen before rebuilds none of it: not the
+    compiled step, and not the mesh, shardings and abstract state either (eval_shape plus the sharding
+    rules: ~50 ms on qwen3-tiny, more on bigger models)."""
+
+    mesh: Mesh
+    plan: BatchPlan
+    batch_sharding: NamedSharding
+    loader_index: int
+    loader_count: int
+    optimizer: optax.GradientTransformation
+    shardings: Any
+    abstract_state: Any
+    step_fn: Callable | None = None  # set by `compiled`
+    compile_s: float = 0.0
+
+    def compiled(self, cfg: RunConfig) -> "Layout":
+        step_fn, seconds = compile_step(cfg, self.mesh, self.optimizer, self.plan, self.shardings,
+                                        self.abstract_state, self.batch_sharding)
+        return dataclasses.replace(self, step_fn=step_fn, compile_s=seconds)
+
+
+def slice_set_key(slices: list[list]) -> tuple:
+    """A set of active slices in mesh order, by device id: the layout cache's key."""
+    return tuple(tuple(d.id for d in s) for s in slices)
+
+
+def describe_layout(cfg: RunConfig, slices: list[list]) -> Layout:
+    """Mesh, batch plan, loader shard, optimizer and state shardings over `slices`; not compiled yet."""
+    mesh = build_mesh(cfg.mesh, slices)
+    batch_spec, shards = _batch_axes_size(mesh, cfg.mesh.logical_axis_rules)
+    batch_sharding = NamedSharding(mesh, batch_spec)
+    plan = plan_batch(cfg, devices_per_slice=len(slices[0]), active_slices=len(slices), batch_shards=shards)
+    loader_index, loader_count = loader_shard(batch_sharding, plan.global_batch_size)
+    optimizer = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model), lr_scale=plan.lr_scale)
+    shardings, abstract_state = state_shardings(cfg, mesh, optimizer)
+    return Layout(mesh, plan, batch_sharding, loader_index, loader_count, optimizer, shardings, abstract_state)
+
+
 def build_attempt(cfg: RunConfig, slices: list[list], *, checkpoint_dir, events, total_slices: int,
-                  executable_cache: dict | None = None, restore_source: Callable | None = None,
+                  layout_cache: dict | None = None, restore_source: Callable | None = None,
                   wrap_step: Callable | None = None, checkpoint_multiprocessing=None) -> Attempt:
     """Everything one attempt needs, on the mesh over `slices` (the active ones).
 
+    `layout_cache` (slice set -> Layout) is owned by the caller and outlives attempts; everything
+    stateful (iterator, checkpointer, device arrays) is built fresh here every time.
     `restore_source(abstract_state, newest_checkpoint_step)` may supply a newer state than the newest
     checkpoint (an elastic host-RAM snapshot); it returns (state, data_state, label) or None.
     `wrap_step` wraps the compiled step (the elastic fault injector's guard).
@@ -187,31 +230,26 @@ def build_attempt(cfg: RunConfig, slices: list[list], *, checkpoint_dir, events,
     """
     stack = contextlib.ExitStack()
     try:
-        mesh = build_mesh(cfg.mesh, slices)
-        rules = cfg.mesh.logical_axis_rules
-        batch_spec, shards = _batch_axes_size(mesh, rules)
-        batch_sharding = NamedSharding(mesh, batch_spec)
-        plan = plan_batch(cfg, devices_per_slice=len(slices[0]), active_slices=len(slices), batch_shards=shards)
+        key = slice_set_key(slices)
+        layout = None if layout_cache is None else layout_cache.get(key)
+        fresh = layout is None
+        if fresh:
+            layout = describe_layout(cfg, slices)
+        mesh, plan = layout.mesh, layout.plan
         # Data first: a bad dataset or tokenizer must stop the run before any compile or device work.
-        loader_index, loader_count = loader_shard(batch_sharding, plan.global_batch_size)
         iterator = make_train_iterator(cfg.data, vocab_size=cfg.model.vocab_size,
                                        global_batch_size=plan.global_batch_size,
-                                       process_index=loader_index, process_count=loader_count)
+                                       process_index=layout.loader_index, process_count=layout.loader_count)
         stack.callback(iterator.close)
-        logical = qwen3.param_logical_axes(cfg.model)
-        optimizer = make_optimizer(cfg.optim, logical, lr_scale=plan.lr_scale)
-        shardings, abstract_state = state_shardings(cfg, mesh, optimizer)
-
-        key = (tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, plan)
-        if executable_cache is not None and key in executable_cache:
-            step_fn, compile_s = executable_cache[key], 0.0
-            events.emit("compile_cached", devices=mesh.size, micro_steps=plan.micro_steps)
-        else:
-            step_fn, compile_s = compile_step(cfg, mesh, optimizer, plan, shardings, abstract_state, batch_sharding)
-            if executable_cache is not None:
-                executable_cache[key] = step_fn
-            events.emit("compile_done", seconds=round(compile_s, 3), devices=mesh.size,
+        if fresh:
+            layout = layout.compiled(cfg)
+            if layout_cache is not None:
+                layout_cache[key] = layout
+            events.emit("compile_done", seconds=round(layout.compile_s, 3), devices=mesh.size,
                         micro_steps=plan.micro_steps)
+        else:
+            events.emit("compile_cached", devices=mesh.size, micro_steps=plan.micro_steps)
+        optimizer, shardings, abstract_state = layout.optimizer, layout.shardings, layout.abstract_state
 
         checkpointer = None
         if cfg.checkpoint.enable_checkpointing:
@@ -238,11 +276,12 @@ def build_attempt(cfg: RunConfig, slices: list[list], *, checkpoint_dir, events,
             plan.global_batch_size * cfg.data.max_target_length
         log.info("attempt ready: mesh=%s global_batch=%d micro_steps=%d lr_scale=%.3f start_step=%d source=%s "
                  "loader_shard=%d/%d", dict(mesh.shape), plan.global_batch_size, plan.micro_steps, plan.lr_scale,
-                 start_step, source, loader_index, loader_count)
+                 start_step, source, layout.loader_index, layout.loader_count)
         return Attempt(cfg=cfg, mesh=mesh, plan=plan, state=state, start_step=start_step, restored_from=source,
-                       step_fn=step_fn if wrap_step is None else wrap_step(step_fn), batch_sharding=batch_sharding, iterator=iterator,
+                       step_fn=layout.step_fn if wrap_step is None else wrap_step(layout.step_fn),
+                       batch_sharding=layout.batch_sharding, iterator=iterator,
                        checkpointer=checkpointer, lr_schedule=learning_rate_schedule(cfg.optim, lr_scale=plan.lr_scale),
-                       flops_per_step=flops, compile_s=compile_s, stack=stack)
+                       flops_per_step=flops, stack=stack)
     except BaseException:
         stack.close()
         raise

@@ -83,7 +83,7 @@ def shared_snapshot_source(snapshots, events, *, barrier: Callable[[], None] = l
             raise RuntimeError(f"processes see different newest checkpoints {sorted(set(table[:, 1]))}: "
                                "the checkpoint directory must be one shared filesystem")
         best = int(table[:, 0].max())
-        if best < 0 or best <= ckpt:
+        if best < 0 or best < ckpt:  # a tie goes to host RAM, as in HostSnapshots
             return None
         if (table[:, 0] == best).all():
             return snapshots.restore_source(abstract_state, newest_checkpoint_step)

@@ -106,15 +106,23 @@ class FaultInjector:
         self.last_cause = ""
         self.next_step = 1
 
-    def at_step_boundary(self, next_step: int) -> None:
+    def at_step_boundary(self, next_step: int, in_flight=None) -> None:
+        """Fire the faults due before `next_step`. `in_flight` is the output of the step still running
+        on the devices (dispatch runs a step ahead): a due fault first waits for it, so the slice dies
+        exactly at the device-side boundary and its kill time is when that step really ended, not when
+        the host loop passed the boundary. Nothing is waited for when no fault is due."""
         if next_step != self.next_step:
             self.outages.steps_run += 1
         self.next_step = next_step
+        due = []
         while self.pending and self.pending[0].step <= next_step:
             f = self.pending.pop(0)
-            self._fire(f.slice, f.down_s, f"fault_schedule step={f.step}", f.down_steps)
-        for slice_index, down_s, source in self._chaos_requests():
-            self._fire(slice_index, down_s, source)
+            due.append((f.slice, f.down_s, f"fault_schedule step={f.step}", f.down_steps))
+        due += [(slice_index, down_s, source, 0) for slice_index, down_s, source in self._chaos_requests()]
+        if due and in_flight is not None:
+            jax.block_until_ready(in_flight)
+        for fault in due:
+            self._fire(*fault)
 
     def _fire(self, slice_index: int, down_s: float, cause: str, down_steps: int = 0) -> None:
         self.outages.mark_down(slice_index, down_s, down_steps)

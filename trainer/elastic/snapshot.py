@@ -2,8 +2,9 @@
 
 `take` makes an on-device copy of the state (cheap, asynchronous: the next step may donate the
 original) and copies it to host memory on a background thread while training continues. Recovery
-uses the newest complete snapshot when it is newer than the newest committed checkpoint, so a slice
-failure rewinds at most `snapshot_period` steps instead of `checkpoint_period`.
+uses the newest complete snapshot unless a committed checkpoint is newer (on a tie the snapshot wins:
+host RAM is read faster than storage), so a slice failure rewinds at most `snapshot_period` steps
+instead of `checkpoint_period`.
 """
 from __future__ import annotations
 
@@ -73,10 +74,10 @@ class HostSnapshots:
             self._thread = None
 
     def restore_source(self, abstract_state, newest_checkpoint_step: int | None):
-        """(state on the current mesh, data_state, label) when the snapshot beats the checkpoint, else None."""
+        """(state on the current mesh, data_state, label) unless there is no snapshot or a newer checkpoint."""
         self.settle()
         snap = self.latest
-        if snap is None or (newest_checkpoint_step is not None and snap.step <= newest_checkpoint_step):
+        if snap is None or (newest_checkpoint_step is not None and snap.step < newest_checkpoint_step):
             return None
         t0 = time.perf_counter()
         shardings = jax.tree.map(lambda a: a.sharding, abstract_state)

@@ -81,7 +81,7 @@ class _StepHooks:
         if period and step % period == 0:
             sup.snapshots.take(step, attempt.state, attempt.iterator.get_state())
         if sup.injector is not None:
-            sup.injector.at_step_boundary(step + 1)
+            sup.injector.at_step_boundary(step + 1, in_flight=attempt.state)
         if sup.membership is not None:  # every step: each process saw the same round at this step
             arrived = sup.membership.arrived(self.active)
             if arrived:
@@ -136,7 +136,7 @@ class Supervisor:
             self.injector = FaultInjector(faults, self.outages, paths.local / "chaos", events)
         self.checker = make_checker(self.slice_to_devices, self.outages, single_controller=self.single_controller)
         self.snapshots = HostSnapshots(events)
-        self.executables: dict = {}
+        self.layouts: dict = {}  # slice set -> attempt.Layout (mesh, shardings, compiled step)
         self.clock = RecoveryClock()
         self.nonfinite = NonFinitePolicy(cfg.observe.nan_policy, events)
         self.profiler = StepProfiler(cfg.observe, paths.local / "profile", events)
@@ -179,7 +179,7 @@ class Supervisor:
                 "attempt_start", self.formation, active, timeout_s=timeout_s))
             multiprocessing = self.membership.checkpoint_options(active, self.formation)
         attempt = build_attempt(cfg, [self.slice_to_devices[i] for i in active], checkpoint_dir=self.paths.checkpoints,
-                                events=self.events, total_slices=self.total, executable_cache=self.executables,
+                                events=self.events, total_slices=self.total, layout_cache=self.layouts,
                                 restore_source=restore_source, wrap_step=step_guard,
                                 checkpoint_multiprocessing=multiprocessing)
         with contextlib.closing(attempt):

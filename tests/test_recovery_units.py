@@ -1,0 +1,96 @@
+"""Pieces of in-process recovery, without the CLI: when a fault takes effect, which restore source
+wins, and what a retry on slices seen before reuses."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trainer.attempt import build_attempt
+from trainer.config import load_config
+from trainer.elastic.faults import Fault, FaultInjector, Outages
+from trainer.elastic.snapshot import HostSnapshots
+from trainer.observe.events import EventLog
+from trainer.parallel.mesh import group_into_slices
+
+
+class _Step:
+    """Stands in for a dispatched step's output: records when the injector waits for it."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def block_until_ready(self):
+        self.log.append("in-flight step finished")
+        return self
+
+
+class _Events:
+    def __init__(self, log):
+        self.log = log
+
+    def emit(self, name, **fields):
+        self.log.append(name)
+
+
+def test_a_due_fault_takes_effect_when_the_step_in_flight_has_finished(tmp_path):
+    log = []
+    injector = FaultInjector([Fault(step=3, slice=1)], Outages(), tmp_path / "chaos", _Events(log))
+    injector.at_step_boundary(2, in_flight=_Step(log))
+    assert log == [], "no fault due: the loop must not wait for the device"
+    injector.at_step_boundary(3, in_flight=_Step(log))
+    assert log == ["in-flight step finished", "slice_killed"]
+    assert injector.outages.take_failures([0, 1, 2]) == [1], "the next step on slice 1 fails"
+
+
+def test_a_chaos_request_also_waits_for_the_step_in_flight(tmp_path):
+    log = []
+    chaos = tmp_path / "chaos"
+    chaos.mkdir()
+    (chaos / "req.json").write_text('{"slice": 2, "down_s": 0}')
+    injector = FaultInjector([], Outages(), chaos, _Events(log))
+    injector.at_step_boundary(5, in_flight=_Step(log))
+    assert log == ["in-flight step finished", "slice_killed"]
+    assert (chaos / "req.done").exists()
+
+
+@pytest.fixture
+def state_on_one_device():
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    state = {"step": jnp.array(6, jnp.int32), "w": jnp.arange(8.0)}
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
+    return state, abstract
+
+
+@pytest.mark.parametrize("checkpoint_step, wins", [(None, True), (4, True), (6, True), (8, False)])
+def test_the_snapshot_is_restored_unless_a_checkpoint_is_newer(state_on_one_device, checkpoint_step, wins):
+    state, abstract = state_on_one_device
+    snaps = HostSnapshots(EventLog(None))
+    snaps.take(6, state, {"cursor": 6}, block=True)
+    got = snaps.restore_source(abstract, checkpoint_step)
+    if not wins:
+        assert got is None
+        return
+    restored, data_state, label = got
+    assert label == "snapshot:6" and data_state == {"cursor": 6}  # a tie goes to host RAM: the faster read
+    np.testing.assert_array_equal(restored["w"], np.arange(8.0))
+
+
+def test_a_retry_on_slices_seen_before_reuses_their_layout_and_builds_fresh_state(tmp_path):
+    cfg = load_config("base.yml", ["model=qwen3-tiny", "base_num_decoder_layers=1", "base_emb_dim=32",
+                                   "base_num_query_heads=2", "base_num_kv_heads=1", "head_dim=16", "base_mlp_dim=64",
+                                   "vocab_size=128", "max_target_length=16", "num_slices=2",
+                                   "enable_checkpointing=false", f"base_output_directory={tmp_path}"])
+    slices = group_into_slices(jax.devices()[:4], 2)
+    log, cache = [], {}
+    kwargs = dict(checkpoint_dir=tmp_path / "ckpt", events=_Events(log), total_slices=2, layout_cache=cache)
+    first = build_attempt(cfg, slices, **kwargs)
+    first.close()
+    second = build_attempt(cfg, slices, **kwargs)
+    second.close()
+    assert log.count("compile_done") == 1 and log.count("compile_cached") == 1
+    assert second.mesh is first.mesh and second.step_fn is first.step_fn
+    assert second.iterator is not first.iterator, "stateful parts are never carried over"
+    assert second.state["params"] is not first.state["params"]
+    other = build_attempt(cfg, slices[:1], **kwargs)  # another slice set: its own mesh and executable
+    other.close()
+    assert other.mesh.size == 2 and log.count("compile_done") == 2 and len(cache) == 2

@@ -84,6 +84,25 @@ def test_save_then_restore_returns_the_same_state_data_state_and_metadata(tmp_pa
     ckpt.close()
 
 
+def test_checkpoint_compression_is_a_choice_and_both_kinds_read_back_with_plain_orbax(tmp_path, mesh4):
+    import orbax.checkpoint as ocp
+
+    sharding = NamedSharding(mesh4, P("fsdp"))
+    state = {"w": jax.device_put(jnp.zeros((1024, 64), jnp.float32), sharding)}  # zeros: very compressible
+    sizes = {}
+    for compression in (True, False):
+        root = tmp_path / f"compression_{compression}"
+        ckpt = Checkpointer(root, _cfg(checkpoint_compression=compression))
+        ckpt.save(3, state, {}, {})
+        ckpt.wait()
+        ckpt.close()
+        item = root / "3" / "state"
+        sizes[compression] = sum(f.stat().st_size for f in item.rglob("*") if f.is_file())
+        with ocp.StandardCheckpointer() as reader:  # the layout is plain Orbax: no trainer code needed
+            _assert_same(reader.restore(item, _abstract(state, mesh4, P("fsdp"))), state)
+    assert sizes[False] > 1024 * 64 * 4 > 10 * sizes[True], sizes
+
+
 def test_an_async_save_no_longer_needs_the_device_arrays_once_save_returns(tmp_path, mesh4):
     """The train step donates the state right after save(): the save must not read it later."""
     ckpt = Checkpointer(tmp_path / "ckpt", _cfg(async_checkpointing=True))

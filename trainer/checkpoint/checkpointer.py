@@ -110,8 +110,13 @@ class Checkpointer:
             # Several processes: which of them take part, and which one writes shared files (primary).
             multiprocessing_options=multiprocessing or ocp.options.MultiprocessingOptions(),
         )
-        self._primary_host = (multiprocessing or ocp.options.MultiprocessingOptions()).primary_host
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._primary_host = options.multiprocessing_options.primary_host
+        # The state item is a plain Orbax pytree checkpoint (what StandardSave writes too); its handler is
+        # explicit only so that compression is a choice.
+        state_handler = ocp.PyTreeCheckpointHandler(use_compression=cfg.checkpoint_compression,
+                                                    multiprocessing_options=options.multiprocessing_options)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+            STATE: state_handler, DATA: ocp.JsonCheckpointHandler(), METADATA: ocp.JsonCheckpointHandler()})
 
     # ---- what is on storage ----------------------------------------------------------------------
 
@@ -184,7 +189,7 @@ class Checkpointer:
         if self._failure is not None and not force:
             self._raise_failure()
         started = self._clock()
-        items = {STATE: ocp.args.StandardSave(state), DATA: ocp.args.JsonSave(data_state),
+        items = {STATE: ocp.args.PyTreeSave(state), DATA: ocp.args.JsonSave(data_state),
                  METADATA: ocp.args.JsonSave(metadata)}
         try:  # every storage access is inside: a broken path is a failed save, like any other
             if step in self.committed_steps():
@@ -269,7 +274,9 @@ class Checkpointer:
     def _restore_step(self, step: int, abstract_state) -> Restored:
         self._emit("checkpoint_restore_start", step=step)
         started = self._clock()
-        items = {STATE: ocp.args.StandardRestore(abstract_state), DATA: ocp.args.JsonRestore(),
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+        items = {STATE: ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args),
+                 DATA: ocp.args.JsonRestore(),
                  METADATA: ocp.args.JsonRestore()}
         out = self._manager.restore(step, args=ocp.args.Composite(**items))
         state = jax.block_until_ready(out[STATE])  # read errors surface here, inside the fallback

@@ -156,6 +156,9 @@ class CheckpointConfig:
            "newest checkpoint can fall back to the previous one.")
     enable_continuous_checkpointing: bool = key(
         False, "Start the next save as soon as the previous one has finished, ignoring checkpoint_period.")
+    checkpoint_compression: bool = key(
+        True, "zstd-compress checkpoint arrays (Orbax's default): smaller files for more host CPU per save. "
+              "false costs ~40% less CPU time per save (where host cores are scarce, e.g. CPU training).")
     load_parameters_path: str = key(
         "", "If the run has no checkpoint yet: start from these params only (a checkpoint step dir or a "
             "params-only checkpoint), with a fresh optimizer.")

@@ -94,3 +94,22 @@ def test_a_retry_on_slices_seen_before_reuses_their_layout_and_builds_fresh_stat
     other = build_attempt(cfg, slices[:1], **kwargs)  # another slice set: its own mesh and executable
     other.close()
     assert other.mesh.size == 2 and log.count("compile_done") == 2 and len(cache) == 2
+
+
+def test_a_snapshot_copies_each_distinct_shard_once_and_reassembles_the_global_arrays():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from trainer.elastic.snapshot import _distinct_shards
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))  # 2 replicas of 4 shards
+    w = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("fsdp")))
+    b = jax.device_put(jnp.ones(3, jnp.bfloat16), NamedSharding(mesh, P()))
+    assert len(_distinct_shards(w)) == 4 and len(_distinct_shards(b)) == 1
+    state = {"step": jax.device_put(jnp.array(9, jnp.int32), NamedSharding(mesh, P())), "w": w, "b": b}
+    snaps = HostSnapshots(EventLog(None))
+    snaps.take(9, state, {}, block=False)
+    jax.tree.map(lambda x: x.delete(), state)  # the next step donates the live state right away
+    snaps.settle()
+    got = snaps.latest.state
+    np.testing.assert_array_equal(got["w"], np.arange(64.0).reshape(8, 8))
+    assert got["b"].dtype == jnp.bfloat16 and got["step"] == 9 and got["step"].shape == ()

@@ -1,7 +1,8 @@
 """Host-RAM snapshots of the train state and data-iterator state, taken far more often than checkpoints.
 
-`take` makes an on-device copy of the state (cheap, asynchronous: the next step may donate the
-original) and copies it to host memory on a background thread while training continues. Recovery
+`take` makes an on-device copy of each distinct shard of the state (cheap, asynchronous: the next step
+may donate the original; replicas are copied once) and copies it to host memory on a background
+thread while training continues. Recovery
 uses the newest complete snapshot unless a committed checkpoint is newer (on a tie the snapshot wins:
 host RAM is read faster than storage), so a slice failure rewinds at most `snapshot_period` steps
 instead of `checkpoint_period`.
@@ -29,8 +30,31 @@ class Snapshot:
     nbytes: int
 
 
-def _device_copy(tree):
-    return jax.tree.map(jnp.copy, tree)
+def _distinct_shards(x: jax.Array) -> list[tuple[tuple, jax.Array]]:
+    """(index, on-device copy) of one addressable shard per distinct block of `x`.
+
+    A data-parallel state is replicated across slices: copying every replica would move the state
+    once per slice (and hold that much extra device memory until the host copy is done) for nothing.
+    The copy is dispatched now, so the next step may donate `x` right after."""
+    seen, out = set(), []
+    for shard in x.addressable_shards:
+        key = tuple((i.start, i.stop) for i in shard.index)
+        if key not in seen:
+            seen.add(key)
+            out.append((shard.index, jnp.copy(shard.data)))
+    return out
+
+
+def _assemble(shape, dtype, shards: list[tuple[tuple, jax.Array]]) -> np.ndarray:
+    host = np.empty(shape, dtype)
+    covered = 0
+    for index, data in shards:
+        block = np.asarray(data)
+        host[index] = block
+        covered += block.size
+    if covered != host.size:  # a block lives on another process: not this process's to snapshot alone
+        raise ValueError(f"addressable shards cover {covered} of {host.size} elements")
+    return host
 
 
 class HostSnapshots:
@@ -40,18 +64,18 @@ class HostSnapshots:
         self.events = events
         self.latest: Snapshot | None = None
         self._thread: threading.Thread | None = None
-        self._copy = jax.jit(_device_copy)
         self._lock = threading.Lock()
 
     def take(self, step: int, state, data_state: dict, *, block: bool = False) -> None:
         self.settle()
         t0 = time.perf_counter()
-        on_device = self._copy(state)  # dispatched; the live state may be donated right after this
+        leaves, treedef = jax.tree.flatten(state)
+        on_device = [(x.shape, x.dtype, _distinct_shards(x)) for x in leaves]
         data_state = dict(data_state)
 
         def to_host():
             try:
-                host = jax.tree.map(lambda x: np.array(x), jax.device_get(on_device))
+                host = jax.tree.unflatten(treedef, [_assemble(*leaf) for leaf in on_device])
             except Exception as e:  # a snapshot lost with its slice is simply not used
                 log.warning("snapshot of step %d failed: %s", step, e)
                 return

@@ -2,6 +2,8 @@
 import json
 import logging
 
+import pytest
+
 from trainer.observe.events import EventLog, read_events
 from trainer.observe.peaks import peak_tflops
 from trainer.observe.sinks import JsonlSink, LogSink, Sinks
@@ -85,3 +87,16 @@ def test_local_run_directory_is_used_as_is(tmp_path):
     paths = run_paths(str(tmp_path), "r2")
     assert paths.remote is None and paths.local == tmp_path / "r2"
     assert str(paths.checkpoints) == str(tmp_path / "r2" / "checkpoints")
+
+
+def test_goodput_counts_a_save_as_badput_only_beyond_waiting_for_the_step_it_saves():
+    from trainer.observe.goodput import account
+
+    events = [{"event": "start", "time": 0.0}, {"event": "attempt_start", "time": 1.0},
+              {"event": "checkpoint_save_blocked", "time": 3.5, "step": 2, "seconds": 0.5, "waited_for_step_s": 0.4},
+              {"event": "finish", "time": 5.0}]
+    steps = [{"step": s, "step_time_s": t, "time": 1.0 + s} for s, t in ((1, 1.0), (2, 1.0), (3, 1.5), (4, 0.5))]
+    out = account(events, steps)
+    # 4 s of steps; only the 0.1 s the save itself held the loop is not productive.
+    assert out["badput_s"]["checkpoint_save"] == pytest.approx(0.1)
+    assert out["productive_s"] == pytest.approx(3.9)

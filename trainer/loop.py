@@ -101,8 +101,11 @@ def train_loop(attempt: Attempt, sinks: Sinks, events, *, steps: int, nonfinite:
             # The iterator has yielded exactly `step` batches: its state pairs with this model state.
             if ckpt is not None and ckpt.should_save(step, final=final):
                 t0 = time.perf_counter()
+                jax.block_until_ready(state)  # the save copies it; timed apart from the save's own work
+                waited = time.perf_counter() - t0
                 if ckpt.save(step, state, attempt.iterator.get_state(), _metadata(attempt)):
-                    events.emit("checkpoint_save_blocked", step=step, seconds=round(time.perf_counter() - t0, 4))
+                    events.emit("checkpoint_save_blocked", step=step, seconds=round(time.perf_counter() - t0, 4),
+                                waited_for_step_s=round(waited, 4))
             after_step(step, attempt)
             if stop_requested() and not final:
                 reader.read(pending, last=True)

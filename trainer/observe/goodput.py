@@ -2,8 +2,8 @@
 
 goodput = time of the steps whose results survived / wall time. Badput is the rest, by cause:
 startup_compile (process start to the first step, plus any compile), checkpoint_save (time the loop
-was blocked saving), restore, wasted_progress (steps computed and then rewound by a failure),
-waiting_for_slices, and other (detection, teardown, logging, data).
+was blocked saving, beyond waiting for the step it saves), restore, wasted_progress (steps computed
+and then rewound by a failure), waiting_for_slices, and other (detection, teardown, logging, data).
 """
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ def account(events: Iterable[dict[str, Any]], metrics: Iterable[dict[str, Any]],
     for i, m in enumerate(metrics):
         last_of_step[m["step"]] = i
     kept = set(last_of_step.values())
-    saving = sum(e.get("seconds", 0.0) for e in events if e["event"] == "checkpoint_save_blocked")
+    # Waiting for the step in flight before copying it is that step's device time, which is productive.
+    saving = sum(e.get("seconds", 0.0) - e.get("waited_for_step_s", 0.0) for e in events
+                 if e["event"] == "checkpoint_save_blocked")
     # A step's step_time_s includes the time the loop was blocked starting its save: count that once,
     # as checkpoint_save, not also as productive time.
     productive = max(0.0, sum(m["step_time_s"] for i, m in enumerate(metrics) if i in kept) - saving)

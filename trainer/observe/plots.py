@@ -226,8 +226,8 @@ def _bands(run: RunLog) -> list[tuple[str, float, float]]:
     """Startup, blocking checkpoint saves and every recovery phase, as (name, start, end) wall times."""
     first_attempt = next((e["time"] for e in run.events if e["event"] == "attempt_start"), None)
     out = [(STARTUP, run.t0, first_attempt)] if first_attempt is not None else []
-    out += [(CHECKPOINT, e["time"] - e.get("seconds", 0.0), e["time"]) for e in run.events
-            if e["event"] == "checkpoint_save_blocked"]
+    out += [(CHECKPOINT, e["time"] - e.get("seconds", 0.0) + e.get("waited_for_step_s", 0.0), e["time"])
+            for e in run.events if e["event"] == "checkpoint_save_blocked"]
     out += [p for _, phases in recovery_phases(run) for p in phases]
     return out
 

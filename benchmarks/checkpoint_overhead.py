@@ -1,11 +1,19 @@
 """Checkpoint cost: loop time blocked per save, step-time overhead at a period, restore speed vs disk.
 
-    python benchmarks/checkpoint_overhead.py [--model qwen3-tiny] [--steps 60] [--period 10]
+    python benchmarks/checkpoint_overhead.py [--model qwen3-tiny] [--period 100] [--steps N] [--ab]
+                                             [key=value ...]
 
-Runs the CLI with and without checkpointing (async Orbax) and compares MEAN step time (saves are
-rare spikes; the mean is what they cost). Then resumes the checkpointed run for one more step to time
-the restore, and measures this disk's sequential write (with fsync) and read bandwidth on a file of
-the checkpoint's size, the same way, for comparison.
+Runs the CLI with async Orbax checkpoints every `--period` steps (default 100: the reference run's
+checkpoint_period) and reports:
+- the time the step loop is blocked inside each save (`checkpoint_save_blocked`), and how much of it
+  was waiting for the step still running on the device (which a save must copy, so it waits for it);
+- the extra step time each save causes, measured inside the run (see cli_runs.excess_step_time),
+  and the step-time overhead at the period: that extra time over `period` baseline steps;
+- with `--ab`, also a second run without checkpoints and the ratio of mean step times, the cruder
+  cross-check (run-to-run noise here is a few percent);
+- the restore time of the newest checkpoint (the run resumed for one more step) next to this disk's
+  sequential write (fsync) and read bandwidth, measured on a file of the checkpoint's size.
+Extra `key=value` arguments go to the trainer (e.g. checkpoint_compression=false).
 """
 from __future__ import annotations
 
@@ -18,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_runs import mean, median, read_jsonl, run, step_times  # noqa: E402
+from cli_runs import excess_step_time, mean, median, read_jsonl, run, step_times  # noqa: E402
 
 
 def disk_bandwidth(directory: Path, nbytes: int) -> tuple[float, float]:
@@ -46,34 +54,44 @@ def disk_bandwidth(directory: Path, nbytes: int) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-tiny")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--period", type=int, default=10)
+    p.add_argument("--period", type=int, default=100)
+    p.add_argument("--steps", type=int, default=0, help="default: 3 periods + 5 steps (3 measured saves)")
+    p.add_argument("--ab", action="store_true", help="also run without checkpoints and compare mean step times")
     p.add_argument("extra", nargs="*", help="more key=value for the trainer")
     args = p.parse_args()
-    common = [f"model={args.model}", f"steps={args.steps}", "log_period=1000", *args.extra]
+    steps = args.steps or 3 * args.period + 5
+    common = [f"model={args.model}", f"steps={steps}", "log_period=1000", *args.extra]
+    ckpt_args = [*common, f"checkpoint_period={args.period}", "max_num_checkpoints_to_keep=2"]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        plain = run(root, "plain", [*common, "enable_checkpointing=false"])
-        ckpt = run(root, "ckpt", [*common, f"checkpoint_period={args.period}"])
-        base_t, ck_t = step_times(plain), step_times(ckpt)
+        ckpt = run(root, "ckpt", ckpt_args)
         events = read_jsonl(ckpt / "events.jsonl")
-        blocked = [e["seconds"] for e in events if e["event"] == "checkpoint_save_blocked"]
+        blocked = [e for e in events if e["event"] == "checkpoint_save_blocked"]
         saved = [e for e in events if e["event"] == "checkpoint_save_committed"]
-        run(root, "ckpt", [*common, f"checkpoint_period={args.period}", f"steps={args.steps + 1}",
-                           f"learning_rate_schedule_steps={args.steps}"])
+        excess, base = excess_step_time(ckpt, "checkpoint_save_start", "checkpoint_save_committed")
+        out = {
+            "model": args.model, "checkpoint_period": args.period, "steps": steps, "extra": args.extra,
+            "saves": len(saved), "baseline_step_time_s": round(base, 4),
+            "median_loop_blocked_per_save_s": round(median([e["seconds"] for e in blocked]), 4),
+            "median_of_which_waiting_for_the_step_s": round(median([e["waited_for_step_s"] for e in blocked]), 4),
+            "median_async_save_s": round(median([e["seconds"] for e in saved]), 3),
+            "extra_step_time_per_save_s": [round(x, 3) for x in excess],
+            "step_time_overhead_at_period": round(median(excess) / (args.period * base), 4),
+        }
+        if args.ab:
+            plain = run(root, "plain", [*common, "enable_checkpointing=false"])
+            out["ab_mean_step_time_s_without"] = round(mean(step_times(plain)), 4)
+            out["ab_mean_step_time_s_with"] = round(mean(step_times(ckpt)), 4)
+            out["ab_step_time_overhead"] = round(mean(step_times(ckpt)) / mean(step_times(plain)) - 1, 4)
+        run(root, "ckpt", [*ckpt_args, f"steps={steps + 1}", f"learning_rate_schedule_steps={steps}"])
         restore = [e for e in read_jsonl(ckpt / "events.jsonl") if e["event"] == "restore_end"][-1]
         nbytes = restore["bytes"]
         write_mb, read_mb = disk_bandwidth(root, nbytes)
-    out = {
-        "model": args.model, "checkpoint_period": args.period, "saves": len(saved),
-        "mean_step_time_s_without": round(mean(base_t), 4), "mean_step_time_s_with": round(mean(ck_t), 4),
-        "step_time_overhead": round(mean(ck_t) / mean(base_t) - 1, 4),
-        "median_loop_blocked_per_save_s": round(median(blocked), 4) if blocked else None,
-        "checkpoint_bytes": nbytes,
-        "median_async_save_s": round(median([e["seconds"] for e in saved]), 3) if saved else None,
-        "restore_s": restore["seconds"], "restore_mb_per_s": round(nbytes / restore["seconds"] / 1e6, 1),
+    out.update({
+        "checkpoint_bytes": nbytes, "restore_s": restore["seconds"],
+        "restore_mb_per_s": round(nbytes / restore["seconds"] / 1e6, 1),
         "disk_write_mb_per_s_fsync": round(write_mb, 1), "disk_read_mb_per_s": round(read_mb, 1),
-    }
+    })
     print(json.dumps(out, indent=2))
 
 

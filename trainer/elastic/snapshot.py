@@ -2,10 +2,9 @@
 
 `take` makes an on-device copy of each distinct shard of the state (cheap, asynchronous: the next step
 may donate the original; replicas are copied once) and copies it to host memory on a background
-thread while training continues. Recovery
-uses the newest complete snapshot unless a committed checkpoint is newer (on a tie the snapshot wins:
-host RAM is read faster than storage), so a slice failure rewinds at most `snapshot_period` steps
-instead of `checkpoint_period`.
+thread while training continues. Recovery uses the newest complete snapshot unless a committed
+checkpoint is newer (on a tie the snapshot wins: host RAM is read faster than storage), so a slice
+failure rewinds at most `snapshot_period` steps instead of `checkpoint_period`.
 """
 from __future__ import annotations
 

@@ -72,3 +72,15 @@ def test_same_seed_same_losses_and_data_order(finished_run, tmp_path):
     first = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()][:5]
     assert [r["batch_fingerprint"] for r in again] == [r["batch_fingerprint"] for r in first]
     assert [r["loss"] for r in again] == [r["loss"] for r in first]
+
+
+def test_recorded_learning_rate_is_the_schedule_value_each_update_used(finished_run):
+    from trainer.optim import learning_rate_schedule
+
+    _, run_dir = finished_run
+    cfg = load_resolved(run_dir / "config.yml")
+    schedule = learning_rate_schedule(cfg.optim)
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # optax counts updates from 0: step s's update used the schedule at s - 1 (0 during the first).
+    assert [r["learning_rate"] for r in records] == pytest.approx([float(schedule(r["step"] - 1)) for r in records])
+    assert records[0]["learning_rate"] == 0.0 and max(r["learning_rate"] for r in records) > 0

@@ -100,7 +100,6 @@ class Attempt:
     batch_sharding: NamedSharding
     iterator: Any
     checkpointer: Any
-    lr_schedule: optax.Schedule
     flops_per_step: float
     stack: contextlib.ExitStack
 
@@ -147,7 +146,8 @@ def compile_step(cfg: RunConfig, mesh: Mesh, optimizer, plan: BatchPlan, shardin
         return {k: jax.lax.with_sharding_constraint(v, micro_spec) for k, v in micro.items()}
 
     step = make_train_step(cfg.model, optimizer, z_loss_multiplier=cfg.optim.z_loss_multiplier,
-                           micro_steps=plan.micro_steps, constrain_micro=constrain_micro)
+                           micro_steps=plan.micro_steps, constrain_micro=constrain_micro,
+                           learning_rate=learning_rate_schedule(cfg.optim, lr_scale=plan.lr_scale))
 
     def traced(state, batch):
         with activation_sharding(mesh, rules):
@@ -280,7 +280,7 @@ def build_attempt(cfg: RunConfig, slices: list[list], *, checkpoint_dir, events,
         return Attempt(cfg=cfg, mesh=mesh, plan=plan, state=state, start_step=start_step, restored_from=source,
                        step_fn=layout.step_fn if wrap_step is None else wrap_step(layout.step_fn),
                        batch_sharding=layout.batch_sharding, iterator=iterator,
-                       checkpointer=checkpointer, lr_schedule=learning_rate_schedule(cfg.optim, lr_scale=plan.lr_scale),
+                       checkpointer=checkpointer,
                        flops_per_step=flops, stack=stack)
     except BaseException:
         stack.close()

@@ -6,7 +6,7 @@ checkpoint staging are host memory on every backend. glibc serves large blocks w
 page-faults its whole size back in, and the TLB covers little of it. With the tunable, malloc
 madvises those blocks as transparent huge pages (2 MiB). Measured here (2 CPU cores): qwen3-tiny
 steps ~20% faster, and a 415 MB snapshot restore 2.5x faster (135 -> 53 ms), freeing it 10x faster.
-The price is paid once per process: first-touch zeroing of 2 MiB pages makes start-up 1-2 s slower.
+The price is paid once per process: first-touch zeroing of 2 MiB pages makes start-up ~0.8 s slower.
 
 glibc reads GLIBC_TUNABLES only when a process starts, so the CLI re-executes itself once, before
 importing anything heavy, with the tunable added. exec keeps the PID, the arguments and the rest of the

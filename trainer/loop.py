@@ -56,7 +56,7 @@ class MetricsReader:
         tflops = self.attempt.flops_per_step / step_time / devices / 1e12
         record = {
             "step": pending.step, "loss": float(m["loss"]),
-            "learning_rate": float(self.attempt.lr_schedule(pending.step - 1)),
+            "learning_rate": float(m["learning_rate"]),
             "grad_norm": float(m["grad_norm"]), "step_time_s": step_time,
             "tokens_per_s": self.tokens_per_step / step_time, "tflops_per_device": tflops,
             "mfu": None if self.peak is None else tflops / self.peak,

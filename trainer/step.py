@@ -63,13 +63,17 @@ def _split_micro(batch: dict, n: int) -> dict:
 
 
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *, z_loss_multiplier: float,
-                    micro_steps: int, constrain_micro: Callable[[dict], dict] = lambda b: b):
+                    micro_steps: int, constrain_micro: Callable[[dict], dict] = lambda b: b,
+                    learning_rate: optax.Schedule | None = None):
     """Build `train_step(state, batch)`.
 
     The global batch is split into `micro_steps` equal parts run in a scan; gradients of the token-summed
     objective are accumulated and divided once by the total token count, so k micro-steps give the same
     update as one k-times larger batch. The MoE aux loss is averaged over micro-steps.
     `constrain_micro` pins each micro-batch's sharding (the caller knows the mesh).
+    `learning_rate`, the optimizer's schedule, adds the rate this update used to the metrics: computed
+    inside the compiled step, since evaluating an optax schedule eagerly on the host compiles each of
+    its ~12 jnp ops on first use (~1 s in every new process).
     """
 
     def micro_grads(params, micro):
@@ -107,6 +111,8 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         metrics = {"loss": loss, "z_loss": parts["z_sum"] / denom, "aux_loss": parts["aux_loss"],
                    "grad_norm": grad_norm, "tokens": parts["tokens"], "finite": finite}
+        if learning_rate is not None:
+            metrics["learning_rate"] = learning_rate(state["step"])
         return {"step": state["step"] + 1, "params": keep(new_params, params),
                 "opt_state": keep(opt_state, state["opt_state"])}, metrics
 

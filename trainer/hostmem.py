@@ -66,4 +66,5 @@ def reexec_with_hugepages() -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, sys.orig_argv, env)
+    # argv[0] is this interpreter's own path, so a venv's python finds its venv again whatever PATH says.
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -136,18 +136,18 @@ def init_state(cfg: RunConfig, optimizer, shardings) -> dict:
     return jax.jit(init, out_shardings=shardings)(jax.random.key(cfg.train.init_weights_seed))
 
 
-def compile_step(cfg: RunConfig, mesh: Mesh, optimizer, plan: BatchPlan, shardings, abstract_state,
-                 batch_sharding: NamedSharding):
-    """AOT-compile the train step for this mesh and batch plan; returns (executable, seconds)."""
+def compile_step(cfg: RunConfig, layout: "Layout"):
+    """AOT-compile the train step for this layout's mesh and batch plan; returns (executable, seconds)."""
+    mesh, plan, batch_sharding, shardings = layout.mesh, layout.plan, layout.batch_sharding, layout.shardings
     rules = cfg.mesh.logical_axis_rules
     micro_spec = NamedSharding(mesh, batch_sharding.spec)
 
     def constrain_micro(micro):
         return {k: jax.lax.with_sharding_constraint(v, micro_spec) for k, v in micro.items()}
 
-    step = make_train_step(cfg.model, optimizer, z_loss_multiplier=cfg.optim.z_loss_multiplier,
+    step = make_train_step(cfg.model, layout.optimizer, z_loss_multiplier=cfg.optim.z_loss_multiplier,
                            micro_steps=plan.micro_steps, constrain_micro=constrain_micro,
-                           learning_rate=learning_rate_schedule(cfg.optim, lr_scale=plan.lr_scale))
+                           learning_rate=layout.lr_schedule)
 
     def traced(state, batch):
         with activation_sharding(mesh, rules):
@@ -160,7 +160,7 @@ def compile_step(cfg: RunConfig, mesh: Mesh, optimizer, plan: BatchPlan, shardin
     abstract_batch = {k: jax.ShapeDtypeStruct((plan.global_batch_size, length), jnp.int32, sharding=batch_sharding)
                       for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
     t0 = time.perf_counter()
-    compiled = jitted.lower(abstract_state, abstract_batch).compile()
+    compiled = jitted.lower(layout.abstract_state, abstract_batch).compile()
     return compiled, time.perf_counter() - t0
 
 
@@ -187,6 +187,7 @@ class Layout:
     batch_sharding: NamedSharding
     loader_index: int
     loader_count: int
+    lr_schedule: optax.Schedule  # the optimizer's, also reported by the step (one object, never two)
     optimizer: optax.GradientTransformation
     shardings: Any
     abstract_state: Any
@@ -194,8 +195,7 @@ class Layout:
     compile_s: float = 0.0
 
     def compiled(self, cfg: RunConfig) -> "Layout":
-        step_fn, seconds = compile_step(cfg, self.mesh, self.optimizer, self.plan, self.shardings,
-                                        self.abstract_state, self.batch_sharding)
+        step_fn, seconds = compile_step(cfg, self)
         return dataclasses.replace(self, step_fn=step_fn, compile_s=seconds)
 
 
@@ -211,9 +211,11 @@ def describe_layout(cfg: RunConfig, slices: list[list]) -> Layout:
     batch_sharding = NamedSharding(mesh, batch_spec)
     plan = plan_batch(cfg, devices_per_slice=len(slices[0]), active_slices=len(slices), batch_shards=shards)
     loader_index, loader_count = loader_shard(batch_sharding, plan.global_batch_size)
-    optimizer = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model), lr_scale=plan.lr_scale)
+    schedule = learning_rate_schedule(cfg.optim, lr_scale=plan.lr_scale)
+    optimizer = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model), schedule=schedule)
     shardings, abstract_state = state_shardings(cfg, mesh, optimizer)
-    return Layout(mesh, plan, batch_sharding, loader_index, loader_count, optimizer, shardings, abstract_state)
+    return Layout(mesh, plan, batch_sharding, loader_index, loader_count, schedule, optimizer, shardings,
+                  abstract_state)
 
 
 def build_attempt(cfg: RunConfig, slices: list[list], *, checkpoint_dir, events, total_slices: int,

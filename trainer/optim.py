@@ -28,11 +28,15 @@ def weight_decay_mask(logical_axes: Any) -> Any:
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
-def make_optimizer(cfg: OptimConfig, logical_axes: Any, *, lr_scale: float = 1.0) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, logical_axes: Any, *,
+                   schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
+    """AdamW on `schedule` (default: learning_rate_schedule(cfg)); pass the schedule when the caller
+    also reports the rate, so both use the same one."""
+    schedule = schedule if schedule is not None else learning_rate_schedule(cfg)
     parts = []
     if cfg.gradient_clipping_threshold > 0:
         parts.append(optax.clip_by_global_norm(cfg.gradient_clipping_threshold))
-    parts.append(optax.adamw(learning_rate_schedule(cfg, lr_scale=lr_scale), b1=cfg.adam_b1, b2=cfg.adam_b2,
+    parts.append(optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2,
                              eps=cfg.adam_eps, weight_decay=cfg.adam_weight_decay,
                              mask=weight_decay_mask(logical_axes)))
     return optax.chain(*parts)

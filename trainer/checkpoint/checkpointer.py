@@ -113,10 +113,12 @@ class Checkpointer:
         self._primary_host = options.multiprocessing_options.primary_host
         # The state item is a plain Orbax pytree checkpoint (what StandardSave writes too); its handler is
         # explicit only so that compression is a choice.
-        state_handler = ocp.PyTreeCheckpointHandler(use_compression=cfg.checkpoint_compression,
-                                                    multiprocessing_options=options.multiprocessing_options)
+        # Every handler gets the manager's multi-process options, as Orbax's default handlers would.
+        mp = options.multiprocessing_options
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
-            STATE: state_handler, DATA: ocp.JsonCheckpointHandler(), METADATA: ocp.JsonCheckpointHandler()})
+            STATE: ocp.PyTreeCheckpointHandler(use_compression=cfg.checkpoint_compression, multiprocessing_options=mp),
+            DATA: ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+            METADATA: ocp.JsonCheckpointHandler(multiprocessing_options=mp)})
 
     # ---- what is on storage ----------------------------------------------------------------------
 

@@ -1,5 +1,8 @@
 """The one exception type for unusable data; the CLI turns it into exit code 2 before training."""
 
 
-class DataError(ValueError):
+from trainer.errors import UserInputError
+
+
+class DataError(UserInputError):
     """Data that cannot be trained on. The message names the file or field and the fix."""

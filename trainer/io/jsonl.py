@@ -1,0 +1,90 @@
+"""Append-only JSON-lines logs (metrics.jsonl, events.jsonl) that survive a torn tail.
+
+A process killed mid-write leaves a last line without its newline, cut anywhere. Readers skip every
+line that is not a JSON object (and say how many); a writer that reopens such a file first cuts the
+torn fragment off, so its own first record starts on a fresh line instead of being glued to it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
+
+
+def parse_lines(text: str, *, source: str = "") -> list[dict[str, Any]]:
+    """The JSON objects of `text`, one per line; unparsable lines (a torn write) are skipped."""
+    out, bad = [], 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+        else:
+            bad += 1
+    if bad:
+        log.warning("event=jsonl_skipped file=%s lines=%d (torn or corrupt writes)", source or "?", bad)
+    return out
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every record of a JSONL file (local or an epath on an object store); [] if it does not exist."""
+    from etils import epath
+
+    p = epath.Path(path)
+    if not p.exists():
+        return []
+    return parse_lines(p.read_bytes().decode("utf-8", errors="replace"), source=str(path))
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
+    yield from read_jsonl(path)
+
+
+def repair_tail(path: str | os.PathLike) -> int:
+    """Cut a torn last line (no trailing newline, not valid JSON) off a local file; returns bytes cut.
+
+    A last line that parses but lacks its newline gets the newline instead."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        window = min(size, 1 << 20)
+        f.seek(size - window)
+        tail = f.read(window)
+        start = tail.rfind(b"\n") + 1
+        fragment = tail[start:]
+        try:
+            json.loads(fragment)
+            f.seek(0, os.SEEK_END)
+            f.write(b"\n")
+            return 0
+        except ValueError:
+            f.truncate(size - len(fragment))
+    log.warning("event=jsonl_torn_tail_removed file=%s bytes=%d", path, len(fragment))
+    return len(fragment)
+
+
+def open_append(path: str | os.PathLike, *, buffering: int = 1):
+    """Open a JSONL log for appending after repairing a torn tail left by a killed writer."""
+    repair_tail(path)
+    return open(path, "a", buffering=buffering, encoding="utf-8")
+
+
+def dumps(record: dict[str, Any]) -> str:
+    """One record as one line (newline included), so a single write() carries the whole record."""
+    return json.dumps(record, default=str) + "\n"

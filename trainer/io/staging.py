@@ -1,0 +1,79 @@
+"""Check inputs, then write aside, then swap: a failed tool run never destroys or half-writes an output.
+
+Tools that produce a directory or a file (data preparation, tokenizer training, conversion) write into
+a hidden sibling first and move it into place only once everything succeeded. An existing output is
+replaced only then (and only with overwrite); on any failure the sibling is removed and the old output
+is untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+
+class OutputExists(FileExistsError):
+    """The output exists and overwrite was not asked for."""
+
+
+def check_writable(dest: str | os.PathLike, *, overwrite: bool, flag: str = "--overwrite") -> Path:
+    """Refuse an existing output up front (before any work), naming the flag that allows replacing it."""
+    dest = Path(dest).expanduser()
+    if dest.exists() and not overwrite:
+        from trainer.errors import UserInputError
+
+        raise UserInputError(f"{dest} already exists; pass {flag} to replace it, or choose another output")
+    return dest
+
+
+def _aside(dest: Path, tag: str) -> Path:
+    return dest.with_name(f".{dest.name}.{tag}-{uuid.uuid4().hex[:8]}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+@contextlib.contextmanager
+def staged_dir(dest: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty directory beside `dest`; on success it becomes `dest` (replacing the old one)."""
+    dest = check_writable(dest, overwrite=overwrite)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _aside(dest, "staging")
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        _remove(tmp)
+        raise
+    _swap(tmp, dest)
+
+
+@contextlib.contextmanager
+def staged_file(dest: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a path beside `dest` to write; on success it is renamed onto `dest`."""
+    dest = check_writable(dest, overwrite=overwrite)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _aside(dest, "staging")
+    try:
+        yield tmp
+    except BaseException:
+        _remove(tmp)
+        raise
+    _swap(tmp, dest)
+
+
+def _swap(tmp: Path, dest: Path) -> None:
+    if not dest.exists():
+        os.replace(tmp, dest)
+        return
+    old = _aside(dest, "old")
+    os.replace(dest, old)
+    os.replace(tmp, dest)
+    _remove(old)

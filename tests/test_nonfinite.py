@@ -5,7 +5,7 @@ import numpy as np
 
 from trainer import model as qwen3
 from trainer.attempt import init_state, state_shardings
-from trainer.optim import make_optimizer
+from trainer.optim import learning_rate_schedule, make_optimizer
 from trainer.parallel.mesh import build_mesh
 from trainer.step import make_train_step
 
@@ -18,7 +18,8 @@ COMMON = ["steps=8", "checkpoint_period=2", "num_slices=1"]
 def test_a_non_finite_update_is_never_applied():
     cfg = micro_config()
     mesh = build_mesh(cfg.mesh, [jax.devices()[:1]])
-    opt = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model))
+    opt = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model),
+                         schedule=learning_rate_schedule(cfg.optim, steps=cfg.train.steps))
     shardings, _ = state_shardings(cfg, mesh, opt)
     state = init_state(cfg, opt, shardings)
     emb = state["params"]

@@ -15,7 +15,8 @@ from helpers import micro_config, replace, synthetic_batch
 
 def _one_step(cfg, micro_steps, batch):
     mesh = build_mesh(cfg.mesh, [jax.devices()[:1]])
-    opt = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model))
+    opt = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model),
+                         schedule=learning_rate_schedule(cfg.optim, steps=cfg.train.steps))
     shardings, _ = state_shardings(cfg, mesh, opt)
     state = init_state(cfg, opt, shardings)
     step = jax.jit(make_train_step(cfg.model, opt, z_loss_multiplier=cfg.optim.z_loss_multiplier,
@@ -70,7 +71,7 @@ def test_chunked_loss_equals_full_logits_loss(monkeypatch):
 def test_learning_rate_warms_up_then_decays_to_the_final_fraction():
     cfg = micro_config("learning_rate=1e-3", "warmup_steps_fraction=0.1", "steps=100",
                        "cosine_learning_rate_final_fraction=0.1")
-    lr = learning_rate_schedule(cfg.optim)
+    lr = learning_rate_schedule(cfg.optim, steps=cfg.train.steps)
     assert float(lr(0)) == 0.0
     assert float(lr(10)) == pytest.approx(1e-3)
     assert float(lr(5)) == pytest.approx(5e-4)

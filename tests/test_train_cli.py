@@ -79,7 +79,7 @@ def test_recorded_learning_rate_is_the_schedule_value_each_update_used(finished_
 
     _, run_dir = finished_run
     cfg = load_resolved(run_dir / "config.yml")
-    schedule = learning_rate_schedule(cfg.optim)
+    schedule = learning_rate_schedule(cfg.optim, steps=cfg.train.steps)
     records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # optax counts updates from 0: step s's update used the schedule at s - 1 (0 during the first).
     assert [r["learning_rate"] for r in records] == pytest.approx([float(schedule(r["step"] - 1)) for r in records])

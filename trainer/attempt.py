@@ -211,7 +211,7 @@ def describe_layout(cfg: RunConfig, slices: list[list]) -> Layout:
     batch_sharding = NamedSharding(mesh, batch_spec)
     plan = plan_batch(cfg, devices_per_slice=len(slices[0]), active_slices=len(slices), batch_shards=shards)
     loader_index, loader_count = loader_shard(batch_sharding, plan.global_batch_size)
-    schedule = learning_rate_schedule(cfg.optim, lr_scale=plan.lr_scale)
+    schedule = learning_rate_schedule(cfg.optim, steps=cfg.train.steps, lr_scale=plan.lr_scale)
     optimizer = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model), schedule=schedule)
     shardings, abstract_state = state_shardings(cfg, mesh, optimizer)
     return Layout(mesh, plan, batch_sharding, loader_index, loader_count, schedule, optimizer, shardings,

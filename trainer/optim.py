@@ -9,13 +9,14 @@ import optax
 from trainer.config.schema import OptimConfig
 
 
-def learning_rate_schedule(cfg: OptimConfig, *, lr_scale: float = 1.0) -> optax.Schedule:
+def learning_rate_schedule(cfg: OptimConfig, *, steps: int, lr_scale: float = 1.0) -> optax.Schedule:
     """Linear warmup from 0 to the peak, cosine decay to `final_fraction * peak`, then flat.
 
-    `lr_scale` multiplies the peak (replica-resize with the `scale` batch policy).
+    The schedule spans learning_rate_schedule_steps, or the run's `steps` when that is -1. `lr_scale`
+    multiplies the peak (replica-resize with the `scale` batch policy).
     """
     peak = cfg.learning_rate * lr_scale
-    total = cfg.learning_rate_schedule_steps
+    total = steps if cfg.learning_rate_schedule_steps == -1 else cfg.learning_rate_schedule_steps
     warmup = int(round(cfg.warmup_steps_fraction * total))
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=peak, warmup_steps=warmup, decay_steps=max(total, warmup + 1),
@@ -28,11 +29,8 @@ def weight_decay_mask(logical_axes: Any) -> Any:
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
-def make_optimizer(cfg: OptimConfig, logical_axes: Any, *,
-                   schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
-    """AdamW on `schedule` (default: learning_rate_schedule(cfg)); pass the schedule when the caller
-    also reports the rate, so both use the same one."""
-    schedule = schedule if schedule is not None else learning_rate_schedule(cfg)
+def make_optimizer(cfg: OptimConfig, logical_axes: Any, *, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """AdamW on `schedule` (from learning_rate_schedule; the caller reports the same rate)."""
     parts = []
     if cfg.gradient_clipping_threshold > 0:
         parts.append(optax.clip_by_global_norm(cfg.gradient_clipping_threshold))

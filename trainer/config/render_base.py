@@ -20,7 +20,7 @@ def _scalar(value) -> str:
 def render() -> str:
     lines = ["# Defaults of every config key, rendered from trainer/config/schema.py (do not edit by hand:",
              "# run `python -m trainer.config.render_base > configs/base.yml`). Order of precedence:",
-             "# this file < configs/models/<model>.yml < key=value arguments.", ""]
+             "# this file < configs/models/<model>.yml < your config file < key=value arguments.", ""]
     for section, cls in section_classes().items():
         lines.append(f"# ---- {section}: {cls.__doc__.strip().splitlines()[0]}")
         for f in dataclasses.fields(cls):

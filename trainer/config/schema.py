@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def key(default: Any, doc: str, *, choices: tuple | None = None, minimum: float | None = None):
-    """A config field: its default, one-line documentation and optional constraints."""
-    meta = {"doc": doc, "choices": choices, "minimum": minimum}
+def key(default: Any, doc: str, *, choices: tuple | None = None, minimum: float | None = None,
+        maximum: float | None = None):
+    """A config field: its default, one-line documentation and optional constraints (inclusive bounds)."""
+    meta = {"doc": doc, "choices": choices, "minimum": minimum, "maximum": maximum}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: _copy(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -90,7 +91,6 @@ class MeshConfig:
     """How the devices of the active slices form the mesh."""
 
     num_slices: int = key(1, "Slices (on CPU/GPU: virtual slices grouping the local devices).", minimum=1)
-    dcn_data_parallelism: int = key(-1, "Data parallelism across slices; -1 = the number of slices.")
     ici_data_parallelism: int = key(1, "Data parallelism inside a slice; -1 = fill.")
     ici_fsdp_parallelism: int = key(-1, "Fully-sharded data parallelism inside a slice; -1 = fill.")
     ici_tensor_parallelism: int = key(1, "Tensor (Megatron) parallelism inside a slice; -1 = fill.")
@@ -110,9 +110,12 @@ class DataConfig:
     max_target_length: int = key(2048, "Sequence length in tokens.", minimum=2)
     data_shuffle_seed: int = key(0, "Seed of the data order (shuffle, synthetic stream).")
     grain_train_files: str = key("", "arrayrecord: glob(s) of ArrayRecord shards, comma-separated "
-                                     "(e.g. data/fc_sample/*.arrayrecord; relative to cwd, else the repo).")
+                                     "(e.g. data/fc_sample/*.arrayrecord; relative to cwd, else the repo; ~; gs://).")
     tokenizer_path: str = key("data/tokenizer/fc_sp8k.model",
-                              "arrayrecord: sentencepiece .model or HF tokenizer.json (relative to cwd, else the repo).")
+                              "arrayrecord: sentencepiece .model or HF tokenizer.json (relative to cwd, else the "
+                              "repo; ~; gs://).")
+    data_cache_dir: str = key("", "arrayrecord: where shards and tokenizers on an object store are copied once per "
+                                  "host before reading; '' = ~/.cache/elastic-trainer/remote.")
     tokenizer_type: str = key("sentencepiece", "arrayrecord: sentencepiece | huggingface (tokenizer.json).",
                               choices=("sentencepiece", "huggingface"))
     packing: bool = key(True, "arrayrecord: pack several whole documents per row (else one per row, padded).")
@@ -132,9 +135,11 @@ class OptimConfig:
     """AdamW, its schedule, clipping and accumulation."""
 
     learning_rate: float = key(3e-4, "Peak learning rate.", minimum=0.0)
-    warmup_steps_fraction: float = key(0.1, "Fraction of the schedule spent in linear warmup.", minimum=0.0)
-    cosine_learning_rate_final_fraction: float = key(0.1, "Final LR as a fraction of the peak.", minimum=0.0)
-    learning_rate_schedule_steps: int = key(-1, "Length of the LR schedule; -1 = steps.")
+    warmup_steps_fraction: float = key(0.1, "Fraction of the schedule spent in linear warmup.", minimum=0.0,
+                                       maximum=1.0)
+    cosine_learning_rate_final_fraction: float = key(0.1, "Final LR as a fraction of the peak.", minimum=0.0,
+                                                     maximum=1.0)
+    learning_rate_schedule_steps: int = key(-1, "Length of the LR schedule; -1 = steps.", minimum=-1)
     adam_b1: float = key(0.9, "AdamW beta1.", minimum=0.0)
     adam_b2: float = key(0.95, "AdamW beta2.", minimum=0.0)
     adam_eps: float = key(1e-8, "AdamW epsilon.", minimum=0.0)
@@ -212,9 +217,11 @@ class ObserveConfig:
 class TrainConfig:
     """The run itself: identity, length, output location, seed."""
 
-    run_name: str = key("", "Run name; the run directory is <base_output_directory>/<run_name>. "
-                            "Empty = a timestamped name.")
-    base_output_directory: str = key("runs", "Parent directory of run directories.")
+    run_name: str = key("", "Run name; the run directory is <base_output_directory>/<run_name>. Empty = the "
+                            "job's name ($JOBSET_NAME, $SLURM_JOB_NAME-$SLURM_JOB_ID), else <model>-<data>: the "
+                            "same command resumes the same run.")
+    base_output_directory: str = key("runs", "Parent directory of run directories: relative (to the working "
+                                             "directory), absolute, ~ or gs://.")
     steps: int = key(100, "Optimizer steps to train.", minimum=1)
     init_weights_seed: int = key(0, "Seed of parameter initialisation.")
     jax_cache_dir: str = key("~/.cache/elastic-trainer/jax",
@@ -256,7 +263,7 @@ class DecodeConfig:
     temperature: float = key(0.0, "Sampling temperature; 0 = greedy (argmax).", minimum=0.0)
     top_k: int = key(0, "Sample among the top_k most likely tokens only; 0 = no limit.", minimum=0)
     top_p: float = key(1.0, "Sample among the most likely tokens up to this total probability (0 < p <= 1); "
-                            "1 = no limit.", minimum=0.0)
+                            "1 = no limit.", minimum=0.0, maximum=1.0)
     decode_seed: int = key(0, "Seed of sampling: the same seed reproduces a sampled continuation.")
 
 

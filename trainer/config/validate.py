@@ -13,11 +13,13 @@ def _field_constraints(cfg: RunConfig) -> list[str]:
         sub = getattr(cfg, section)
         for f in dataclasses.fields(sub):
             value = getattr(sub, f.name)
-            choices, minimum = f.metadata.get("choices"), f.metadata.get("minimum")
+            choices, minimum, maximum = (f.metadata.get(k) for k in ("choices", "minimum", "maximum"))
             if choices is not None and value not in choices:
-                problems.append(f"{f.name}={value!r} is not one of {', '.join(map(str, choices))}")
+                problems.append(f"{f.name}={value!r} is not one of {', '.join(map(repr, choices))}")
             if minimum is not None and value < minimum:
                 problems.append(f"{f.name}={value!r} must be >= {minimum}")
+            if maximum is not None and value > maximum:
+                problems.append(f"{f.name}={value!r} must be <= {maximum}")
     return problems
 
 
@@ -37,16 +39,11 @@ def _model_problems(cfg: RunConfig) -> list[str]:
 def _run_problems(cfg: RunConfig) -> list[str]:
     problems = []
     o, mesh, e = cfg.optim, cfg.mesh, cfg.elastic
-    if o.warmup_steps_fraction > 1:
-        problems.append(f"warmup_steps_fraction={o.warmup_steps_fraction} must be <= 1")
     for name in ("adam_b1", "adam_b2"):
         if getattr(o, name) >= 1:
             problems.append(f"{name}={getattr(o, name)} must be < 1")
-    if o.learning_rate_schedule_steps < 1:
-        problems.append(f"learning_rate_schedule_steps={o.learning_rate_schedule_steps} must be >= 1 (or -1 = steps)")
-    if mesh.dcn_data_parallelism != mesh.num_slices:
-        problems.append(f"dcn_data_parallelism={mesh.dcn_data_parallelism} must equal num_slices="
-                        f"{mesh.num_slices} (slices are data-parallel replicas); leave it at -1")
+    if o.learning_rate_schedule_steps == 0:
+        problems.append("learning_rate_schedule_steps=0 must be >= 1 (or -1 = steps)")
     ici = [mesh.ici_data_parallelism, mesh.ici_fsdp_parallelism, mesh.ici_tensor_parallelism,
            mesh.ici_expert_parallelism]
     if sum(v == -1 for v in ici) > 1:
@@ -56,6 +53,13 @@ def _run_problems(cfg: RunConfig) -> list[str]:
     if not (e.elastic_min_slice_count == -1 or 1 <= e.elastic_min_slice_count <= mesh.num_slices):
         problems.append(f"elastic_min_slice_count={e.elastic_min_slice_count} must be -1 (all slices) or "
                         f"between 1 and num_slices={mesh.num_slices}")
+    if e.fault_schedule.strip():
+        from trainer.elastic.faults import parse_fault_schedule
+
+        try:
+            parse_fault_schedule(e.fault_schedule, mesh.num_slices)
+        except ConfigError as err:
+            problems.append(str(err))
     c = cfg.checkpoint
     if c.load_parameters_path and c.load_full_state_path:
         problems.append("set at most one of load_parameters_path (params only) and load_full_state_path "

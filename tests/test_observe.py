@@ -66,7 +66,7 @@ def test_remote_run_directory_mirrors_logs_and_sends_checkpoints_to_the_store(tm
     monkeypatch.setenv("TRAINER_LOCAL_RUN_ROOT", str(tmp_path / "local"))
     paths = run_paths("gs://bucket/runs", "r1")
     assert str(paths.checkpoints) == "gs://bucket/runs/r1/checkpoints"
-    assert paths.local == tmp_path / "local" / "trainer_runs" / "r1"
+    assert paths.local == tmp_path / "local" / "trainer_runs" / "gs_bucket_runs_r1"
     # The copy itself, with a local directory standing in for the object store:
     mirror = RunPaths(local=tmp_path / "run", checkpoints=epath.Path(tmp_path / "store" / "checkpoints"),
                       remote=epath.Path(tmp_path / "store"))

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import logging
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import jax
 from trainer.config.schema import RunConfig
 from trainer.distributed import DistributedSettings, initialize, leave, process_slices, resolve_settings
 from trainer.elastic.supervisor import run_supervised
+from trainer.io.paths import resolve
 from trainer.loop import LoopResult
 from trainer.observe.rundir import RunPaths
 from trainer.observe.sinks import JsonlSink, LogSink, ProgressSink, Sinks, TensorBoardSink
@@ -43,8 +43,7 @@ def setup_runtime(cfg: RunConfig) -> DistributedSettings:
 
         pathwaysutils.initialize()  # Pathways proxy backend: one controller sees every slice
     if cfg.train.jax_cache_dir:
-        cache = cfg.train.jax_cache_dir
-        jax.config.update("jax_compilation_cache_dir", cache if "://" in cache else os.path.expanduser(cache))
+        jax.config.update("jax_compilation_cache_dir", str(resolve(cfg.train.jax_cache_dir)))
         # Cache the train step, init and snapshot copies, not every small eager op.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     return settings

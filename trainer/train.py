@@ -14,14 +14,29 @@ import threading
 from pathlib import Path
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ELASTIC = 0, 1, 2, 3
+_EPILOG = """Config layers, each later one winning: configs/base.yml (every key, its default and a one-line
+description), the model preset configs/models/<model>.yml, CONFIG when it is not base.yml, then
+key=value arguments (flags and key=value may come in any order). --print-config shows the result and
+which layer set each value.
+
+The run directory is <base_output_directory>/<run_name>; with no run_name it is named after the job
+($JOBSET_NAME, $SLURM_JOB_NAME-$SLURM_JOB_ID), else <model>-<data>, so the same command resumes the
+same run.
+
+Exit codes: 0 finished (or preempted by SIGTERM after a final save); 2 bad config, data or input
+path (before any compute); 3 elastic recovery gave up; 1 any other failure. The last line is
+always 'STATUS: ...'."""
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.splitlines()[0])
-    p.add_argument("config", nargs="?", default="base.yml", help="config file path or name in configs/")
-    p.add_argument("overrides", nargs="*", help="key=value overrides (values parsed as YAML scalars)")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    args = p.parse_args(argv)
+    p = argparse.ArgumentParser(prog="python -m trainer.train", description="Train a Qwen3-family model.",
+                                epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", default="base.yml", help="config file path or name in configs/ "
+                                                                 "(default base.yml)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, typed by the key (see configs/base.yml)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (marking which layer set each value) and exit")
+    args = p.parse_intermixed_args(argv)
     if "=" in args.config:  # `python -m trainer.train steps=10`: no config file given
         args.overrides.insert(0, args.config)
         args.config = "base.yml"
@@ -59,46 +74,71 @@ class _StopFlag:
 def main(argv=None) -> int:
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     _setup_logging()
-    from trainer.config import ConfigError, load_config, to_yaml
+    from trainer.config import ConfigError, build, to_yaml
+    from trainer.config.loader import load_layers, merge, value_sources
+    from trainer.config.validate import validate
+    from trainer.data.errors import DataError
 
     try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        _status("config_error")
+        layers = load_layers(args.config, args.overrides)
+        cfg = build(merge(layers))
+        validate(cfg)
+        config_text = to_yaml(cfg, value_sources(layers))
+        if args.print_config:
+            sys.stdout.write(config_text)
+            return EXIT_OK
+        paths, preflight = _prepare(cfg)
+    except (ConfigError, DataError) as e:
+        status = "config_error" if isinstance(e, ConfigError) else "data_error"
+        print(f"{status.replace('_', ' ')}: {e}", file=sys.stderr)
+        _status(status)
         return EXIT_BAD_INPUT
-    if args.print_config:
-        sys.stdout.write(to_yaml(cfg))
-        return EXIT_OK
-    return _train(cfg)
+    return _train(cfg, paths, preflight, config_text)
 
 
-def _train(cfg) -> int:
-    from trainer.config import ConfigError, to_yaml
+def _prepare(cfg):
+    """The run's directory (named, and its bucket logs continued) and the preflight of every input."""
+    from trainer import preflight
+    from trainer.observe.rundir import resolve_run_name, run_paths
+
+    name, why = resolve_run_name(cfg.train.run_name, model=cfg.model.model, dataset_type=cfg.data.dataset_type,
+                                 grain_train_files=cfg.data.grain_train_files)
+    paths = _process_paths(run_paths(cfg.train.base_output_directory, name), cfg)
+    checked = preflight.check(cfg, paths.checkpoints)
+    where = (f"resuming from step {checked.resume_step}" if checked.resume_step is not None else "new run")
+    logging.getLogger("trainer.train").info("event=run_dir run_dir=%s run_name=%s named_by=%s start=%s",
+                                            paths.run_dir, name, why, where.replace(" ", "_"))
+    print(f"run_dir={paths.run_dir} ({where}; run_name from {why})", flush=True)
+    return paths, checked
+
+
+def _train(cfg, paths, checked, config_text: str) -> int:
+    from trainer.config import ConfigError
     from trainer.data.errors import DataError
     from trainer.elastic.errors import ElasticGiveUp
     from trainer.hostmem import hugepages_requested
     from trainer.observe.events import EventLog
-    from trainer.observe.rundir import run_paths
     from trainer.run import run
 
     log = logging.getLogger("trainer.train")
-    paths = _process_paths(run_paths(cfg.train.base_output_directory, cfg.train.run_name), cfg)
     run_dir = paths.local
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yml").write_text(to_yaml(cfg))
+    paths.pull()
+    (run_dir / "config.yml").write_text(config_text)
     events = EventLog(run_dir / "events.jsonl")
-    events.emit("start", run_name=cfg.train.run_name, model=cfg.model.model, steps=cfg.train.steps,
+    events.emit("start", run_name=paths.local.name if paths.remote is None else paths.remote.name,
+                model=cfg.model.model, steps=cfg.train.steps, resume_step=checked.resume_step,
                 argv=sys.argv[1:], host_hugepages=hugepages_requested())
     stop = _StopFlag()
     stop.install()
     try:
         outcome = run(cfg, paths=paths, events=events, stop_requested=stop)
         if outcome.preempted:
-            code, status, line = EXIT_OK, "preempted", (
-                f"preempted step={outcome.final_step}: checkpoint saved; rerun the same command to resume")
+            saved = ("checkpoint saved; rerun the same command to resume" if cfg.checkpoint.enable_checkpointing
+                     else "no checkpoint saved (enable_checkpointing=false): a rerun starts over")
+            code, status, line = EXIT_OK, "preempted", f"preempted step={outcome.final_step}: {saved}"
         else:
-            code, status, line = EXIT_OK, "finished", f"finished step={outcome.final_step} run_dir={paths.remote or run_dir}"
+            code, status, line = EXIT_OK, "finished", f"finished step={outcome.final_step} run_dir={paths.run_dir}"
         fields = {"step": outcome.final_step}
     except (ConfigError, DataError) as e:
         status = "config_error" if isinstance(e, ConfigError) else "data_error"
@@ -140,16 +180,13 @@ def _process_paths(paths, cfg):
 
 def _emit_goodput(events, run_dir: Path) -> None:
     """One summary event and log line: where the wall time went (see trainer.observe.goodput)."""
-    import json
     import time
 
-    from trainer.observe.events import read_events
+    from trainer.io.jsonl import read_jsonl
     from trainer.observe.goodput import account
 
-    path = run_dir / "metrics.jsonl"
-    records = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
-    # The whole run, earlier processes included (a resumed run appends to the same files).
-    summary = account(read_events(run_dir / "events.jsonl"), records, now=time.time())
+    # The whole run, earlier processes and pods included (a resumed run appends to the same files).
+    summary = account(read_jsonl(run_dir / "events.jsonl"), read_jsonl(run_dir / "metrics.jsonl"), now=time.time())
     events.emit("goodput", goodput=None if summary["goodput"] is None else round(summary["goodput"], 4),
                 wall_s=round(summary["wall_s"], 3), productive_s=round(summary["productive_s"], 3),
                 badput_s=summary["badput_s"])

@@ -15,7 +15,9 @@ from trainer.checkpoint.checkpointer import STATE
 
 
 def _state_item(path: epath.PathLike) -> epath.Path:
-    path = epath.Path(path)
+    from trainer.io.paths import resolve
+
+    path = resolve(path)
     if not commit.is_committed(path):
         raise FileNotFoundError(f"{path} is not a committed checkpoint directory (no {commit.COMMIT_MARKER}; "
                                 f"point at <run>/checkpoints/<step> or a save_parameters directory)")
@@ -29,6 +31,9 @@ def save_parameters(path: epath.PathLike, params, *, in_place: bool = False) -> 
     Orbax then writes them as they are, uncompressed, instead of first copying every array (and holding
     zstd buffers), so the save adds next to nothing to peak host memory; the default save adds about
     one more copy of the params. Both load alike."""
+    from trainer.io.paths import resolve
+
+    path = resolve(path)
     if in_place:
         registry = ocp.type_handlers.create_type_handler_registry(
             (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
@@ -37,7 +42,7 @@ def save_parameters(path: epath.PathLike, params, *, in_place: bool = False) -> 
     else:
         handler, item = ocp.StandardCheckpointHandler(), ocp.args.StandardSave({"params": params})
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{STATE: handler})) as checkpointer:
-        checkpointer.save(epath.Path(path), args=ocp.args.Composite(**{STATE: item}))
+        checkpointer.save(path, args=ocp.args.Composite(**{STATE: item}))
 
 
 def load_parameters(path: epath.PathLike, abstract_params):

@@ -25,22 +25,22 @@ that at the same step). num_epoch <= 0 repeats forever: `steps` bounds training.
 """
 from __future__ import annotations
 
-import glob as globlib
 import json
 import logging
-import os
 from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
 import grain
 import numpy as np
+from etils import epath
 
 from trainer.data.batch import BATCH_KEYS
 from trainer.data.errors import DataError
 from trainer.data.formatting import DocumentFormat, RecordError
 from trainer.data.packing import empty_row, pack_row, pairs
-from trainer.data.tokenizer import REPO_ROOT, Tokenizer
+from trainer.data.tokenizer import Tokenizer
+from trainer.io.paths import expand_globs, local_copy, looked_at
 
 log = logging.getLogger(__name__)
 STATE_KIND = "arrayrecord_row_streams"
@@ -49,23 +49,30 @@ STATE_VERSION = 1
 
 # ---- files and records --------------------------------------------------------------------------
 
-def resolve_files(pattern: str) -> list[str]:
-    """Files matching comma-separated globs (relative to the working directory, else to the repo)."""
+SIDE_FILES = ("dataset_info.json",)  # written beside the shards by scripts/prepare_data.py
+
+
+def resolve_files(pattern: str) -> list[epath.Path]:
+    """Shards matching comma-separated globs, local (relative to the working directory, else the repo)
+    or on an object store; the dataset's own side files and hidden files are not shards."""
     if not pattern.strip():
         raise DataError("dataset_type=arrayrecord needs grain_train_files=<glob of .arrayrecord shards>, "
                         "e.g. grain_train_files=data/fc_sample/*.arrayrecord")
-    files: list[str] = []
-    for part in (p.strip() for p in pattern.split(",") if p.strip()):
-        matches = sorted(globlib.glob(os.path.expanduser(part), recursive=True))
-        if not matches and not os.path.isabs(part):
-            matches = sorted(globlib.glob(str(REPO_ROOT / part), recursive=True))
-        matches = [m for m in matches if os.path.isfile(m)]
-        if not matches:
-            where = sorted({os.getcwd(), str(REPO_ROOT)})
-            raise DataError(f"grain_train_files: {part!r} matches no file (looked relative to "
-                            f"{' and '.join(where)}); check the path, or make shards with scripts/prepare_data.py")
-        files += matches
+    files: list[epath.Path] = []
+    for part, matches in expand_globs(pattern):
+        shards = [m for m in matches if m.name not in SIDE_FILES and not m.name.startswith(".")]
+        if not shards:
+            raise DataError(f"grain_train_files: {part!r} matches no shard (looked at {looked_at(part)}); "
+                            "check the path, or make shards with scripts/prepare_data.py")
+        files += shards
     return files
+
+
+def local_shards(files: list[epath.Path], cache_dir: str) -> list[str]:
+    """Local paths for ArrayRecord's reader, which opens local files only: object-store shards are
+    copied once per host into `cache_dir` (for data larger than local disk, mount the bucket, e.g.
+    with gcsfuse, and give the mount's path instead)."""
+    return [str(local_copy(f, cache_dir or None)) for f in files]
 
 
 def count_records(path: str) -> int:
@@ -335,8 +342,9 @@ def make_arrayrecord_iterator(data_cfg, *, vocab_size: int, global_batch_size: i
     fmt = DocumentFormat(text_field=data_cfg.text_field, messages_field=data_cfg.messages_field,
                          use_sft=data_cfg.use_sft, add_bos=data_cfg.add_bos, add_eos=data_cfg.add_eos,
                          max_len=data_cfg.max_target_length)
-    files = resolve_files(data_cfg.grain_train_files)
-    check_pretokenized_with(tok, files)
+    sources = resolve_files(data_cfg.grain_train_files)
+    check_pretokenized_with(tok, sources)
+    files = local_shards(sources, data_cfg.data_cache_dir)
     load = DocumentLoader(files, [count_records(f) for f in files], fmt, tok, vocab_size)
     check_documents(load, data_cfg.data_shuffle_seed)
     epochs = data_cfg.num_epoch
@@ -364,14 +372,16 @@ def load_tokenizer(data_cfg, vocab_size: int) -> Tokenizer:
     return tok
 
 
-def check_pretokenized_with(tok: Tokenizer, files: list[str]) -> None:
+def check_pretokenized_with(tok: Tokenizer, files: list[epath.Path]) -> None:
     """Shards pre-tokenized by scripts/prepare_data.py must be read with the tokenizer that made them."""
-    for directory in sorted({os.path.dirname(f) for f in files}):
-        info_path = os.path.join(directory, "dataset_info.json")
-        if not os.path.isfile(info_path):
+    for directory in sorted({f.parent for f in files}, key=str):
+        info_path = directory / "dataset_info.json"
+        if not info_path.is_file():
             continue
-        with open(info_path) as f:
-            made_with = (json.load(f).get("tokenizer") or {}).get("fingerprint")
+        try:
+            made_with = (json.loads(info_path.read_text()).get("tokenizer") or {}).get("fingerprint")
+        except (ValueError, AttributeError):
+            raise DataError(f"{info_path} is not valid JSON; re-run scripts/prepare_data.py") from None
         if made_with is not None and made_with != tok.fingerprint():
             raise DataError(f"{directory} was pre-tokenized with another tokenizer ({info_path} records "
                             f"fingerprint {made_with}, {tok.path} is {tok.fingerprint()}); set tokenizer_path to "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 from pathlib import Path
 from typing import Iterable
 
@@ -30,11 +31,14 @@ _PAD_CANDIDATES = (PAD, "<pad>")
 
 
 def resolve_asset_path(path: str) -> Path:
-    """A path relative to the working directory if it exists there, else relative to the repository."""
-    p = Path(path).expanduser()
-    if p.exists() or p.is_absolute():
-        return p
-    return REPO_ROOT / p
+    """A local file for `path`: relative to the working directory if it exists there, else to the
+    repository (bundled assets); `~` expanded; a gs:// object is copied to the per-host cache."""
+    from trainer.io.paths import local_copy, resolve_input
+
+    resolved = resolve_input(path)
+    if not resolved.is_file():
+        return Path(os.fspath(resolved))
+    return local_copy(resolved)
 
 
 class Tokenizer:
@@ -43,10 +47,12 @@ class Tokenizer:
     def __init__(self, path: str | Path, kind: str = "sentencepiece"):
         if kind not in KINDS:
             raise DataError(f"tokenizer_type={kind!r} is not one of {', '.join(KINDS)}")
+        from trainer.io.paths import looked_at
+
         resolved = resolve_asset_path(str(path))
         if not resolved.is_file():
-            raise DataError(f"tokenizer_path={str(path)!r} not found (looked at {Path(path).resolve()} and "
-                            f"{REPO_ROOT / path}); point tokenizer_path at a sentencepiece .model or a "
+            raise DataError(f"tokenizer_path={str(path)!r} not found (looked at {looked_at(str(path))}); "
+                            "point tokenizer_path at a sentencepiece .model or a "
                             "tokenizer.json, or train one with scripts/train_tokenizer.py")
         self.path, self.kind = resolved.resolve(), kind
         self._impl = None

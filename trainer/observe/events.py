@@ -1,13 +1,14 @@
 """Run events (start, compile, checkpoint, elastic phases, finish) as one JSON object per line."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from trainer.io.jsonl import dumps, open_append, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -21,13 +22,13 @@ class EventLog:
     def __init__(self, path: Path | None, *, clock: Callable[[], float] = time.time):
         self.path, self.clock = path, clock
         self._lock = threading.Lock()
-        self._file = open(path, "a", buffering=1) if path is not None else None
+        self._file = open_append(path) if path is not None else None
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"event": event, "time": self.clock(), "pid": os.getpid(), **fields}
         with self._lock:
             if self._file is not None:
-                self._file.write(json.dumps(record, default=str) + "\n")
+                self._file.write(dumps(record))
         log.info("event=%s %s", event, " ".join(f"{k}={v}" for k, v in fields.items()))
         return record
 
@@ -43,11 +44,5 @@ class EventLog:
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
-    """Parse events.jsonl, skipping a torn last line (the run may have been killed mid-write)."""
-    out = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    """Parse events.jsonl, skipping torn lines (the run may have been killed mid-write)."""
+    return read_jsonl(path)

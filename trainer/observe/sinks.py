@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import math
 import statistics
 import sys
 from pathlib import Path
 from typing import Any, Protocol, TextIO
+
+from trainer.io.jsonl import dumps, open_append
 
 log = logging.getLogger("trainer.metrics")
 
@@ -22,10 +23,10 @@ class JsonlSink:
     """metrics.jsonl: one JSON object per step, flushed per line so a killed run keeps its history."""
 
     def __init__(self, path: Path):
-        self._file = open(path, "a", buffering=1)
+        self._file = open_append(path)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(dumps(record))
 
     def close(self) -> None:
         self._file.close()

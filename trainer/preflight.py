@@ -1,0 +1,125 @@
+"""Every input a run needs, checked before any device work: a problem exits 2 before compiling.
+
+- A run directory that already has a committed checkpoint is resumed; its model must have the shape
+  this config asks for (else: name a new run_name, or drop the changed keys).
+- Otherwise `load_full_state_path` / `load_parameters_path` must be a committed checkpoint whose
+  parameter shapes match the model.
+- `dataset_type=arrayrecord` needs shards that exist and a tokenizer that loads and fits the model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+from etils import epath
+
+from trainer.config.errors import ConfigError
+from trainer.config.schema import RunConfig
+
+log = logging.getLogger(__name__)
+# Model keys that change the shape or structure of the parameters (and so of a checkpoint).
+SHAPE_KEYS = ("base_num_decoder_layers", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
+              "base_mlp_dim", "vocab_size", "num_experts", "base_moe_mlp_dim", "logits_via_embedding",
+              "use_qk_norm", "scan_layers", "weight_dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preflight:
+    resume_step: int | None   # newest committed step of this run, if it has one
+
+
+def _saved_model(step_dir: epath.Path) -> dict | None:
+    path = step_dir / "metadata" / "metadata"
+    try:
+        return json.loads(path.read_text()).get("config")
+    except Exception:  # noqa: BLE001 - an older or foreign checkpoint: nothing to compare
+        return None
+
+
+def resumed_shape_problems(cfg: RunConfig, step_dir: epath.Path) -> list[str]:
+    saved = _saved_model(step_dir)
+    if not saved:
+        return []
+    given = dataclasses.asdict(cfg.model)
+    diffs = [f"{k}: checkpoint {saved[k]!r}, config {given[k]!r}" for k in SHAPE_KEYS
+             if k in saved and saved[k] != given[k]]
+    if not diffs:
+        return []
+    return [f"the run directory {step_dir.parent.parent} holds a checkpoint (step {step_dir.name}) of another "
+            f"model shape ({'; '.join(diffs)}); to start a new run give it another run_name=..., or drop the "
+            "changed keys to resume it"]
+
+
+def _param_shapes(tree) -> dict[str, tuple]:
+    import jax
+
+    return {jax.tree_util.keystr(k): tuple(getattr(v, "shape", ())) for k, v in
+            jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def load_path_problems(cfg: RunConfig) -> list[str]:
+    """The configured load path exists, is committed, and holds params of this model's shapes."""
+    from trainer.checkpoint import commit
+    from trainer.io.paths import resolve
+
+    for key in ("load_full_state_path", "load_parameters_path"):
+        given = getattr(cfg.checkpoint, key)
+        if not given:
+            continue
+        path = resolve(given)
+        if not path.exists():
+            return [f"{key}={given!r} does not exist (looked at {path}); point it at a checkpoint step directory "
+                    "(<run>/checkpoints/<step>) or a converted model (python -m trainer.convert hf-to-trainer)"]
+        if not commit.is_committed(path):
+            steps = commit.committed_steps(path / "checkpoints") or commit.committed_steps(path)
+            hint = (f"; it holds committed steps {steps}: use {path / 'checkpoints' if (path / 'checkpoints').exists() else path}"
+                    f"/{steps[-1]}" if steps else "")
+            return [f"{key}={given!r} is not a committed checkpoint (no {commit.COMMIT_MARKER}){hint}"]
+        return _shape_mismatch(key, given, path / "state", cfg)
+    return []
+
+
+def _shape_mismatch(key: str, given: str, item: epath.Path, cfg: RunConfig) -> list[str]:
+    import orbax.checkpoint as ocp
+
+    from trainer.model.transformer import abstract_params
+
+    try:
+        with ocp.PyTreeCheckpointer() as ckptr:
+            saved = ckptr.metadata(item).item_metadata.tree["params"]
+    except Exception as e:  # noqa: BLE001 - unreadable metadata: the restore reports it
+        log.warning("could not read parameter shapes of %s before restoring: %s", item, e)
+        return []
+    want, have = _param_shapes(abstract_params(cfg.model)), _param_shapes(saved)
+    missing = sorted(set(want) - set(have))
+    wrong = [f"{k} {have[k]} (model wants {want[k]})" for k in sorted(want) if k in have and have[k] != want[k]]
+    if not (missing or wrong):
+        return []
+    what = f"parameters missing: {', '.join(missing[:3])}" if missing else f"shapes differ: {', '.join(wrong[:3])}"
+    return [f"{key}={given!r} does not fit model={cfg.model.model}: {what}; use the model it was saved with "
+            "(a converted model: model=<dir>/model.yml)"]
+
+
+def data_problems(cfg: RunConfig) -> None:
+    """Shards and tokenizer (raises DataError, which the CLI reports with exit 2)."""
+    if cfg.data.dataset_type != "arrayrecord":
+        return
+    from trainer.data.grain_pipeline import load_tokenizer, resolve_files
+
+    resolve_files(cfg.data.grain_train_files)
+    load_tokenizer(cfg.data, cfg.model.vocab_size)
+
+
+def check(cfg: RunConfig, checkpoints: epath.Path) -> Preflight:
+    """Raise ConfigError / DataError naming every unusable input; say where the run starts from."""
+    from trainer.checkpoint import commit
+
+    steps = commit.committed_steps(checkpoints) if cfg.checkpoint.enable_checkpointing else []
+    resume = steps[-1] if steps else None
+    problems = (resumed_shape_problems(cfg, commit.step_dir(checkpoints, resume)) if resume is not None
+                else load_path_problems(cfg))
+    if problems:
+        raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
+    data_problems(cfg)
+    return Preflight(resume_step=resume)

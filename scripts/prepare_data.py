@@ -3,7 +3,8 @@
   python scripts/prepare_data.py --input 'raw/*.jsonl' --output-dir data/mine --num-shards 8 \
       [--tokenizer data/tokenizer/fc_sp8k.model]
 
-Exit code 0 on success, 2 on a data error (bad glob, unsupported file, no usable record).
+Accepts JSONL/JSON, Parquet, ArrayRecord and any plain UTF-8 text file; --help lists the formats,
+fields, outputs and exit codes (0 success, 2 bad input, as one line "prepare_data.py: error: ...").
 See trainer/data/prepare.py for the record format.
 """
 import sys

@@ -243,7 +243,7 @@ def test_a_changed_global_batch_resumes_without_repeating_examples(tmp_path, tok
 # ---- errors: DataError with the file/field and the fix, at construction --------------------------
 
 def test_a_glob_matching_nothing_raises_data_error(tmp_path):
-    with pytest.raises(DataError, match=r"matches no file.*prepare_data"):
+    with pytest.raises(DataError, match=r"matches no shard.*prepare_data"):
         make_arrayrecord_iterator(config(str(tmp_path / "nope" / "*.arrayrecord")), vocab_size=32768,
                                   global_batch_size=2)
 

@@ -14,9 +14,10 @@ from array_record.python import array_record_module
 from trainer.config.schema import DataConfig
 from trainer.data.batch import fingerprint
 from trainer.data.errors import DataError
+from trainer.data.formatting import RecordError
 from trainer.data.grain_pipeline import make_arrayrecord_iterator
+from trainer.data.prepare import check_inputs, prepare, read_records
 from trainer.data.prepare import main as prepare_main
-from trainer.data.prepare import prepare
 from trainer.data.tokenizer import CHAT_TOKENS, EOS, PAD, Tokenizer, train_sentencepiece
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,6 +88,66 @@ def test_prepare_data_cli_exits_2_on_a_glob_matching_nothing_or_no_usable_record
     (tmp_path / "bad.jsonl").write_text("{oops\n")
     assert prepare_main(["--input", str(tmp_path / "bad.jsonl"), "--output-dir", str(tmp_path / "o")]) == 2
     assert "no usable record" in capsys.readouterr().err
+
+
+def results(path: Path, **kw) -> list[tuple[str, object]]:
+    """read_records as (line, record dict or 'bad: <reason>') with the file name dropped."""
+    return [(where.rsplit(":", 1)[-1], f"bad: {r}" if isinstance(r, RecordError) else r)
+            for where, r in read_records(str(path), **kw)]
+
+
+def test_json_files_hold_an_array_an_object_or_json_lines_with_errors_at_their_line(tmp_path):
+    array = tmp_path / "a.json"
+    array.write_bytes(b'\xef\xbb\xbf[\n {"text": "one"},\n {"text": "caf\xe9"},\n\n {"text": "three"}\n]\n')
+    got = results(array)
+    assert got[0] == ("2", {"text": "one"}) and got[2] == ("5", {"text": "three"}) and len(got) == 3
+    assert got[1][0] == "3" and got[1][1].startswith("bad: not UTF-8 text (byte 0xe9 at line 3")
+    broken = tmp_path / "b.json"
+    broken.write_text('[{"text": "kept"},\n {"text": "cut" \n {"text": "lost"}]')
+    assert results(broken) == [("1", {"text": "kept"}),
+                               ("3", "bad: invalid JSON (Expecting ',' delimiter); the rest of the array is unreadable")]
+    broken.write_text('[{"text": "kept"}\n {"text": "lost"}]')
+    assert results(broken) == [("1", {"text": "kept"}),
+                               ("2", ("bad: invalid JSON (expected ',' or ']' after an array element); the rest of the "
+                                      "array is unreadable"))]
+    (tmp_path / "c.json").write_text('{\n  "text": "pretty"\n}\n')
+    assert results(tmp_path / "c.json") == [("1", {"text": "pretty"})]
+    (tmp_path / "d.json").write_text('{"text": "line one"}\n{broken\n')
+    assert results(tmp_path / "d.json") == [
+        ("1", {"text": "line one"}), ("2", "bad: invalid JSON (Expecting property name enclosed in double quotes)")]
+    (tmp_path / "e.json").write_text("[]")
+    assert results(tmp_path / "e.json") == []
+
+
+def test_plain_text_units_with_a_non_utf8_line_are_one_bad_record_at_that_line(tmp_path):
+    path = tmp_path / "notes"  # no extension: plain text
+    path.write_bytes(b"first para\r\nstill first\r\n\r\nsecond caf\xe9\nsecond again\n\nthird\n")
+    got = results(path)
+    assert got[0] == ("1", {"text": "first para\nstill first"}) and got[2] == ("7", {"text": "third"})
+    assert got[1][0] == "4" and got[1][1].startswith("bad: not UTF-8 text (byte 0xe9 at column 11)")
+    assert results(path, text_unit="line")[3:] == [("5", {"text": "second again"}), ("7", {"text": "third"})]
+    assert results(path, text_unit="file") == [("4", got[1][1])]
+
+
+def test_unreadable_inputs_fail_before_any_work(tmp_path):
+    (tmp_path / "x.jsonl.gz").write_bytes(b"not gzip")
+    (tmp_path / "y.parquet.gz").write_bytes(b"")
+    (tmp_path / "z.bin").write_bytes(b"\x00\x01")
+    for name, why in (("x.jsonl.gz", "not a readable gzip file"), ("y.parquet.gz", "decompress it first"),
+                      ("z.bin", "binary data")):
+        with pytest.raises(DataError, match=why):
+            check_inputs([str(tmp_path / name)])
+
+
+def test_a_failed_overwrite_keeps_the_old_output(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "old"}) + "\n")
+    (tmp_path / "bad.jsonl").write_text("{oops\n")
+    prepare([str(tmp_path / "a.jsonl")], tmp_path / "out", 1, progress_stream=io.StringIO())
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    with pytest.raises(DataError, match="no usable record"):
+        prepare([str(tmp_path / "bad.jsonl")], tmp_path / "out", 1, overwrite=True, progress_stream=io.StringIO())
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "bad.jsonl", "out"]
 
 
 def test_parquet_needs_pyarrow_or_round_trips(tmp_path):

@@ -45,7 +45,6 @@ def test_non_finite_numbers_are_config_errors(override):
 @pytest.mark.parametrize("override, message", [
     (["steps=1.5"], "a whole number"),
     (["STEPS=4"], "did you mean 'steps'"),
-    (["steps=3", "steps=5"], "given twice on the command line"),
     (["top_p=1.5"], "top_p=1.5 must be <= 1.0"),
     (["warmup_steps_fraction=2"], "must be <= 1.0"),
     (["model=/missing.yml"], "model file not found"),
@@ -56,6 +55,11 @@ def test_bad_values_name_the_key_and_the_fix(override, message):
     with pytest.raises(ConfigError) as info:
         load_config("base.yml", override)
     assert message in str(info.value)
+
+
+def test_a_key_twice_on_the_command_line_takes_the_later_value_and_says_so(caplog):
+    assert load_config("base.yml", ["steps=3", "steps=5"]).train.steps == 5
+    assert "steps is given twice on the command line (3, then 5)" in caplog.text
 
 
 def test_the_old_dcn_key_at_its_only_legal_value_is_accepted_with_a_warning(caplog):

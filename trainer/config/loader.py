@@ -2,8 +2,8 @@
 
 Each later layer wins. The preset (`configs/models/<model>.yml`, or a model YAML path) carries the
 architecture; a user's config file beats anything the preset sets, and the command line beats both.
-Every layer is checked against the schema (unknown keys get a did-you-mean, a key given twice in one
-layer is an error), every value is typed by the schema (`trainer.config.values`), and `validate`
+Every layer is checked against the schema (unknown keys get a did-you-mean; a key twice in a file is an
+error, twice on the command line the later wins with a warning), every value is typed by the schema (`trainer.config.values`), and `validate`
 collects every problem so the user sees them all at once, before any device work.
 
 The config is kept exactly as given: nothing derived is written back into it, so a printed or saved
@@ -140,9 +140,11 @@ def parse_overrides(args: Iterable[str]) -> Layer:
         k = k.strip()
         if not sep or not k:
             raise ConfigError(f"argument {arg!r} is not key=value (e.g. steps=100)")
-        if k in out:
-            raise ConfigError(f"{k!r} is given twice on the command line ({k}={out[k]!r} and {arg!r}); keep one")
-        out[k] = _typed(k, v, COMMAND_LINE, text=True)[1]
+        value = _typed(k, v, COMMAND_LINE, text=True)[1]
+        if k in out and out[k] != value:  # later wins, as in every layer order; said, not silent
+            log.warning("config key %s is given twice on the command line (%r, then %r): using %r",
+                        k, out[k], value, value)
+        out[k] = value
     return Layer(COMMAND_LINE, out)
 
 

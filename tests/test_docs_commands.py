@@ -1,0 +1,128 @@
+"""The documentation is executable: every command README.md and docs/*.md print runs as printed.
+
+Each document's commands run in order, in one fresh copy of the repository (what a user has after
+cloning it), with a scratch HOME that holds a small Qwen3 checkpoint where the docs name a downloaded
+one (`~/Qwen3-0.6B`). Only two things shorten them: `TRAINER_SMOKE=1` (benchmarks and demos run
+their full path at minimal sizes) and a trailing `steps=20` on a training command that asks for more.
+Commands that need a cluster are not run; the artefacts they deploy come from
+`python -m scripts.deploy.render`, which runs here, and tests/test_deploy.py validates them.
+"""
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_harness import cli_env
+from doc_commands import REPO, all_commands, commands, docs
+
+MAX_STEPS = 20
+STATUS_OK = re.compile(r"^STATUS: (finished|preempted)\b", re.M)
+
+
+def test_every_documented_command_has_a_kind():
+    found = all_commands()  # raises on an unclassified program
+    assert {c.kind for c in found} >= {"setup", "suite", "local"}
+    assert any(c.doc == "README.md" and c.text == "python -m pytest -n 2" for c in found)
+
+
+def test_the_readme_setup_commands_are_the_ones_ci_runs():
+    ci = (REPO / ".ci" / "run").read_text()
+    suite = [c for c in commands(REPO / "README.md") if c.kind == "suite"]
+    assert suite and all(c.text in ci for c in suite)
+
+
+def test_documented_python_modules_and_scripts_exist():
+    for c in all_commands():
+        if c.kind != "local":
+            continue
+        argv = c.argv
+        if argv[1] == "-m":
+            module = argv[2]
+            assert (REPO / (module.replace(".", "/") + ".py")).is_file(), f"{c.doc}:{c.line}: no module {module}"
+        elif argv[1] != "-c":
+            assert (REPO / argv[1]).is_file(), f"{c.doc}:{c.line}: no script {argv[1]}"
+
+
+def _shorten(text: str) -> str:
+    """A training command asking for more than MAX_STEPS steps (or the default 100) gets steps=MAX_STEPS."""
+    argv = shlex.split(text)
+    if argv[:3] != ["python", "-m", "trainer.train"]:
+        return text
+    given = [int(float(a.split("=", 1)[1])) for a in argv if a.startswith("steps=")]
+    return text if given and given[-1] <= MAX_STEPS else f"{text} steps={MAX_STEPS}"
+
+
+def _scratch_home(tmp: Path) -> Path:
+    """HOME with `~/Qwen3-0.6B`: a 2-layer Qwen3 checkpoint in HF layout and a small tokenizer.json."""
+    home = tmp / "home"
+    model = home / "Qwen3-0.6B"
+    shutil.copytree(REPO / "tests" / "fixtures" / "hf" / "dense_tied", model,
+                    ignore=shutil.ignore_patterns("expected.npz"))
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    words = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "Hello", "world"]
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(vocab_size - len(words))])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(model / "tokenizer.json"))
+    return home
+
+
+def _fresh_clone(tmp: Path) -> Path:
+    """The repository's tracked files, as a fresh clone has them."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True)
+    clone = tmp / "clone"
+    for rel in filter(None, files.stdout.split("\0")):
+        src = REPO / rel
+        if src.is_file():
+            (clone / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, clone / rel)
+    return clone
+
+
+def _expectation_met(cmd, proc) -> str:
+    """'' when the command ended as documented, else what went wrong."""
+    out = proc.stdout + proc.stderr
+    if cmd.expect_fail:
+        if cmd.expect_fail.startswith("exit "):
+            want = int(cmd.expect_fail.split()[1])
+            return "" if proc.returncode == want else f"exit {proc.returncode}, documented {want}"
+        if proc.returncode == 0 or cmd.expect_fail.split(";")[0] not in out:
+            return f"exit {proc.returncode}; documented to fail with {cmd.expect_fail!r}"
+        return ""
+    if proc.returncode != 0:
+        return f"exit {proc.returncode}"
+    if cmd.argv[:3] == ["python", "-m", "trainer.train"] and not STATUS_OK.search(proc.stdout):
+        return "no 'STATUS: finished' line"
+    return ""
+
+
+@pytest.mark.docs
+@pytest.mark.parametrize("doc", [str(d.relative_to(REPO)) for d in docs()])
+def test_documented_commands_run_as_printed(doc, tmp_path):
+    cmds = commands(REPO / doc)
+    runnable = [c for c in cmds if c.kind in ("local", "shell")]
+    if not any(c.kind == "local" for c in runnable):
+        pytest.skip(f"{doc} prints no command that runs on this machine")
+    clone, home = _fresh_clone(tmp_path), _scratch_home(tmp_path)
+    env = cli_env(1)
+    env.update(HOME=str(home), TRAINER_SMOKE="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}")
+    exports: list[str] = []
+    for cmd in runnable:
+        if cmd.kind == "shell":
+            exports.append(cmd.text)
+            continue
+        script = "; ".join([*exports, _shorten(cmd.text)])
+        proc = subprocess.run(["bash", "-c", script], cwd=clone, env=env, capture_output=True, text=True,
+                              timeout=900)
+        problem = _expectation_met(cmd, proc)
+        assert not problem, (f"{doc}:{cmd.line}: `{cmd.text}` ({problem})\n--- stdout\n{proc.stdout[-3000:]}"
+                             f"\n--- stderr\n{proc.stderr[-5000:]}")

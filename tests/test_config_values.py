@@ -124,3 +124,9 @@ def test_flags_and_overrides_come_in_any_order(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "steps: 3  # from command line" in proc.stdout
     assert not any(tmp_path.iterdir())
+
+
+def test_a_config_saved_by_an_older_version_with_the_dcn_key_still_builds():
+    from trainer.config import build
+
+    assert build({"num_slices": 2, "dcn_data_parallelism": 2}).mesh.num_slices == 2

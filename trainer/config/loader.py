@@ -152,6 +152,8 @@ def build(flat: Mapping[str, Any]) -> RunConfig:
     """A RunConfig from a flat mapping of known keys (missing keys take their defaults)."""
     fields = flat_fields()
     per_section: dict[str, dict[str, Any]] = {s: {} for s in section_classes()}
+    if any(k in DEPRECATED for k in flat):  # configs saved by older versions (checkpoint metadata)
+        flat = _drop_deprecated(dict(flat), [Layer("config", dict(flat))])
     for k, v in flat.items():
         if k not in fields:
             raise _unknown_key(k, "config")
@@ -208,7 +210,7 @@ def load_config(config_arg: str = "base.yml", overrides: Iterable[str] = ()) -> 
 def load_resolved(path: Path | str) -> RunConfig:
     """Read back a config.yml written to a run directory (or printed with --print-config)."""
     layer = read_yaml(Path(path))
-    return build(_drop_deprecated(layer.values, [layer]))
+    return build(_drop_deprecated(layer.values, [Layer(str(path), layer.values)]))
 
 
 def to_flat_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -7,6 +7,11 @@ Starts N `python -m trainer.train <trainer args>` processes with JAX_COORDINATOR
 localhost port), JAX_NUM_PROCESSES and JAX_PROCESS_ID, one CPU device each by default, and prints
 their output interleaved, each line prefixed with `[p<i>]`. Its own lines start with `[launcher]`.
 
+The trainers run in the caller's working directory, as `python -m trainer.train` typed there would: a
+relative config file (`my.yml`) and relative outputs (the default `base_output_directory: runs`) mean
+the caller's directory, not this checkout. Named configs (`base.yml`) still come from the package's
+configs/, and this checkout is put on PYTHONPATH so `trainer` imports without a pip install.
+
 Restart policy (a Job's backoff limit; the delay models scheduling a replacement pod):
 - a process other than 0 that dies (non-zero exit or a signal) is started again with the same
   process id after --restart-delay seconds, at most --max-restarts times over the job; it rejoins
@@ -94,6 +99,7 @@ class Launcher:
 
     def env(self, i: int) -> dict[str, str]:
         env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
         env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={self.args.devices_per_process}"])
         env.setdefault("JAX_PLATFORMS", "cpu")
@@ -103,8 +109,8 @@ class Launcher:
 
     def spawn(self, i: int) -> None:
         cmd = [sys.executable, "-m", "trainer.train", *self.args.trainer_args]
-        proc = subprocess.Popen(cmd, cwd=REPO, env=self.env(i), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, env=self.env(i), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                preexec_fn=_die_with_parent)  # the caller's cwd (see the module docstring)
         self.procs[i] = proc
         self.incarnation[i] = self.incarnation.get(i, -1) + 1
         threading.Thread(target=self._pump, args=(i, proc.stdout), daemon=True).start()

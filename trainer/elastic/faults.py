@@ -16,7 +16,9 @@ from typing import Callable, Iterable
 
 import jax
 
+from trainer.chaos import attempt_of, names_attempt
 from trainer.config.errors import ConfigError
+from trainer.io.jsonl import read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,8 @@ def slice_down_error(slices: list[int], how: str) -> jax.errors.JaxRuntimeError:
 class FaultInjector:
     """Fires scheduled faults and `trainer.chaos` requests; fails steps that run on a down slice.
 
+    A chaos request is honoured only by the process it names (see `_stale`), never by a later run.
+
     Lives for the whole run (a scheduled fault fires once, not once per attempt). The loop calls
     `at_step_boundary(next_step)` between steps; a compiled step is wrapped by `guard`.
     """
@@ -105,6 +109,7 @@ class FaultInjector:
         self.outages, self.chaos_dir, self.events = outages, chaos_dir, events
         self.last_cause = ""
         self.next_step = 1
+        self._own_attempt: dict | None = None  # see _attempt
 
     def at_step_boundary(self, next_step: int, in_flight=None) -> None:
         """Fire the faults due before `next_step`. `in_flight` is the output of the step still running
@@ -131,6 +136,8 @@ class FaultInjector:
                          down_steps=down_steps, cause=cause)
 
     def _chaos_requests(self):
+        """(slice, down_s, cause) of each new request in chaos_dir meant for this process; every request
+        read is renamed (.done, or .ignored when stale) so it is read once."""
         if self.chaos_dir is None or not self.chaos_dir.is_dir():
             return []
         out = []
@@ -140,11 +147,45 @@ class FaultInjector:
             path = Path(entry.path)
             try:
                 request = json.loads(path.read_text())
-                out.append((int(request["slice"]), float(request.get("down_s", 0)), f"chaos {path.name}"))
-            except (ValueError, KeyError, OSError) as e:
+                kill = (int(request["slice"]), float(request.get("down_s", 0)), f"chaos {path.name}")
+            except (ValueError, KeyError, TypeError, OSError) as e:
                 log.error("ignoring unreadable chaos request %s: %s", path, e)
+                path.rename(path.with_suffix(".done"))
+                continue
+            stale = self._stale(request, path)
+            if stale:
+                log.warning("ignoring chaos request %s: %s", path, stale)
+                path.rename(path.with_suffix(".ignored"))
+                continue
+            out.append(kill)
             path.rename(path.with_suffix(".done"))
         return out
+
+    def _stale(self, request: dict, path: Path) -> str:
+        """Why a request is not for this process ("" when it is). The run directory outlives its processes:
+        a request the previous attempt never read must not kill the run resumed in the same directory.
+        `trainer.chaos` names the attempt it validated as live (its start event's pid and time); a request
+        written by hand, without a target, counts when it is newer than this process's start event."""
+        mine = self._attempt()
+        if "target" in request:
+            if names_attempt(request, mine):
+                return ""
+            if mine is None:
+                return f"it is for the trainer attempt {request['target']}; this process wrote no start event here"
+            return (f"it is for the trainer attempt {request['target']}, not this one {mine}: left by an earlier "
+                    f"run of this directory")
+        if mine is not None and path.stat().st_mtime < mine["started"]:
+            return f"written before this process started ({mine}): left by an earlier run of this directory"
+        return ""
+
+    def _attempt(self) -> dict | None:
+        """This process's identity as `trainer.chaos` sees it: its last start event in the run's events.jsonl
+        (the chaos directory's parent), or None outside a run directory. Read only once a request exists."""
+        if self._own_attempt is None:
+            events = read_jsonl(self.chaos_dir.parent / "events.jsonl")
+            mine = [e for e in events if e.get("event") == "start" and e.get("pid") == os.getpid()]
+            self._own_attempt = attempt_of(mine[-1]) if mine else None
+        return self._own_attempt
 
     def guard(self, step_fn, active_slices: list[int]):
         """`step_fn` that raises the Pathways slice-down error while any of `active_slices` is down."""

@@ -130,3 +130,40 @@ def test_a_config_saved_by_an_older_version_with_the_dcn_key_still_builds():
     from trainer.config import build
 
     assert build({"num_slices": 2, "dcn_data_parallelism": 2}).mesh.num_slices == 2
+
+
+def _cli(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "trainer.train", *args], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+
+
+@pytest.mark.parametrize("arg, line", [
+    ("run_name=yes", "run_name: 'yes'"), ("run_name=007", "run_name: '007'"), ("run_name=0x1F", "run_name: '0x1F'"),
+    ("run_name=12:30:00", "run_name: '12:30:00'"), ("run_name=exp #3", "run_name: 'exp #3'"),
+    ("tokenizer_path=/data/run #2/a.model", "tokenizer_path: '/data/run #2/a.model'"),
+    ("prompt=def f(x): return x", "prompt: 'def f(x): return x'"), ("prompt=yes", "prompt: 'yes'"),
+    ("steps=1e3", "steps: 1000"), ("steps=010", "steps: 10"),
+])
+def test_the_cli_keeps_what_the_user_typed(tmp_path, arg, line):
+    proc = _cli(tmp_path, "base.yml", arg, "--print-config")
+    assert proc.returncode == 0, proc.stderr
+    assert f"{line}  # from command line" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["learning_rate=nan"], "not a finite number"), (["learning_rate=inf"], "not a finite number"),
+    (["learning_rate=1e400"], "not a finite number"), (["adam_b1=.nan"], "expected a number"),
+    (["STEPS=4"], "did you mean 'steps'"), (["model=/missing.yml"], "model file not found"),
+    (["fault_schedule=garbage"], "fault_schedule entry 'garbage'"), (["steps=1.5"], "a whole number"),
+])
+def test_the_cli_refuses_bad_values_with_exit_2_and_writes_nothing(tmp_path, args, message):
+    proc = _cli(tmp_path, "base.yml", *args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "STATUS: config_error"
+    assert not any(tmp_path.iterdir()), "a refused run leaves nothing behind"
+
+
+def test_a_non_utf8_config_file_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "my.yml").write_bytes(b"run_name: caf\xe9\n")
+    proc = _cli(tmp_path, "my.yml")
+    assert proc.returncode == 2 and "not UTF-8" in proc.stderr and "Traceback" not in proc.stderr

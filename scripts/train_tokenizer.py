@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.data.errors import DataError  # noqa: E402
 from trainer.data.formatting import RecordError, chat_text  # noqa: E402
 from trainer.data.prepare import (INPUT_HELP, TEXT_UNITS, Summary, check_inputs, expand_inputs,  # noqa: E402
-                                  no_new_dirs_on_failure, no_usable_record, output_path, read_records)
+                                  no_usable_record, output_path, read_records)
 from trainer.data.tokenizer import CHAT_TOKENS, EXTRA_SYMBOLS, Tokenizer, train_sentencepiece  # noqa: E402
 from trainer.errors import tool_main  # noqa: E402
 from trainer.io.staging import check_writable, staged_file  # noqa: E402
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     check_inputs(files)
     texts = TrainingTexts(files, text_field=args.text_field, messages_field=args.messages_field,
                           text_unit=args.text_unit, limit=args.max_records)
-    with no_new_dirs_on_failure(output), staged_file(output, overwrite=args.overwrite) as staging:
+    with staged_file(output, overwrite=args.overwrite) as staging:
         try:
             train_sentencepiece(texts, staging, vocab_size=args.vocab_size, model_type=args.model_type)
         except RuntimeError as e:

@@ -459,25 +459,6 @@ def output_path(path: str | os.PathLike, flag: str) -> Path:
     return Path(os.fspath(paths.resolve(path)))
 
 
-@contextlib.contextmanager
-def no_new_dirs_on_failure(dest: Path) -> Iterator[None]:
-    """staged_dir/staged_file create the output's missing parent folders before the work; a failed run
-    removes those again (while empty), so it leaves nothing behind."""
-    created, parent = [], dest.parent
-    while not parent.exists():
-        created.append(parent)
-        parent = parent.parent
-    try:
-        yield
-    except BaseException:
-        for folder in created:  # deepest first
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-        raise
-
-
 def _check_output_dir(out: Path, overwrite: bool) -> bool:
     """Refuse before any work what the swap must not replace; True if an existing `out` may be replaced.
 
@@ -518,7 +499,7 @@ def prepare(files: list[str], output_dir: str | Path, num_shards: int, *, tokeni
     out = output_path(output_dir, "--output-dir")
     replace = _check_output_dir(out, overwrite)
     check_inputs(files)
-    with no_new_dirs_on_failure(out), staged_dir(out, overwrite=replace) as staging:
+    with staged_dir(out, overwrite=replace) as staging:
         summary = _write_shards(files, staging, num_shards, tokenizer=tokenizer, text_field=text_field,
                                 messages_field=messages_field, text_unit=text_unit, prefix=prefix,
                                 progress_stream=progress_stream)

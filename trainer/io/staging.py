@@ -29,6 +29,24 @@ def check_writable(dest: str | os.PathLike, *, overwrite: bool, flag: str = "--o
     return dest
 
 
+def _make_parents(dest: Path) -> list[Path]:
+    """Create dest's missing parent folders; return them deepest first, so a failure can remove them."""
+    created, parent = [], dest.parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
 def _aside(dest: Path, tag: str) -> Path:
     return dest.with_name(f".{dest.name}.{tag}-{uuid.uuid4().hex[:8]}")
 
@@ -42,29 +60,33 @@ def _remove(path: Path) -> None:
 
 @contextlib.contextmanager
 def staged_dir(dest: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield an empty directory beside `dest`; on success it becomes `dest` (replacing the old one)."""
+    """Yield an empty directory beside `dest`; on success it becomes `dest` (replacing the old one). On
+    failure nothing is left: not the staging directory, nor parent folders made for it."""
     dest = check_writable(dest, overwrite=overwrite)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    parents = _make_parents(dest)
     tmp = _aside(dest, "staging")
     tmp.mkdir()
     try:
         yield tmp
     except BaseException:
         _remove(tmp)
+        _remove_empty(parents)
         raise
     _swap(tmp, dest)
 
 
 @contextlib.contextmanager
 def staged_file(dest: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a path beside `dest` to write; on success it is renamed onto `dest`."""
+    """Yield a path beside `dest` to write; on success it is renamed onto `dest`. On failure nothing is
+    left, as for staged_dir."""
     dest = check_writable(dest, overwrite=overwrite)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    parents = _make_parents(dest)
     tmp = _aside(dest, "staging")
     try:
         yield tmp
     except BaseException:
         _remove(tmp)
+        _remove_empty(parents)
         raise
     _swap(tmp, dest)
 

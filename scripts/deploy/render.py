@@ -317,12 +317,12 @@ def check_trainer_argv(argv: Sequence[str], p: DeployParams | None = None):
     if argv[:len(TRAINER_ENTRY)] != TRAINER_ENTRY or len(argv) <= len(TRAINER_ENTRY):
         raise DeployError(f"not a trainer command: {argv!r}")
     cfg = load_config(argv[len(TRAINER_ENTRY)], argv[len(TRAINER_ENTRY) + 1:])
-    if p is not None:  # values that YAML would reinterpret (e.g. a run name 'true' or '1e3') come back changed
+    if p is not None:  # every path and name must reach the trainer exactly as given
         for key, want, got in (("run_name", p.run_name, cfg.train.run_name),
                                ("base_output_directory", p.output_dir, cfg.train.base_output_directory),
                                ("jax_cache_dir", p.cache_dir, cfg.train.jax_cache_dir)):
             if want != got:
-                raise DeployError(f"{key}={want!r} reads back as {got!r} (YAML scalar parsing); choose another value")
+                raise DeployError(f"{key}={want!r} reads back as {got!r}; choose another value")
     return cfg
 
 

@@ -157,3 +157,34 @@ def test_decode_cli_continues_a_text_prompt_with_the_configured_tokenizer(tmp_pa
     want = want[:want.index(tokenizer.eos_id) + 1] if tokenizer.eos_id in want else want
     assert lines[-1] == f"output_ids: {want}"
     assert lines[0] == tokenizer.decode([i for i in want if i != tokenizer.eos_id]).splitlines()[0]
+
+
+def test_decode_cli_names_a_run_directory_given_as_checkpoint_in_one_line(tmp_path):
+    """Run as typed, from the user's directory with a relative path: one line, exit 2, no traceback."""
+    import subprocess
+    import sys
+
+    (tmp_path / "runs" / "NAME" / "checkpoints" / "7").mkdir(parents=True)
+    (tmp_path / "runs" / "NAME" / "checkpoints" / "7" / "commit_success.txt").write_text("ok")
+    proc = subprocess.run([sys.executable, "-m", "trainer.decode", "base.yml", "model=qwen3-tiny",
+                           "load_parameters_path=runs/NAME", "prompt_ids=[1, 2]"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("python -m trainer.decode: error: load_parameters_path ")
+    assert f"{tmp_path / 'runs' / 'NAME'} is a run directory" in errors[0] and "checkpoints: 7" in errors[0]
+
+
+def test_decode_cli_names_the_tensor_when_the_model_does_not_match_the_checkpoint(tmp_path, capsys):
+    from trainer.checkpoint import save_parameters
+    from trainer.decode import main
+
+    small = dataclasses.replace(TINY, vocab_size=64)
+    save_parameters(tmp_path / "p", _params(small))
+    assert main(["base.yml", "model=qwen3-tiny", "base_num_decoder_layers=2", "base_emb_dim=32", "head_dim=16",
+                 "base_mlp_dim=64", "vocab_size=97", f"load_parameters_path={tmp_path / 'p'}",
+                 "prompt_ids=[1, 2]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m trainer.decode: error: ") and "\n" not in err
+    assert "embed_tokens is [64, 32] in the checkpoint but [97, 32] in the model config" in err
+    assert "model= must be the model the checkpoint was trained with" in err

@@ -233,6 +233,22 @@ def test_expert_count_is_read_under_either_name(spelling):
     assert model_keys_from_hf({**hf, spelling: 6})["num_experts"] == 6
 
 
+@pytest.mark.parametrize("name,edit,fragment", [
+    ("dense_tied", {"hidden_size": 48.5}, "hidden_size=48.5 must be a positive integer"),
+    ("dense_tied", {"num_hidden_layers": "2"}, "num_hidden_layers='2' must be a positive integer"),
+    ("dense_tied", {"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide num_attention_heads=4"),
+    ("dense_tied", {"rms_norm_eps": "small"}, "rms_norm_eps='small' must be a number"),
+    ("dense_tied", {"rope_parameters": "default"}, "rope_parameters='default' must be an object"),
+    ("moe", {"num_experts_per_tok": 9}, "num_experts_per_tok=9 exceeds num_local_experts=4"),
+])
+def test_config_json_values_of_the_wrong_type_are_named_with_the_file(name, edit, fragment):
+    """int() would have truncated 48.5 or parsed "2"; a bad value is named instead, with the file."""
+    hf = {**json.loads((FIXTURES / name / "config.json").read_text()), **edit}
+    with pytest.raises(HfFormatError) as err:
+        model_keys_from_hf(hf, "/models/q/config.json")
+    assert fragment in str(err.value) and "/models/q/config.json" in str(err.value)
+
+
 def test_tokenizer_json_is_copied_and_text_decoding_uses_it(tmp_path, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -342,19 +358,38 @@ def test_cli_reports_the_tensor_and_exits_2(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def test_a_failure_while_writing_removes_the_staging_dir_and_leaves_no_output(tmp_path):
-    out = tmp_path / "out"
-    with pytest.raises(RuntimeError):
-        with convert.staged_output(out) as staging:
-            staging.mkdir()
-            (staging / "config.json").write_text("{}")
-            raise RuntimeError("disk full")
+def test_a_failure_while_writing_safetensors_leaves_no_output_and_no_staging_dir(converted, tmp_path, monkeypatch):
+    def disk_full(path, tensors, metadata=None):
+        Path(path).write_bytes(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(convert, "write_safetensors", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        convert.trainer_to_hf(converted["dense_tied"], tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failure_inside_the_orbax_save_leaves_no_output_and_no_orbax_tmp_dir(tmp_path, monkeypatch):
+    """Orbax writes `<staging>.orbax-checkpoint-tmp-*` beside the staging dir; a failed save must not
+    leave it (or the staging dir) behind."""
+    from trainer import checkpoint
+
+    def killed_mid_save(path, params, *, in_place=False):
+        tmp = Path(f"{path}.orbax-checkpoint-tmp-123")
+        (tmp / "state").mkdir(parents=True)
+        raise RuntimeError("killed mid-save")
+
+    monkeypatch.setattr(checkpoint, "save_parameters", killed_mid_save)
+    with pytest.raises(RuntimeError, match="killed mid-save"):
+        convert.hf_to_trainer(FIXTURES / "dense_tied", tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_existing_output_dir_is_refused_and_left_untouched(converted):
+    from trainer.errors import UserInputError
+
     before = sorted(p.name for p in converted["dense_tied"].iterdir())
-    with pytest.raises(FileExistsError):
+    with pytest.raises(UserInputError, match="already exists; pass --overwrite"):
         convert.hf_to_trainer(FIXTURES / "dense_tied", converted["dense_tied"])
     assert sorted(p.name for p in converted["dense_tied"].iterdir()) == before
 

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -242,3 +243,109 @@ def test_make_sinks_uses_the_progress_line_on_a_terminal_and_log_lines_otherwise
     finally:
         piped.close()
         terminal.close()
+
+
+# --- torn tails and where the figure goes ---------------------------------------------------------------
+
+def _cut_last_line(data: bytes, keep: int) -> bytes:
+    """The file's bytes with only the first `keep` bytes of its last record (and no newline): what a
+    writer killed mid-write leaves."""
+    data = data.rstrip(b"\n")
+    return data[:data.rfind(b"\n") + 1 + keep]
+
+
+def _last_line_length(data: bytes) -> int:
+    data = data.rstrip(b"\n")
+    return len(data) - (data.rfind(b"\n") + 1)
+
+
+def test_a_last_line_cut_at_any_byte_in_either_file_never_breaks_the_report(tmp_path, capsys):
+    """Every cut of metrics.jsonl's and events.jsonl's last line loads and summarizes; a random sample of
+    cuts, of one file or both at once, also goes through `python -m trainer.report` (main)."""
+    import random
+
+    original = write_run(tmp_path / "original")
+    names = ("metrics.jsonl", "events.jsonl")
+    data = {n: (original / n).read_bytes() for n in names}
+    lengths = {n: _last_line_length(data[n]) for n in names}
+    run_dir = shutil.copytree(original, tmp_path / "cut")
+    for name in names:
+        for keep in range(lengths[name]):
+            (run_dir / name).write_bytes(_cut_last_line(data[name], keep))
+            summarize(load_run(run_dir))
+        (run_dir / name).write_bytes(data[name])
+
+    rng = random.Random(0)
+    cuts = [{n: rng.randrange(lengths[n]) for n in rng.sample(names, rng.choice([1, 2]))} for _ in range(4)]
+    for k, cut in enumerate(cuts):
+        run_dir = shutil.copytree(original, tmp_path / f"sample{k}")
+        for name, keep in cut.items():
+            (run_dir / name).write_bytes(_cut_last_line(data[name], keep))
+        assert report.main([str(run_dir)]) == 0, cut
+        assert (run_dir / "report.png").read_bytes()[:8] == PNG_MAGIC
+        assert capsys.readouterr().out.startswith(f"run sample{k}: ")
+
+
+def test_a_cut_inside_a_multibyte_character_or_a_record_missing_its_fields_is_skipped(tmp_path):
+    run_dir = write_run(tmp_path / "run")
+    with open(run_dir / "events.jsonl", "ab") as f:
+        f.write('{"event": "note", "time": 1021.5}\n{"event": "x", "text": "down → det'.encode()[:-2])
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"loss": 1.0}\n[1, 2]\n"str"\n')
+    run = load_run(run_dir)
+    assert run.events[-1]["event"] == "note" and len(run.records) == 12
+    assert summarize(run).steps_done == 10
+
+
+def _report_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.report", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def test_output_without_a_suffix_is_a_directory_and_the_printed_path_is_the_file_written(tmp_path):
+    """`-o DIR` used to write DIR.png and print DIR. Now a suffix-less -o is a directory (created), the
+    report is DIR/report.png, and the printed path is the one written."""
+    write_run(tmp_path / "runs" / "failing")
+    proc = _report_cli(tmp_path, "runs/failing", "-o", "DIR")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = Path(proc.stdout.strip().splitlines()[-1].removeprefix("report written to "))
+    assert printed == tmp_path / "DIR" / "report.png"
+    assert printed.read_bytes()[:8] == PNG_MAGIC
+    assert not (tmp_path / "DIR.png").exists() and not (tmp_path / "runs" / "failing" / "report.png").exists()
+
+
+@pytest.mark.parametrize("output,written,magic", [
+    ("existing", "existing/report.png", PNG_MAGIC),   # an existing directory
+    ("new/", "new/report.png", PNG_MAGIC),            # a trailing slash
+    ("figs/run.png", "figs/run.png", PNG_MAGIC),      # parents created
+    ("run.pdf", "run.pdf", b"%PDF"),                  # another format matplotlib writes
+])
+def test_output_rules_name_the_file_actually_written(tmp_path, monkeypatch, capsys, output, written, magic):
+    run_dir = write_run(tmp_path / "failing")
+    (tmp_path / "existing").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert report.main([str(run_dir), "-o", output]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1] == f"report written to {tmp_path / written}"
+    assert (tmp_path / written).read_bytes().startswith(magic)
+    assert not [p for p in tmp_path.rglob(".*staging*")]  # written aside, then renamed
+
+
+def test_an_output_suffix_matplotlib_cannot_write_is_refused_before_rendering(tmp_path, capsys):
+    run_dir = write_run(tmp_path / "failing")
+    assert report.main([str(run_dir), "-o", str(tmp_path / "report.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m trainer.report: error: ") and "\n" not in err
+    assert ".txt is not an image format" in err and ".png" in err
+    assert list(tmp_path.iterdir()) == [run_dir]
+
+
+def test_report_errors_are_one_line_with_exit_2_and_no_traceback(tmp_path):
+    (tmp_path / "notes").write_text("a file")
+    write_run(tmp_path / "failing")
+    for args, fragment in [(["nowhere"], f"{tmp_path / 'nowhere'} does not exist"),
+                           (["failing", "-o", "notes/r.png"], f"{tmp_path / 'notes'} is a file")]:
+        proc = _report_cli(tmp_path, *args)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("python -m trainer.report: error: ") and fragment in lines[0]

@@ -10,14 +10,21 @@
         or an hf-to-trainer output (its config is C/model.yml); --model PRESET_OR_YAML for any other.
         O: config.json + model.safetensors (or model-0000k-of-0000n.safetensors + index past
         --max-shard-gb) that transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM load.
-    python -m trainer.convert logits (--checkpoint C | --hf-dir D) --input-ids ids.npy --output out.npy
+    python -m trainer.convert logits (--checkpoint C | --hf-dir D) --input-ids IDS --output out.npy
         float32 logits [batch, seq, vocab] of int token ids [batch, seq] (or [seq]); the model runs in
         float32 and, if MoE, dropless (as HF does), whatever the training dtype and capacity factor.
+        IDS: a .npy integer array, or a text file of integer ids separated by spaces or commas, one
+        sequence per line (all the same length).
 
-Errors (unsupported architecture or config key, missing tensor, shape mismatch, unexpected tensor) name
-the key or tensor, exit 2, and are found from headers before anything is written. Outputs are built in
-a hidden staging directory next to O and renamed into place only when complete, so a failure never
-leaves O behind (and an existing O is never touched).
+Paths may be relative (to the working directory), start with ~, or (inputs) be gs:// URIs; outputs
+are local. Errors a user can fix (a missing or wrong input directory, a run directory given for a
+step, an unsupported architecture or config key, an invalid config.json, a truncated safetensors
+file, a missing, misshapen or unexpected tensor, a checkpoint that does not match --model, unusable
+ids, an existing or unwritable output) print one line `python -m trainer.convert: error: ...` naming
+the file, key or tensor and the fix, and exit 2; they are found from headers and metadata, before any
+tensor is read. Outputs are built in a hidden staging directory next to O and moved into place only
+when complete, so a failure never leaves O behind; an existing O is refused, or with --overwrite
+replaced only by a complete new one.
 
 Memory. Both directions stream one tensor at a time and never hold the model twice:
 - hf-to-trainer: each param leaf is allocated once in weight_dtype and filled tensor by tensor (stacked
@@ -34,26 +41,32 @@ The tracemalloc bounds are asserted in tests/test_hf_interop.py.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
+import io
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import struct
 import sys
-import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
+from etils import epath
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+from trainer.errors import UserInputError, tool_main
+from trainer.io.paths import is_remote, local_copy, resolve
+from trainer.io.staging import check_writable, staged_dir, staged_file
+
+PROG = "python -m trainer.convert"
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _TORCH_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old exports include; recomputed, never loaded
+_NPY_MAGIC = b"\x93NUMPY"
 
 log = logging.getLogger("trainer.convert")
 
@@ -63,8 +76,13 @@ def np_dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-class InputError(ValueError):
-    """Token ids the model cannot take (wrong rank, dtype or range)."""
+class InputError(UserInputError):
+    """Token ids the model cannot take (unreadable, empty, wrong rank, dtype or range)."""
+
+
+class MissingInput(UserInputError, FileNotFoundError):
+    """A path the user named does not exist, or lacks the file the command reads there. Still a
+    FileNotFoundError for callers that catch that; a UserInputError for the CLI (one line, exit 2)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -73,25 +91,26 @@ class InputError(ValueError):
 
 class SafetensorsDir:
     """The tensors of a directory of *.safetensors files: names, shapes and dtypes from the headers;
-    `read(name)` returns one tensor (memory-mapped file, one copy of that tensor)."""
+    `read(name)` returns one tensor (memory-mapped file, one copy of that tensor).
 
-    def __init__(self, hf_dir: Path):
-        from safetensors import safe_open
+    Every header is parsed up front, so a truncated or corrupt file (an interrupted download) is named
+    before anything is read or written. Remote files (gs://) are read from a verified local copy."""
 
-        self.dir = Path(hf_dir)
+    def __init__(self, hf_dir: str | os.PathLike):
+        self.dir = hf_dir if isinstance(hf_dir, epath.Path) else Path(hf_dir)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
-            files = sorted({self.dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+            files = sorted({self.dir / f for f in _index_weight_map(index).values()}, key=str)
         else:
-            files = sorted(self.dir.glob("*.safetensors"))
+            files = sorted(self.dir.glob("*.safetensors"), key=str)
         if not files:
-            raise FileNotFoundError(f"no *.safetensors in {self.dir} (only safetensors are read, never "
-                                    f"pickled .bin/.pt files)")
+            raise MissingInput(f"no *.safetensors in {self.dir} (only safetensors are read, never "
+                               f"pickled .bin/.pt files)")
         self._handles, self._where, self._meta = [], {}, {}
         for f in files:
             if not f.is_file():
-                raise FileNotFoundError(f"{f} is listed in {index.name} but does not exist")
-            handle = safe_open(str(f), framework="numpy")
+                raise MissingInput(f"{f} is listed in {index} but does not exist")
+            handle = _open_safetensors(f)
             self._handles.append(handle)
             for name in handle.keys():
                 sl = handle.get_slice(name)
@@ -114,20 +133,65 @@ class SafetensorsDir:
         return self._where[name].get_tensor(name)
 
 
-def read_hf_config(hf_dir: Path) -> dict:
-    path = Path(hf_dir) / "config.json"
+def _index_weight_map(index) -> dict[str, str]:
+    """The tensor -> file map of model.safetensors.index.json, or an error naming the file."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise _hf_error(f"{index} is not a valid safetensors index (JSON with a 'weight_map' object): "
+                            f"{_why(e)}; download it again, or delete it if the directory holds a single "
+                            f"model.safetensors") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise _hf_error(f"{index}: 'weight_map' must map tensor names to file names")
+    return weight_map
+
+
+def _open_safetensors(path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(local_copy(path)), framework="numpy")
+    except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError (not an OSError) for a bad header
+        raise _hf_error(f"{path} is not a readable safetensors file ({_why(e)}); it may be truncated "
+                            f"(an interrupted download or copy): download it again") from None
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e).strip().splitlines()[0]
+
+
+def _hf_error(message: str) -> Exception:
+    """trainer.model.hf.HfFormatError, imported when raised: the CLI's input checks stay free of jax."""
+    from trainer.model.hf import HfFormatError
+
+    return HfFormatError(message)
+
+
+def read_hf_config(hf_dir) -> dict:
+    """config.json of a Hugging Face directory as a dict; a missing or unparsable file is an error
+    naming it."""
+    hf_dir = hf_dir if isinstance(hf_dir, epath.Path) else Path(hf_dir)
+    path = hf_dir / "config.json"
+    if not hf_dir.exists():
+        raise MissingInput(f"--hf-dir {hf_dir} does not exist")
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found (a Hugging Face model directory has config.json)")
-    return json.loads(path.read_text())
+        raise MissingInput(f"{path} not found (a Hugging Face model directory has config.json)")
+    try:
+        hf = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _hf_error(f"{path} is not valid JSON ({_why(e)}); download it again") from None
+    if not isinstance(hf, dict):
+        raise _hf_error(f"{path} holds a JSON {type(hf).__name__}, not an object of config keys")
+    return hf
 
 
 def model_config_from_hf(hf: dict, *, dtype: str, weight_dtype: str, scan_layers: bool = True,
-                         moe_capacity_factor: float | None = None):
+                         moe_capacity_factor: float | None = None, source: str = "config.json"):
     """ModelConfig of a config.json; MoE capacity dropless (HF semantics) unless given."""
     from trainer.config.schema import ModelConfig
     from trainer.model.hf import dropless_capacity_factor, model_keys_from_hf
 
-    keys = model_keys_from_hf(hf)
+    keys = model_keys_from_hf(hf, source)
     if keys.get("num_experts", 1) > 1:
         keys["moe_capacity_factor"] = moe_capacity_factor or dropless_capacity_factor(
             keys["num_experts"], keys["num_experts_per_tok"])
@@ -136,23 +200,21 @@ def model_config_from_hf(hf: dict, *, dtype: str, weight_dtype: str, scan_layers
 
 def check_tensors(reader: SafetensorsDir, plan, tied: bool) -> None:
     """Every tensor the plan needs is there with the shape config.json implies, and nothing else is."""
-    from trainer.model.hf import HfFormatError
-
     expected = {p.hf_name: p.hf_shape(leaf.piece_shape(p)) for leaf in plan for p in leaf.pieces}
     for name, shape in expected.items():
         if name not in reader:
-            raise HfFormatError(f"tensor {name!r} is missing from {reader.dir} (config.json implies shape "
+            raise _hf_error(f"tensor {name!r} is missing from {reader.dir} (config.json implies shape "
                                 f"{list(shape)})")
         if reader.shape(name) != shape:
-            raise HfFormatError(f"tensor {name!r} has shape {list(reader.shape(name))} in {reader.dir}, but "
+            raise _hf_error(f"tensor {name!r} has shape {list(reader.shape(name))} in {reader.dir}, but "
                                 f"config.json implies {list(shape)}")
         if reader.dtype(name) not in _TORCH_DTYPES:
-            raise HfFormatError(f"tensor {name!r} has dtype {reader.dtype(name)}; only floating-point "
+            raise _hf_error(f"tensor {name!r} has dtype {reader.dtype(name)}; only floating-point "
                                 f"F32/BF16/F16/F64 tensors are read")
     extra = [n for n in reader.names() if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
              and not (tied and n == "lm_head.weight")]  # tied: HF ignores a stored head too
     if extra:
-        raise HfFormatError(f"{len(extra)} tensor(s) in {reader.dir} are not part of the model config.json "
+        raise _hf_error(f"{len(extra)} tensor(s) in {reader.dir} are not part of the model config.json "
                             f"describes, e.g. {extra[:4]}")
 
 
@@ -170,16 +232,29 @@ def read_hf_params(reader: SafetensorsDir, plan, weight_dtype: str) -> dict:
     return params
 
 
-def load_hf(hf_dir: Path, *, dtype: str, weight_dtype: str, scan_layers: bool = True,
+def open_hf(hf_dir, *, dtype: str | None, weight_dtype: str, scan_layers: bool = True,
             moe_capacity_factor: float | None = None):
-    """(ModelConfig, numpy params) of a Hugging Face directory, checked against its config.json."""
+    """(ModelConfig, reader, plan) of a Hugging Face directory: config.json and every safetensors header
+    checked against each other, no tensor read yet, so every format error comes before the heavy work.
+    dtype None: the activation dtype config.json records."""
     from trainer.model.hf import tensor_plan
 
-    cfg = model_config_from_hf(read_hf_config(hf_dir), dtype=dtype, weight_dtype=weight_dtype,
-                               scan_layers=scan_layers, moe_capacity_factor=moe_capacity_factor)
+    hf = read_hf_config(hf_dir)
+    cfg = model_config_from_hf(hf, dtype=dtype or _activation_dtype(hf), weight_dtype=weight_dtype,
+                               scan_layers=scan_layers, moe_capacity_factor=moe_capacity_factor,
+                               source=str(hf_dir / "config.json" if isinstance(hf_dir, epath.Path)
+                                          else Path(hf_dir) / "config.json"))
     reader = SafetensorsDir(hf_dir)
     plan = tensor_plan(cfg)
     check_tensors(reader, plan, tied=cfg.logits_via_embedding)
+    return cfg, reader, plan
+
+
+def load_hf(hf_dir, *, dtype: str, weight_dtype: str, scan_layers: bool = True,
+            moe_capacity_factor: float | None = None):
+    """(ModelConfig, numpy params) of a Hugging Face directory, checked against its config.json."""
+    cfg, reader, plan = open_hf(hf_dir, dtype=dtype, weight_dtype=weight_dtype, scan_layers=scan_layers,
+                                moe_capacity_factor=moe_capacity_factor)
     return cfg, read_hf_params(reader, plan, weight_dtype)
 
 
@@ -257,23 +332,121 @@ def hf_tensors(params: dict, plan, dtype: str) -> list[OutTensor]:
 # Checkpoints of this trainer
 
 
-def checkpoint_model_config(ckpt: Path, model: str | None = None):
+def check_checkpoint_dir(path, flag: str = "--checkpoint") -> epath.Path:
+    """The resolved committed checkpoint directory `path`, or an error saying what `path` is instead and
+    where the checkpoints are: missing, a run directory, a run's checkpoints/ directory, a step whose save
+    never finished, or a Hugging Face directory. Checked before the model config is looked for, so the
+    user hears "this is a run directory" rather than "cannot tell the model config"."""
+    from trainer.checkpoint import commit
+
+    path = resolve(path)
+    if commit.is_committed(path):
+        return path
+    if not path.exists():
+        raise MissingInput(f"{flag} {path} does not exist{_steps_hint(path.parent, 'in')}")
+    if not path.is_dir():
+        raise UserInputError(f"{flag} {path} is a file; point {flag} at a checkpoint directory "
+                             f"(<run>/checkpoints/<step>, or an hf-to-trainer output)")
+    if (path / "checkpoints").is_dir() or (path / "metrics.jsonl").exists() or (path / "events.jsonl").exists():
+        raise UserInputError(f"{flag} {path} is a run directory: point {flag} at {path / 'checkpoints'}/<step>"
+                             f"{_steps_hint(path / 'checkpoints', 'committed')}")
+    if path.name == "checkpoints" or commit.committed_steps(path):
+        raise UserInputError(f"{flag} {path} is a run's checkpoints directory: point {flag} at {path}/<step>"
+                             f"{_steps_hint(path, 'committed')}")
+    if re.fullmatch(r"\d+", path.name) or commit.TMP_SUFFIX in path.name:
+        raise UserInputError(f"{flag} {path} is not a committed checkpoint (no {commit.COMMIT_MARKER}: its save "
+                             f"did not finish){_steps_hint(path.parent, 'in')}")
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        raise UserInputError(f"{flag} {path} is a Hugging Face directory, not a checkpoint of this trainer: "
+                             f"import it with `hf-to-trainer --hf-dir {path}` (or pass it as --hf-dir to logits)")
+    raise UserInputError(f"{flag} {path} is not a checkpoint (no {commit.COMMIT_MARKER}): point it at "
+                         f"<run>/checkpoints/<step> or an hf-to-trainer output")
+
+
+def _steps_hint(root: epath.Path, how: str) -> str:
+    """'; committed steps in R: 50, 100' (the newest 8), for an error that should say what exists."""
+    from trainer.checkpoint import commit
+
+    try:
+        steps = commit.committed_steps(root)
+    except OSError:
+        steps = []
+    if how == "committed" and not steps:
+        return " (it has no committed checkpoint yet)"
+    if not steps:
+        return ""
+    shown = ", ".join(map(str, steps[-8:]))
+    more = f" (and {len(steps) - 8} older)" if len(steps) > 8 else ""
+    return f"; committed steps in {root}: {shown}{more}"
+
+
+def checkpoint_model_config(ckpt, model: str | None = None):
     """The ModelConfig of a checkpoint: --model if given, else the training run's resolved config
     (metadata/metadata), else model.yml next to an hf-to-trainer checkpoint."""
-    from trainer.config import build, load_config
+    from trainer.config import ConfigError, build, load_config
 
     if model:
         return load_config("base.yml", [f"model={model}"]).model
-    meta = Path(ckpt) / "metadata" / "metadata"
+    ckpt = resolve(ckpt)
+    meta = ckpt / "metadata" / "metadata"
     if meta.is_file():
-        return build(json.loads(meta.read_text())["config"]).model
-    if (Path(ckpt) / "model.yml").is_file():
-        return load_config("base.yml", [f"model={Path(ckpt) / 'model.yml'}"]).model
-    raise FileNotFoundError(f"cannot tell the model config of {ckpt}: no metadata/metadata (a training "
-                            f"checkpoint step dir) and no model.yml (hf-to-trainer); pass --model")
+        try:
+            return build(json.loads(meta.read_text())["config"]).model
+        except (ValueError, KeyError, TypeError) as e:  # ConfigError is a ValueError
+            kind = "ConfigError" if isinstance(e, ConfigError) else "unreadable"
+            raise UserInputError(f"{meta}: the run config recorded in the checkpoint does not load "
+                                 f"({kind}: {_why(e)}); pass --model PRESET_OR_YAML of the model it was "
+                                 f"trained with") from None
+    if (ckpt / "model.yml").is_file():
+        return load_config("base.yml", [f"model={ckpt / 'model.yml'}"]).model
+    raise UserInputError(f"cannot tell the model config of {ckpt}: it has no metadata/metadata (a training "
+                         f"checkpoint step dir) and no model.yml (hf-to-trainer); pass --model PRESET_OR_YAML")
 
 
-def load_checkpoint_params(ckpt: Path, cfg) -> dict:
+def check_params_match(ckpt, cfg, *, fix: str, flag: str = "--checkpoint") -> None:
+    """Compare the stored params' shapes (Orbax metadata, no array read) with what `cfg` builds, and name
+    the first tensor that differs: otherwise Orbax fails mid-restore with a traceback that suggests
+    `strict=False`, i.e. silently truncating or padding the weights, which is never what a user wants."""
+    stored = _stored_param_shapes(resolve(ckpt))
+    if stored is None:  # metadata unreadable: load_checkpoint_params still maps a restore mismatch
+        return
+    from trainer.model import abstract_params
+
+    wanted = _shapes(abstract_params(cfg))
+    diffs = [f"{name} is {list(stored[name])} in the checkpoint but {list(shape)} in the model config"
+             if name in stored else f"{name} {list(shape)} is missing from the checkpoint"
+             for name, shape in wanted.items() if stored.get(name) != shape]
+    if diffs:
+        more = f" (and {len(diffs) - 1} more tensors differ)" if len(diffs) > 1 else ""
+        raise UserInputError(f"{flag} {resolve(ckpt)} does not match the model config: {diffs[0]}{more}; {fix}")
+
+
+def _stored_param_shapes(ckpt: epath.Path) -> dict[str, tuple[int, ...]] | None:
+    import orbax.checkpoint as ocp
+
+    try:
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            meta = checkpointer.metadata(ckpt / "state")
+        tree = getattr(meta, "item_metadata", meta)
+        tree = getattr(tree, "tree", tree)
+        return _shapes(tree["params"])
+    except Exception as e:  # noqa: BLE001 - an optional pre-check; the restore checks shapes too
+        log.debug("no param metadata in %s: %s", ckpt, e)
+        return None
+
+
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+    """{'layers/mlp/down_proj': shape} of a nested dict of arrays / shape structs / Orbax metadata."""
+    out = {}
+    for key in sorted(tree):
+        if isinstance(tree[key], dict):
+            out.update({f"{key}/{k}": v for k, v in _shapes(tree[key]).items()})
+        else:
+            out[str(key)] = tuple(getattr(tree[key], "shape", ()) or ())
+    return out
+
+
+def load_checkpoint_params(ckpt, cfg) -> dict:
     """Params of a checkpoint (full or params-only) on the host CPU device."""
     import jax
 
@@ -282,22 +455,52 @@ def load_checkpoint_params(ckpt: Path, cfg) -> dict:
 
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cpu), abstract_params(cfg))
-    return load_parameters(Path(ckpt).resolve(), target)
-
-
-@contextlib.contextmanager
-def staged_output(output_dir: Path) -> Iterator[Path]:
-    """A fresh staging directory next to `output_dir`, renamed to it on success, removed on failure."""
-    output_dir = Path(output_dir).resolve()
-    if output_dir.exists():
-        raise FileExistsError(f"{output_dir} already exists; choose a new --output-dir")
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = output_dir.parent / f".{output_dir.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
-        yield staging
-        os.rename(staging, output_dir)
+        return load_parameters(resolve(ckpt), target)
+    except ValueError as e:  # the pre-check missed it (no metadata): Orbax's shape check, reworded
+        found = re.search(r"Requested shape: (\(.*?\)) is not compatible with the stored shape: (\(.*?\))", str(e))
+        if not found:
+            raise
+        raise UserInputError(f"{resolve(ckpt)} does not match the model config: a tensor is stored as "
+                             f"{found.group(2)} but the model config needs {found.group(1)}; the model config "
+                             f"must be the one the checkpoint was trained with") from None
+
+
+def check_output(path, *, overwrite: bool, flag: str, inputs=()) -> Path:
+    """The resolved local output path, refused before any heavy work when it cannot be written: it exists
+    (without --overwrite), it would replace one of `inputs`, it is remote, or its nearest existing
+    ancestor is a file or not writable. staged_dir / staged_file write it later (aside, then swapped)."""
+    if is_remote(path):
+        raise UserInputError(f"{flag} {path}: outputs are written to local disk; write them locally, then copy "
+                             f"them up (e.g. `gcloud storage cp -r`)")
+    dest = Path(os.fspath(resolve(path)))
+    check_writable(dest, overwrite=overwrite)
+    for src in inputs:
+        if src is not None and not is_remote(src):
+            src = Path(os.fspath(resolve(src)))
+            if src == dest or dest in src.parents:
+                raise UserInputError(f"{flag} {dest} would replace the input {src}; choose another output")
+    parent = dest.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserInputError(f"{flag} {dest}: {parent} is a file, not a directory; choose another output")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserInputError(f"{flag} {dest}: {parent} is not writable; choose another output")
+    return dest
+
+
+def _save_params(staging: Path, params) -> None:
+    """Orbax creates the checkpoint directory itself (through a `<dir>.orbax-checkpoint-tmp-*` sibling it
+    renames), so the empty staging directory is handed over to it, and a failed save's sibling, which
+    staged_dir does not know about, is removed here."""
+    from trainer.checkpoint import save_parameters
+
+    staging.rmdir()
+    try:
+        save_parameters(staging, params, in_place=True)  # numpy params: no second copy
     except BaseException:
-        for leftover in [staging, *output_dir.parent.glob(f"{staging.name}.orbax-checkpoint-tmp*")]:
+        for leftover in staging.parent.glob(f"{staging.name}.orbax-checkpoint-tmp*"):
             shutil.rmtree(leftover, ignore_errors=True)
         raise
 
@@ -306,24 +509,26 @@ def staged_output(output_dir: Path) -> Iterator[Path]:
 # Commands
 
 
-def hf_to_trainer(hf_dir: Path, output_dir: Path, *, dtype: str | None = None, weight_dtype: str = "float32",
-                  scan_layers: bool = True, moe_capacity_factor: float | None = None) -> Path:
-    """Write the params-only checkpoint + model.yml of a Hugging Face directory; returns output_dir."""
-    from trainer.checkpoint import save_parameters
+def hf_to_trainer(hf_dir, output_dir, *, dtype: str | None = None, weight_dtype: str = "float32",
+                  scan_layers: bool = True, moe_capacity_factor: float | None = None,
+                  overwrite: bool = False) -> Path:
+    """Write the params-only checkpoint + model.yml of a Hugging Face directory; returns output_dir.
 
-    hf_dir, output_dir = Path(hf_dir), Path(output_dir).resolve()
-    hf = read_hf_config(hf_dir)
-    dtype = dtype or _activation_dtype(hf)
-    cfg, params = load_hf(hf_dir, dtype=dtype, weight_dtype=weight_dtype, scan_layers=scan_layers,
-                          moe_capacity_factor=moe_capacity_factor)
-    with staged_output(output_dir) as staging:
-        save_parameters(staging, params, in_place=True)  # numpy params: no second copy
+    Order: output writable, config.json and every safetensors header checked, then the tensors read and
+    written aside; the output appears (or replaces the old one, with overwrite) only when complete."""
+    hf_dir = resolve(hf_dir)
+    output_dir = check_output(output_dir, overwrite=overwrite, flag="--output-dir", inputs=[hf_dir])
+    cfg, reader, plan = open_hf(hf_dir, dtype=dtype, weight_dtype=weight_dtype, scan_layers=scan_layers,
+                                moe_capacity_factor=moe_capacity_factor)
+    params = read_hf_params(reader, plan, weight_dtype)
+    with staged_dir(output_dir, overwrite=overwrite) as staging:
+        _save_params(staging, params)
         del params
         tokenizer = None
         if (hf_dir / "tokenizer.json").is_file():
-            shutil.copyfile(hf_dir / "tokenizer.json", staging / "tokenizer.json")
+            (staging / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
             tokenizer = output_dir / "tokenizer.json"
-        shutil.copyfile(hf_dir / "config.json", staging / "hf_config.json")
+        (staging / "hf_config.json").write_bytes((hf_dir / "config.json").read_bytes())
         yml = model_yaml(cfg, source=hf_dir, output_dir=output_dir, tokenizer=tokenizer)
         (staging / "model.yml").write_text(yml)
     return output_dir
@@ -334,7 +539,7 @@ def _activation_dtype(hf: dict) -> str:
     return stored if stored in _ST_DTYPES else "float32"
 
 
-def model_yaml(cfg, *, source: Path, output_dir: Path, tokenizer: Path | None) -> str:
+def model_yaml(cfg, *, source, output_dir: Path, tokenizer: Path | None) -> str:
     import yaml
 
     arch = ["base_num_decoder_layers", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
@@ -344,7 +549,7 @@ def model_yaml(cfg, *, source: Path, output_dir: Path, tokenizer: Path | None) -
         arch += ["num_experts", "num_experts_per_tok", "base_moe_mlp_dim", "norm_topk_prob",
                  "load_balance_loss_weight"]
     dump = lambda keys: yaml.safe_dump({k: getattr(cfg, k) for k in keys}, sort_keys=False).rstrip()
-    lines = [f"# Model config derived from {Path(source).resolve() / 'config.json'}",
+    lines = [f"# Model config derived from {resolve(source) / 'config.json'}",
              "# by `python -m trainer.convert hf-to-trainer`. Train or decode from the converted weights with",
              f"#   model={output_dir / 'model.yml'} load_parameters_path={output_dir}", dump(arch),
              "# dtype: activations (from config.json); weight_dtype: the params as stored in this checkpoint;",
@@ -361,24 +566,101 @@ def model_yaml(cfg, *, source: Path, output_dir: Path, tokenizer: Path | None) -
     return "\n".join(lines) + "\n"
 
 
-def trainer_to_hf(ckpt: Path, output_dir: Path, *, model: str | None = None, dtype: str | None = None,
-                  max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write config.json + safetensors of a checkpoint; returns output_dir."""
+def trainer_to_hf(ckpt, output_dir, *, model: str | None = None, dtype: str | None = None,
+                  max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> Path:
+    """Write config.json + safetensors of a checkpoint; returns output_dir.
+
+    Everything that can be checked without reading an array is, first: the checkpoint directory, the
+    output, the model config and its HF equivalent, and the stored shapes against that config."""
     from trainer.model.hf import hf_config, tensor_plan
 
-    ckpt = Path(ckpt)
+    ckpt = check_checkpoint_dir(ckpt)
+    output_dir = check_output(output_dir, overwrite=overwrite, flag="--output-dir", inputs=[ckpt])
     cfg = checkpoint_model_config(ckpt, model)
     dtype = dtype or cfg.weight_dtype
     config = hf_config(cfg, dtype)  # raises before anything is written if cfg has no HF equivalent
     plan = tensor_plan(cfg)
+    check_params_match(ckpt, cfg, fix=_MODEL_FIX if model else _RECORDED_FIX)
     params = load_checkpoint_params(ckpt, cfg)
-    with staged_output(output_dir) as staging:
-        staging.mkdir()
+    with staged_dir(output_dir, overwrite=overwrite) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         write_hf_safetensors(staging, hf_tensors(params, plan, dtype), max_shard_bytes)
         if (ckpt / "tokenizer.json").is_file():
-            shutil.copyfile(ckpt / "tokenizer.json", staging / "tokenizer.json")
-    return Path(output_dir).resolve()
+            (staging / "tokenizer.json").write_bytes((ckpt / "tokenizer.json").read_bytes())
+    return output_dir
+
+
+_MODEL_FIX = ("--model must be the model the checkpoint was trained with (omit --model to use the config "
+              "the checkpoint records)")
+_RECORDED_FIX = "the config recorded with the checkpoint does not describe its params; pass --model explicitly"
+
+
+def read_input_ids(path) -> np.ndarray:
+    """Token ids [batch, seq] (int64) from `path`: a .npy integer array [batch, seq] or [seq], or a text file
+    of integer ids separated by whitespace or commas, one sequence per line (all the same length). The
+    format is told by the content (a .npy starts with its magic bytes), not the name. Never unpickles."""
+    path = resolve(path)
+    if not path.is_file():
+        raise MissingInput(f"--input-ids {path} does not exist" if not path.exists() else
+                           f"--input-ids {path} is a directory; give a .npy or text file of token ids")
+    data = path.read_bytes()
+    if data.startswith(_NPY_MAGIC):
+        try:
+            ids = np.load(io.BytesIO(data), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise InputError(f"--input-ids {path} is not a readable .npy array ({_why(e)}); save the ids "
+                             f"with np.save(path, np.asarray(ids, np.int32))") from None
+    elif path.suffix == ".npy":
+        raise InputError(f"--input-ids {path} is not a .npy file (no NumPy header); save it with np.save, "
+                         f"or give a text file of integer ids")
+    else:
+        ids = _text_ids(data, path)
+    if ids.ndim not in (1, 2) or not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"--input-ids {path}: token ids must be integers [batch, seq] or [seq], got "
+                         f"{ids.dtype} {list(ids.shape)}")
+    if ids.size == 0:
+        raise InputError(f"--input-ids {path} is empty: no token ids (shape {list(ids.shape)}); give at least one")
+    return (ids[None] if ids.ndim == 1 else ids).astype(np.int64)
+
+
+def _text_ids(data: bytes, path) -> np.ndarray:
+    expected = ("expected a .npy integer array, or text with integer ids separated by spaces or commas, "
+                "one sequence per line")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"--input-ids {path} is neither a .npy file nor text; {expected}") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        tokens = [t for t in re.split(r"[\s,]+", line.strip()) if t]
+        if not tokens:
+            continue
+        try:
+            row = [int(t) for t in tokens]
+        except ValueError:
+            bad = next(t for t in tokens if not re.fullmatch(r"[+-]?\d+", t))
+            raise InputError(f"--input-ids {path} line {n}: {bad!r} is not an integer token id; {expected}") from None
+        if rows and len(row) != len(rows[0][1]):
+            raise InputError(f"--input-ids {path} line {n} has {len(row)} ids but line {rows[0][0]} has "
+                             f"{len(rows[0][1])}: the sequences form one batch, so they must be the same length")
+        rows.append((n, row))
+    if not rows:
+        raise InputError(f"--input-ids {path} is empty: no token ids; {expected}")
+    try:
+        return np.asarray([row for _, row in rows], np.int64)
+    except OverflowError:
+        raise InputError(f"--input-ids {path}: a token id does not fit in 64 bits") from None
+
+
+def check_ids(ids: np.ndarray, vocab_size: int, source: str = "input ids") -> None:
+    """Ids the model can take: non-empty integers [batch, seq] in [0, vocab_size)."""
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"{source} must be integers [batch, seq] or [seq], got {ids.dtype} {list(ids.shape)}")
+    if ids.size == 0:
+        raise InputError(f"{source} are empty (shape {list(ids.shape)}); give at least one token id")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise InputError(f"{source} must be in [0, {vocab_size}) (the model's vocab_size), got "
+                         f"[{ids.min()}, {ids.max()}]")
 
 
 def compute_logits(params: dict, cfg, input_ids: np.ndarray) -> np.ndarray:
@@ -392,10 +674,7 @@ def compute_logits(params: dict, cfg, input_ids: np.ndarray) -> np.ndarray:
     cfg = for_inference(dataclasses.replace(cfg, dtype="float32"))
     ids = np.asarray(input_ids)
     ids = ids[None] if ids.ndim == 1 else ids
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise InputError(f"input ids must be integers [batch, seq] or [seq], got {ids.dtype} {list(ids.shape)}")
-    if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
-        raise InputError(f"input ids must be in [0, {cfg.vocab_size}), got [{ids.min()}, {ids.max()}]")
+    check_ids(ids, cfg.vocab_size)
     ids = jnp.asarray(ids, jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
 
@@ -407,20 +686,26 @@ def compute_logits(params: dict, cfg, input_ids: np.ndarray) -> np.ndarray:
     return np.asarray(run(params, ids), np.float32)
 
 
-def logits_command(*, ckpt: Path | None, hf_dir: Path | None, model: str | None, input_ids: Path,
-                   output: Path) -> None:
-    ids = np.load(input_ids, allow_pickle=False)
+def logits_command(*, ckpt=None, hf_dir=None, model: str | None = None, input_ids, output,
+                   overwrite: bool = False) -> Path:
+    """Write the float32 logits of the ids in `input_ids` to the .npy `output`; returns its path. The ids,
+    the output and the model source are checked before any weight is read."""
+    output = check_output(output, overwrite=overwrite, flag="--output", inputs=[input_ids, ckpt, hf_dir])
+    ids = read_input_ids(input_ids)
     if hf_dir is not None:
-        cfg, params = load_hf(Path(hf_dir), dtype="float32", weight_dtype="float32")
+        cfg, reader, plan = open_hf(resolve(hf_dir), dtype="float32", weight_dtype="float32")
+        check_ids(ids, cfg.vocab_size, f"--input-ids {resolve(input_ids)}")
+        params = read_hf_params(reader, plan, "float32")
     else:
-        cfg = checkpoint_model_config(Path(ckpt), model)
-        params = load_checkpoint_params(Path(ckpt), cfg)
+        ckpt = check_checkpoint_dir(ckpt)
+        cfg = checkpoint_model_config(ckpt, model)
+        check_ids(ids, cfg.vocab_size, f"--input-ids {resolve(input_ids)}")
+        check_params_match(ckpt, cfg, fix=_MODEL_FIX if model else _RECORDED_FIX)
+        params = load_checkpoint_params(ckpt, cfg)
     logits = compute_logits(params, cfg, ids)
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(f".{output.name}.partial-{uuid.uuid4().hex[:8]}.npy")
-    np.save(partial, logits)
-    os.replace(partial, output)
+    with staged_file(output, overwrite=overwrite) as tmp, open(tmp, "wb") as f:
+        np.save(f, logits)  # a file object: np.save would append .npy to a path
+    return output
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -428,12 +713,14 @@ def logits_command(*, ckpt: Path | None, hf_dir: Path | None, model: str | None,
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer.convert", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+    overwrite = {"action": "store_true", "help": "replace an existing output (only once the new one is complete)"}
     a = sub.add_parser("hf-to-trainer", help="Hugging Face directory -> params-only checkpoint + model.yml")
-    a.add_argument("--hf-dir", required=True, type=Path)
-    a.add_argument("--output-dir", required=True, type=Path)
+    a.add_argument("--hf-dir", required=True)
+    a.add_argument("--output-dir", required=True)
+    a.add_argument("--overwrite", **overwrite)
     a.add_argument("--dtype", choices=sorted(_ST_DTYPES), help="activation dtype in model.yml "
                    "(default: config.json's dtype)")
     a.add_argument("--weight-dtype", choices=sorted(_ST_DTYPES), default="float32", help="stored params dtype")
@@ -442,19 +729,41 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--moe-capacity-factor", type=float, help="MoE capacity factor in model.yml "
                    "(default: experts / top_k, dropless like HF)")
     b = sub.add_parser("trainer-to-hf", help="checkpoint -> config.json + safetensors for transformers")
-    b.add_argument("--checkpoint", required=True, type=Path)
-    b.add_argument("--output-dir", required=True, type=Path)
+    b.add_argument("--checkpoint", required=True, help="<run>/checkpoints/<step>, or an hf-to-trainer output")
+    b.add_argument("--output-dir", required=True)
+    b.add_argument("--overwrite", **overwrite)
     b.add_argument("--model", help="model preset or YAML, if the checkpoint does not record its config")
     b.add_argument("--dtype", choices=sorted(_ST_DTYPES), help="output dtype (default: the params' dtype)")
     b.add_argument("--max-shard-gb", type=float, default=5.0, help="split the safetensors past this size")
     c = sub.add_parser("logits", help="float32 logits of token ids, from a checkpoint or an HF directory")
     src = c.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", type=Path)
-    src.add_argument("--hf-dir", type=Path)
+    src.add_argument("--checkpoint")
+    src.add_argument("--hf-dir")
     c.add_argument("--model", help="model preset or YAML, if the checkpoint does not record its config")
-    c.add_argument("--input-ids", required=True, type=Path, help=".npy of int ids [batch, seq] or [seq]")
-    c.add_argument("--output", required=True, type=Path, help=".npy to write float32 [batch, seq, vocab]")
+    c.add_argument("--input-ids", required=True, help="int ids [batch, seq] or [seq]: a .npy file, or text with "
+                   "ids separated by spaces or commas, one sequence per line")
+    c.add_argument("--output", required=True, help=".npy to write float32 [batch, seq, vocab]")
+    c.add_argument("--overwrite", **overwrite)
     return p
+
+
+def _run(args) -> int:
+    if args.command == "hf-to-trainer":
+        out = hf_to_trainer(args.hf_dir, args.output_dir, dtype=args.dtype, weight_dtype=args.weight_dtype,
+                            scan_layers=args.scan_layers, moe_capacity_factor=args.moe_capacity_factor,
+                            overwrite=args.overwrite)
+        print(f"wrote {out}: train or decode with model={out / 'model.yml'} load_parameters_path={out}")
+    elif args.command == "trainer-to-hf":
+        if not args.max_shard_gb > 0:
+            raise UserInputError(f"--max-shard-gb {args.max_shard_gb} must be > 0")
+        out = trainer_to_hf(args.checkpoint, args.output_dir, model=args.model, dtype=args.dtype,
+                            max_shard_bytes=int(args.max_shard_gb * 2**30), overwrite=args.overwrite)
+        print(f"wrote {out}")
+    else:
+        out = logits_command(ckpt=args.checkpoint, hf_dir=args.hf_dir, model=args.model, input_ids=args.input_ids,
+                             output=args.output, overwrite=args.overwrite)
+        print(f"wrote {out}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -462,26 +771,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s] %(message)s", stream=sys.stderr)
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from trainer.config import ConfigError
-    from trainer.model.hf import HfFormatError
-
-    try:
-        if args.command == "hf-to-trainer":
-            out = hf_to_trainer(args.hf_dir, args.output_dir, dtype=args.dtype, weight_dtype=args.weight_dtype,
-                                scan_layers=args.scan_layers, moe_capacity_factor=args.moe_capacity_factor)
-            print(f"wrote {out}: train or decode with model={out / 'model.yml'} load_parameters_path={out}")
-        elif args.command == "trainer-to-hf":
-            out = trainer_to_hf(args.checkpoint, args.output_dir, model=args.model, dtype=args.dtype,
-                                max_shard_bytes=int(args.max_shard_gb * 2**30))
-            print(f"wrote {out}")
-        else:
-            logits_command(ckpt=args.checkpoint, hf_dir=args.hf_dir, model=args.model, input_ids=args.input_ids,
-                           output=args.output)
-            print(f"wrote {args.output}")
-    except (HfFormatError, InputError, ConfigError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    return EXIT_OK
+    return tool_main(PROG, lambda: _run(args))
 
 
 if __name__ == "__main__":

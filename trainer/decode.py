@@ -11,19 +11,25 @@ at the tokenizer's EOS; `prompt_ids` are used as given, with no tokenizer and no
 Decoding uses the KV cache of `trainer.model.decode` (prefill, then one compiled step per token);
 temperature=0 is greedy. Output: the generated text (text prompts only), then one line
 `output_ids: [...]` with the new token ids (up to and including EOS). Exit codes: 0 done, 2 bad
-config or input (before any compute), 1 any other failure.
+config or input, found before any compute and printed as one line `python -m trainer.decode: error:
+...` (a load_parameters_path that is missing, a run directory, or does not match `model`, included;
+relative paths are taken from the working directory), 1 any other failure (with its traceback).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
+from trainer.errors import tool_main
+
+PROG = "python -m trainer.decode"
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m trainer.decode", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("config", nargs="?", default="base.yml", help="config file path or name in configs/")
     p.add_argument("overrides", nargs="*", help="key=value overrides (values parsed as YAML scalars)")
     args = p.parse_args(argv)
@@ -93,27 +99,42 @@ def decode(cfg) -> tuple[list[int], str | None]:
 def main(argv=None) -> int:
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s] %(message)s", stream=sys.stderr)
-    from trainer.config import ConfigError, load_config
-    from trainer.data.errors import DataError
+    return tool_main(PROG, lambda: _run(args))
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        _request(cfg)  # every input problem before any compute
-    except (ConfigError, DataError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    try:
-        out, text = decode(cfg)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Exception:  # noqa: BLE001 - reported with its traceback
-        logging.getLogger("trainer.decode").exception("decoding failed")
-        return EXIT_FAILED
+
+def _run(args) -> int:
+    from trainer.config import load_config
+
+    cfg = _resolve_paths(load_config(args.config, args.overrides))
+    _request(cfg)  # every input problem before any compute
+    _check_checkpoint(cfg)
+    out, text = decode(cfg)
     if text is not None:
         print(text)
     print(f"output_ids: {out}", flush=True)
     return EXIT_OK
+
+
+def _resolve_paths(cfg):
+    """load_parameters_path made absolute (cwd-relative, ~ expanded): Orbax refuses relative paths."""
+    from trainer.io.paths import resolve
+
+    path = cfg.checkpoint.load_parameters_path
+    if not path:
+        return cfg
+    checkpoint = dataclasses.replace(cfg.checkpoint, load_parameters_path=str(resolve(path)))
+    return dataclasses.replace(cfg, checkpoint=checkpoint)
+
+
+def _check_checkpoint(cfg) -> None:
+    """load_parameters_path is a committed checkpoint whose params have the shapes `model` builds: said
+    in one line naming the path (or the first differing tensor) instead of an Orbax traceback."""
+    from trainer.convert import check_checkpoint_dir, check_params_match
+
+    path = check_checkpoint_dir(cfg.checkpoint.load_parameters_path, flag="load_parameters_path")
+    check_params_match(path, cfg.model, flag="load_parameters_path",
+                       fix="model= must be the model the checkpoint was trained with (for an hf-to-trainer "
+                           "output: model=<its directory>/model.yml)")
 
 
 if __name__ == "__main__":

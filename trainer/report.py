@@ -1,49 +1,113 @@
-"""CLI: `python -m trainer.report RUN_DIR [--output PNG] [--compare RUN_B]`.
+"""CLI: `python -m trainer.report RUN_DIR [--output PATH] [--compare RUN_B]`.
 
-Reads RUN_DIR/metrics.jsonl and RUN_DIR/events.jsonl (a finished run, or one still in progress),
-prints a summary (steps, loss, step time, tokens/s, failures, steps lost, downtime, goodput and
-badput by cause, each recovery timeline) and writes a PNG (default RUN_DIR/report.png; the panels
-are described in trainer.observe.plots). With --compare RUN_B the two runs are overlaid, e.g. one
-with failures against one without. Exit codes: 0 report written, 2 RUN_DIR (or RUN_B) holds no
-metrics/events.
+Reads RUN_DIR/metrics.jsonl and RUN_DIR/events.jsonl (a finished run, or one still in progress: a
+last line cut anywhere by a killed writer is skipped), prints a summary (steps, loss, step time,
+tokens/s, failures, steps lost, downtime, goodput and badput by cause, each recovery timeline) and
+writes the report figure (the panels are described in trainer.observe.plots). With --compare RUN_B
+the two runs are overlaid, e.g. one with failures against one without.
+
+Where the figure goes (the path written is printed, `report written to PATH`):
+- no --output: RUN_DIR/report.png;
+- --output naming a directory (one that exists, or a path ending in / or without a suffix, which is
+  created): DIR/report.png;
+- --output with an image suffix matplotlib writes (.png, .pdf, .svg, ...): that file, in that format;
+  any other suffix is refused (rather than a second suffix silently appended to it).
+An existing file is replaced (the report is meant to be regenerated), and only by a complete one.
+Paths may be relative to the working directory, start with ~, or be gs:// URIs.
+
+Exit codes: 0 report written; 2 (one line `python -m trainer.report: error: ...`) RUN_DIR or RUN_B
+holds no metrics/events, or --output cannot be written.
 """
 from __future__ import annotations
 
 import argparse
+import io
+import os
 import sys
 import textwrap
-from pathlib import Path
 
+from trainer.errors import UserInputError, tool_main
+from trainer.io.paths import is_remote, resolve
+from trainer.io.staging import staged_file
+
+PROG = "python -m trainer.report"
 EXIT_OK, EXIT_NO_RUN = 0, 2
+DEFAULT_NAME = "report.png"
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m trainer.report", description=__doc__.splitlines()[0])
-    p.add_argument("run_dir", type=Path, help="<base_output_directory>/<run_name> of the run to report")
-    p.add_argument("--output", "-o", type=Path, default=None, help="PNG to write (default RUN_DIR/report.png)")
-    p.add_argument("--compare", type=Path, default=None, metavar="RUN_B", help="a second run to overlay")
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", help="<base_output_directory>/<run_name> of the run to report")
+    p.add_argument("--output", "-o", default=None,
+                   help="image file (.png, .pdf, .svg, ...) or directory to write report.png into "
+                        "(default RUN_DIR/report.png)")
+    p.add_argument("--compare", default=None, metavar="RUN_B", help="a second run to overlay")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = _parse_args(sys.argv[1:] if argv is None else argv)
-    from trainer.observe.plots import render_report
-    from trainer.observe.runlog import MissingRunFiles, load_run, summarize
+    return tool_main(PROG, lambda: report(args.run_dir, args.output, args.compare))
 
-    try:
-        runs = [load_run(d) for d in (args.run_dir, args.compare) if d is not None]
-    except MissingRunFiles as e:
-        print(f"report: {e}", file=sys.stderr)
-        return EXIT_NO_RUN
+
+def report(run_dir: str, output: str | None = None, compare: str | None = None) -> int:
+    """Print the summaries and write the figure; every input is checked before anything is rendered."""
+    from trainer.observe.plots import render_report
+    from trainer.observe.runlog import load_run, summarize
+
+    runs = [load_run(d) for d in (run_dir, compare) if d is not None]
+    path, fmt = output_path(output, runs[0].path)
     summaries = [summarize(r) for r in runs]
     for s in summaries:
         print(format_summary(s))
-    output = args.output or args.run_dir / "report.png"
     fig = render_report(runs, summaries)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=100)
-    print(f"report written to {output}")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt, dpi=100)
+    _write(path, buffer.getvalue())
+    print(f"report written to {path}")
     return EXIT_OK
+
+
+def output_path(output: str | None, run_dir) -> tuple:
+    """(path, format) the figure is written to, by the rules in the module docstring."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if output is None:
+        return resolve(run_dir) / DEFAULT_NAME, "png"
+    text = os.fspath(output)
+    path = resolve(text)
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = path.suffix.lower().lstrip(".")
+    if text.endswith(("/", os.sep)) or path.is_dir() or not suffix:
+        path, suffix = path / DEFAULT_NAME, "png"
+    elif suffix not in formats:
+        raise UserInputError(f"--output {path}: .{suffix} is not an image format matplotlib writes; name a "
+                             f".png file (or one of {', '.join('.' + f for f in sorted(formats))}) or a "
+                             f"directory to write {DEFAULT_NAME} into")
+    if not is_remote(path):
+        _check_local_parent(path)
+    return path, suffix
+
+
+def _check_local_parent(path) -> None:
+    """A file on the way to `path` (or an unwritable directory) is said now, before rendering."""
+    parent = resolve(path).parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserInputError(f"--output {path}: {parent} is a file, not a directory; choose another output")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserInputError(f"--output {path}: {parent} is not writable; choose another output")
+
+
+def _write(path, data: bytes) -> None:
+    """Local: written aside and renamed (a killed report never leaves half an image). Remote: one write."""
+    if is_remote(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        return
+    with staged_file(os.fspath(path), overwrite=True) as tmp:
+        tmp.write_bytes(data)
 
 
 def format_summary(s) -> str:

@@ -13,7 +13,8 @@ of the conversion walk it, one tensor at a time, so neither needs a second copy 
 
 Supported: `Qwen3ForCausalLM` and `Qwen3MoeForCausalLM` with default RoPE, SiLU, no attention bias,
 no sliding window, and (MoE) every layer sparse (`decoder_sparse_step=1`, no `mlp_only_layers`).
-Anything else raises `HfFormatError` naming the config key.
+Anything else, and a key of the wrong type, raises `HfFormatError` naming the config key (and the file,
+given as `source`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from trainer.config.schema import ModelConfig
+from trainer.errors import UserInputError
 from trainer.model.transformer import abstract_params
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -34,46 +36,59 @@ _TOP_LEVEL = {"embed_tokens": ("model.embed_tokens.weight", 0), "norm": ("model.
 _EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
 
 
-class HfFormatError(ValueError):
-    """An unsupported architecture or config, or a checkpoint that does not match it (names the tensor)."""
+class HfFormatError(UserInputError):
+    """An unsupported architecture or config, or a checkpoint that does not match it (names the tensor).
+
+    A user input error: the converter's CLI reports it on one line and exits 2."""
 
 
 # ---------------------------------------------------------------------------------------------------
 # config.json <-> ModelConfig
 
 
-def model_keys_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+def model_keys_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> dict[str, Any]:
     """The architecture keys of ModelConfig described by a Qwen3 / Qwen3-MoE config.json.
 
     Accepts both spellings real checkpoints use: `rope_theta` at top level or under `rope_parameters`
     (transformers 5) / `rope_scaling`; `num_experts` or `num_local_experts`. Keys transformers lets a
-    config omit take transformers' defaults; the sizes are required."""
-    model_type = _model_type(hf)
-    _reject_unsupported(hf, model_type)
-    heads = _required(hf, "num_attention_heads")
-    hidden = _required(hf, "hidden_size")
+    config omit take transformers' defaults; the sizes are required. `source` (the file's path) names
+    the file in errors, so a user with several model directories knows which one is bad."""
+    if not isinstance(hf, Mapping):
+        raise HfFormatError(f"{source} holds a JSON {type(hf).__name__}, not an object of config keys")
+    model_type = _model_type(hf, source)
+    _reject_unsupported(hf, model_type, source)
+    heads = _int(hf, "num_attention_heads", source)
+    hidden = _int(hf, "hidden_size", source)
+    kv_heads = _int(hf, "num_key_value_heads", source, default=heads)
+    if heads % kv_heads:
+        raise HfFormatError(f"{source}: num_key_value_heads={kv_heads} does not divide "
+                            f"num_attention_heads={heads}")
     keys = {
-        "base_num_decoder_layers": _required(hf, "num_hidden_layers"),
+        "base_num_decoder_layers": _int(hf, "num_hidden_layers", source),
         "base_emb_dim": hidden,
         "base_num_query_heads": heads,
-        "base_num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "base_num_kv_heads": kv_heads,
         # Qwen3Config's head_dim defaults to 128; Qwen3MoeAttention falls back to hidden / heads.
-        "head_dim": hf.get("head_dim") or (128 if model_type == "qwen3" else hidden // heads),
-        "base_mlp_dim": _required(hf, "intermediate_size"),
-        "vocab_size": _required(hf, "vocab_size"),
-        "rope_max_timescale": float(_rope_theta(hf)),
-        "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+        "head_dim": _int(hf, "head_dim", source, default=128 if model_type == "qwen3" else hidden // heads),
+        "base_mlp_dim": _int(hf, "intermediate_size", source),
+        "vocab_size": _int(hf, "vocab_size", source),
+        "rope_max_timescale": _number(_rope_theta(hf), "rope_theta", source),
+        "normalization_layer_epsilon": _number(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
         "use_qk_norm": True,
         "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
     }
     if model_type == "qwen3_moe":
-        experts = hf.get("num_experts", hf.get("num_local_experts"))
-        if experts is None:
-            raise HfFormatError("config.json has neither 'num_experts' nor 'num_local_experts' (qwen3_moe)")
-        keys.update(num_experts=int(experts), num_experts_per_tok=_required(hf, "num_experts_per_tok"),
-                    base_moe_mlp_dim=_required(hf, "moe_intermediate_size"),
+        name = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+        if hf.get(name) is None:
+            raise HfFormatError(f"{source} has neither 'num_experts' nor 'num_local_experts' (qwen3_moe)")
+        keys.update(num_experts=_int(hf, name, source), num_experts_per_tok=_int(hf, "num_experts_per_tok", source),
+                    base_moe_mlp_dim=_int(hf, "moe_intermediate_size", source),
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                    load_balance_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)))
+                    load_balance_loss_weight=_number(hf.get("router_aux_loss_coef", 0.001),
+                                                     "router_aux_loss_coef", source))
+        if keys["num_experts_per_tok"] > keys["num_experts"]:
+            raise HfFormatError(f"{source}: num_experts_per_tok={keys['num_experts_per_tok']} exceeds "
+                                f"{name}={keys['num_experts']}")
     return keys
 
 
@@ -110,27 +125,40 @@ def hf_config(cfg: ModelConfig, torch_dtype: str) -> dict[str, Any]:
     return out
 
 
-def _model_type(hf: Mapping[str, Any]) -> str:
+def _model_type(hf: Mapping[str, Any], source: str) -> str:
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
     known = {v: k for k, v in ARCHITECTURES.items()}
     supported = ", ".join(ARCHITECTURES.values())
     for arch in archs:
         if arch not in known:
-            raise HfFormatError(f"unsupported architecture {arch!r} (model_type {model_type!r}) in config.json; "
+            raise HfFormatError(f"unsupported architecture {arch!r} (model_type {model_type!r}) in {source}; "
                                 f"supported: {supported}")
     if model_type not in ARCHITECTURES:
-        raise HfFormatError(f"unsupported model_type {model_type!r} in config.json (architectures {archs}); "
+        raise HfFormatError(f"unsupported model_type {model_type!r} in {source} (architectures {archs}); "
                             f"supported: {supported}")
     if archs and known[archs[0]] != model_type:
-        raise HfFormatError(f"config.json: architectures {archs} does not match model_type {model_type!r}")
+        raise HfFormatError(f"{source}: architectures {archs} does not match model_type {model_type!r}")
     return model_type
 
 
-def _required(hf: Mapping[str, Any], name: str) -> int:
-    if hf.get(name) is None:
-        raise HfFormatError(f"config.json has no {name!r}")
-    return int(hf[name])
+def _int(hf: Mapping[str, Any], name: str, source: str, default: int | None = None) -> int:
+    """A positive integer key; required unless `default` is given. 4.0 is accepted, 4.5 and "4" are not
+    (int() would silently truncate or parse them)."""
+    value = hf.get(name)
+    if value is None:
+        if default is None:
+            raise HfFormatError(f"{source} has no {name!r} (every Qwen3 config.json sets it)")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+        raise HfFormatError(f"{source}: {name}={value!r} must be a positive integer")
+    return int(value)
+
+
+def _number(value: Any, name: str, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise HfFormatError(f"{source}: {name}={value!r} must be a number")
+    return float(value)
 
 
 def _rope(hf: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -141,9 +169,9 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
     return _rope(hf).get("rope_theta", hf.get("rope_theta", 10_000.0))
 
 
-def _reject_unsupported(hf: Mapping[str, Any], model_type: str) -> None:
+def _reject_unsupported(hf: Mapping[str, Any], model_type: str, source: str) -> None:
     def bad(key: str, why: str):
-        raise HfFormatError(f"config.json {key}={hf.get(key)!r}: {why} is not supported")
+        raise HfFormatError(f"{source} {key}={hf.get(key)!r}: {why} is not supported")
 
     if hf.get("hidden_act", "silu") != "silu":
         bad("hidden_act", "an activation other than silu")
@@ -154,18 +182,20 @@ def _reject_unsupported(hf: Mapping[str, Any], model_type: str) -> None:
     if hf.get("quantization_config"):
         bad("quantization_config", "a quantized checkpoint")
     rope = _rope(hf)
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    if not isinstance(rope, Mapping):
+        raise HfFormatError(f"{source} {key}={rope!r} must be an object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-        raise HfFormatError(f"config.json {key}: rope_type {rope_type!r} is not supported (only default RoPE)")
+        raise HfFormatError(f"{source} {key}: rope_type {rope_type!r} is not supported (only default RoPE)")
     if model_type == "qwen3_moe":
         if hf.get("decoder_sparse_step", 1) != 1:
             bad("decoder_sparse_step", "a MoE model with dense-MLP layers (every layer must be MoE)")
         if hf.get("mlp_only_layers"):
             bad("mlp_only_layers", "a MoE model with dense-MLP layers (every layer must be MoE)")
         experts = hf.get("num_experts", hf.get("num_local_experts"))
-        if experts is not None and experts < 2:
-            raise HfFormatError(f"config.json num_experts={experts}: a qwen3_moe model needs >= 2 experts")
+        if isinstance(experts, (int, float)) and experts < 2:
+            raise HfFormatError(f"{source} num_experts={experts}: a qwen3_moe model needs >= 2 experts")
 
 
 # ---------------------------------------------------------------------------------------------------

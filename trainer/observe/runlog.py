@@ -6,17 +6,24 @@ records it replaces are `superseded` and the rest `surviving` (the trajectory th
 from). This also holds for a run still in progress that has not yet re-reached its old last step.
 
 Everything here is a pure function of the two files, so a run still in progress (no finish event, a
-torn last line) reads the same way as a finished one.
+torn last line) reads the same way as a finished one. Both files are read only through
+`trainer.io.jsonl.read_jsonl`, which skips a last line cut at any byte (a writer killed mid-line); a
+record without the fields a report needs (an event's name and time, a step record's step and time)
+is skipped too, so no cut can break a report.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import statistics
-from pathlib import Path
 from typing import Any
 
-from trainer.observe.events import read_events
+from etils import epath
+
+from trainer.errors import UserInputError
+from trainer.io.jsonl import read_jsonl
+from trainer.io.paths import resolve
 from trainer.observe.goodput import account
 from trainer.observe.timeline import recovery_timelines
 
@@ -26,14 +33,15 @@ METRICS_FILE, EVENTS_FILE = "metrics.jsonl", "events.jsonl"
 DOWN, WAITING, RESTORING, TO_FIRST_STEP = "down → detected", "waiting for slices", "restoring", "restored → first step"
 
 
-class MissingRunFiles(FileNotFoundError):
-    """The directory holds no metrics.jsonl / events.jsonl, so it is not (yet) a run directory."""
+class MissingRunFiles(UserInputError, FileNotFoundError):
+    """The directory holds no metrics.jsonl / events.jsonl, so it is not (yet) a run directory. A user
+    input error (the report CLI prints one line and exits 2), still a FileNotFoundError for callers."""
 
 
 @dataclasses.dataclass(frozen=True)
 class RunLog:
     name: str
-    path: Path
+    path: epath.Path
     events: list[dict[str, Any]]
     records: list[dict[str, Any]]      # every step record, in file order
     surviving: list[dict[str, Any]]    # the last record of each step on the final trajectory
@@ -60,19 +68,27 @@ class RunLog:
         return finish[-1].get("status", "finished") if finish else "in progress"
 
 
-def load_run(run_dir: Path) -> RunLog:
-    run_dir = Path(run_dir)
+def load_run(run_dir: str | os.PathLike) -> RunLog:
+    """The run at `run_dir` (relative to the working directory, ~, or gs://)."""
+    run_dir = resolve(run_dir)
+    expected = "expected a run directory <base_output_directory>/<run_name>/ written by python -m trainer.train"
+    if not run_dir.is_dir():
+        raise MissingRunFiles(f"{run_dir} {'is a file' if run_dir.exists() else 'does not exist'}; {expected}")
     missing = [n for n in (METRICS_FILE, EVENTS_FILE) if not (run_dir / n).is_file()]
     if missing:
-        raise MissingRunFiles(f"{run_dir} has no {' or '.join(missing)}; expected a run directory "
-                              f"<base_output_directory>/<run_name>/ written by python -m trainer.train")
-    events = read_events(run_dir / EVENTS_FILE)
-    # read_events parses any JSONL file and skips a torn last line, which metrics.jsonl can have too.
-    records = [r for r in read_events(run_dir / METRICS_FILE) if "step" in r and "time" in r]
+        raise MissingRunFiles(f"{run_dir} has no {' or '.join(missing)}; {expected}")
+    events = [e for e in read_jsonl(run_dir / EVENTS_FILE)
+              if isinstance(e.get("event"), str) and _is_number(e.get("time"))]
+    records = [r for r in read_jsonl(run_dir / METRICS_FILE)
+               if _is_number(r.get("step")) and _is_number(r.get("time"))]
     if not events and not records:
         raise MissingRunFiles(f"{run_dir}: {METRICS_FILE} and {EVENTS_FILE} are both empty; nothing to report yet")
     surviving, superseded = split_rewound(records)
     return RunLog(run_dir.name, run_dir, events, records, surviving, superseded)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def split_rewound(records: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:

@@ -72,8 +72,8 @@ def test_output_under_home_and_a_relative_load_path(tmp_path):
 def test_a_missing_load_path_exits_2_before_compiling_and_writes_nothing(tmp_path, key):
     proc = train(tmp_path, f"{key}=ckpt/nothing-here", timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert status(proc) == "STATUS: config_error"
-    assert f"{key}='ckpt/nothing-here' does not exist" in proc.stderr
+    assert status(proc) == "STATUS: input_error"
+    assert f"{key} {tmp_path / 'ckpt' / 'nothing-here'} does not exist" in proc.stderr
     assert "compile" not in proc.stderr.lower()
     assert not (tmp_path / "runs").exists()
 
@@ -82,7 +82,8 @@ def test_a_load_path_of_another_model_shape_exits_2(tmp_path):
     base = train(tmp_path, "steps=1", "run_name=small")
     assert status(base).startswith("STATUS: finished"), base.stderr[-3000:]
     proc = train(tmp_path, "run_name=big", "base_emb_dim=128", "load_parameters_path=runs/small/checkpoints/1")
-    assert proc.returncode == 2 and "does not fit model=qwen3-tiny" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "does not match the model config: embed_tokens is [512, 64]" in proc.stderr, \
+        proc.stderr[-2000:]
     assert not (tmp_path / "runs" / "big").exists()
 
 

@@ -129,7 +129,7 @@ def _resolve_paths(cfg):
 def _check_checkpoint(cfg) -> None:
     """load_parameters_path is a committed checkpoint whose params have the shapes `model` builds: said
     in one line naming the path (or the first differing tensor) instead of an Orbax traceback."""
-    from trainer.convert import check_checkpoint_dir, check_params_match
+    from trainer.checkpoint.checks import check_checkpoint_dir, check_params_match
 
     path = check_checkpoint_dir(cfg.checkpoint.load_parameters_path, flag="load_parameters_path")
     check_params_match(path, cfg.model, flag="load_parameters_path",

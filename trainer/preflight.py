@@ -51,54 +51,17 @@ def resumed_shape_problems(cfg: RunConfig, step_dir: epath.Path) -> list[str]:
             "changed keys to resume it"]
 
 
-def _param_shapes(tree) -> dict[str, tuple]:
-    import jax
-
-    return {jax.tree_util.keystr(k): tuple(getattr(v, "shape", ())) for k, v in
-            jax.tree_util.tree_leaves_with_path(tree)}
-
-
-def load_path_problems(cfg: RunConfig) -> list[str]:
-    """The configured load path exists, is committed, and holds params of this model's shapes."""
-    from trainer.checkpoint import commit
-    from trainer.io.paths import resolve
+def check_load_path(cfg: RunConfig) -> None:
+    """The configured load path is a committed checkpoint holding params of this model's shapes
+    (raises a UserInputError naming the key)."""
+    from trainer.checkpoint.checks import check_checkpoint_dir, check_params_match
 
     for key in ("load_full_state_path", "load_parameters_path"):
         given = getattr(cfg.checkpoint, key)
-        if not given:
-            continue
-        path = resolve(given)
-        if not path.exists():
-            return [f"{key}={given!r} does not exist (looked at {path}); point it at a checkpoint step directory "
-                    "(<run>/checkpoints/<step>) or a converted model (python -m trainer.convert hf-to-trainer)"]
-        if not commit.is_committed(path):
-            steps = commit.committed_steps(path / "checkpoints") or commit.committed_steps(path)
-            hint = (f"; it holds committed steps {steps}: use {path / 'checkpoints' if (path / 'checkpoints').exists() else path}"
-                    f"/{steps[-1]}" if steps else "")
-            return [f"{key}={given!r} is not a committed checkpoint (no {commit.COMMIT_MARKER}){hint}"]
-        return _shape_mismatch(key, given, path / "state", cfg)
-    return []
-
-
-def _shape_mismatch(key: str, given: str, item: epath.Path, cfg: RunConfig) -> list[str]:
-    import orbax.checkpoint as ocp
-
-    from trainer.model.transformer import abstract_params
-
-    try:
-        with ocp.PyTreeCheckpointer() as ckptr:
-            saved = ckptr.metadata(item).item_metadata.tree["params"]
-    except Exception as e:  # noqa: BLE001 - unreadable metadata: the restore reports it
-        log.warning("could not read parameter shapes of %s before restoring: %s", item, e)
-        return []
-    want, have = _param_shapes(abstract_params(cfg.model)), _param_shapes(saved)
-    missing = sorted(set(want) - set(have))
-    wrong = [f"{k} {have[k]} (model wants {want[k]})" for k in sorted(want) if k in have and have[k] != want[k]]
-    if not (missing or wrong):
-        return []
-    what = f"parameters missing: {', '.join(missing[:3])}" if missing else f"shapes differ: {', '.join(wrong[:3])}"
-    return [f"{key}={given!r} does not fit model={cfg.model.model}: {what}; use the model it was saved with "
-            "(a converted model: model=<dir>/model.yml)"]
+        if given:
+            path = check_checkpoint_dir(given, flag=key)
+            check_params_match(path, cfg.model, flag=key,
+                               fix="use the model it was saved with (a converted model: model=<dir>/model.yml)")
 
 
 def data_problems(cfg: RunConfig) -> None:
@@ -112,14 +75,17 @@ def data_problems(cfg: RunConfig) -> None:
 
 
 def check(cfg: RunConfig, checkpoints: epath.Path) -> Preflight:
-    """Raise ConfigError / DataError naming every unusable input; say where the run starts from."""
+    """Raise a UserInputError (ConfigError, DataError, ...) naming an unusable input; say where the run
+    starts from."""
     from trainer.checkpoint import commit
 
     steps = commit.committed_steps(checkpoints) if cfg.checkpoint.enable_checkpointing else []
     resume = steps[-1] if steps else None
-    problems = (resumed_shape_problems(cfg, commit.step_dir(checkpoints, resume)) if resume is not None
-                else load_path_problems(cfg))
-    if problems:
-        raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
+    if resume is not None:
+        problems = resumed_shape_problems(cfg, commit.step_dir(checkpoints, resume))
+        if problems:
+            raise ConfigError("cannot resume: " + "; ".join(problems))
+    else:
+        check_load_path(cfg)
     data_problems(cfg)
     return Preflight(resume_step=resume)

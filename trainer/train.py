@@ -74,10 +74,10 @@ class _StopFlag:
 def main(argv=None) -> int:
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     _setup_logging()
-    from trainer.config import ConfigError, build, to_yaml
+    from trainer.config import build, to_yaml
     from trainer.config.loader import load_layers, merge, value_sources
     from trainer.config.validate import validate
-    from trainer.data.errors import DataError
+    from trainer.errors import UserInputError
 
     try:
         layers = load_layers(args.config, args.overrides)
@@ -88,12 +88,22 @@ def main(argv=None) -> int:
             sys.stdout.write(config_text)
             return EXIT_OK
         paths, preflight = _prepare(cfg)
-    except (ConfigError, DataError) as e:
-        status = "config_error" if isinstance(e, ConfigError) else "data_error"
+    except UserInputError as e:
+        status = _input_status(e)
         print(f"{status.replace('_', ' ')}: {e}", file=sys.stderr)
         _status(status)
         return EXIT_BAD_INPUT
     return _train(cfg, paths, preflight, config_text)
+
+
+def _input_status(error) -> str:
+    """config_error, data_error or input_error (a path or checkpoint that cannot be used)."""
+    from trainer.config import ConfigError
+    from trainer.data.errors import DataError
+
+    if isinstance(error, ConfigError):
+        return "config_error"
+    return "data_error" if isinstance(error, DataError) else "input_error"
 
 
 def _prepare(cfg):
@@ -113,11 +123,10 @@ def _prepare(cfg):
 
 
 def _train(cfg, paths, checked, config_text: str) -> int:
-    from trainer.config import ConfigError
-    from trainer.data.errors import DataError
     from trainer.elastic.errors import ElasticGiveUp
     from trainer.hostmem import hugepages_requested
     from trainer.observe.events import EventLog
+    from trainer.errors import UserInputError
     from trainer.run import run
 
     log = logging.getLogger("trainer.train")
@@ -140,8 +149,8 @@ def _train(cfg, paths, checked, config_text: str) -> int:
         else:
             code, status, line = EXIT_OK, "finished", f"finished step={outcome.final_step} run_dir={paths.run_dir}"
         fields = {"step": outcome.final_step}
-    except (ConfigError, DataError) as e:
-        status = "config_error" if isinstance(e, ConfigError) else "data_error"
+    except UserInputError as e:
+        status = _input_status(e)
         print(f"{status.replace('_', ' ')}: {e}", file=sys.stderr)
         code, line, fields = EXIT_BAD_INPUT, status, {"error": str(e)}
     except ElasticGiveUp as e:

@@ -384,20 +384,12 @@ def check_output(path, *, overwrite: bool, flag: str, inputs=()) -> Path:
         raise UserInputError(f"{flag} {path}: outputs are written to local disk; write them locally, then copy "
                              f"them up (e.g. `gcloud storage cp -r`)")
     dest = Path(os.fspath(resolve(path)))
-    check_writable(dest, overwrite=overwrite)
     for src in inputs:
         if src is not None and not is_remote(src):
             src = Path(os.fspath(resolve(src)))
             if src == dest or dest in src.parents:
                 raise UserInputError(f"{flag} {dest} would replace the input {src}; choose another output")
-    parent = dest.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UserInputError(f"{flag} {dest}: {parent} is a file, not a directory; choose another output")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserInputError(f"{flag} {dest}: {parent} is not writable; choose another output")
-    return dest
+    return check_writable(dest, overwrite=overwrite, name=flag)
 
 
 def _save_params(staging: Path, params) -> None:

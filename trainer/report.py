@@ -28,7 +28,7 @@ import textwrap
 
 from trainer.errors import UserInputError, tool_main
 from trainer.io.paths import is_remote, resolve
-from trainer.io.staging import staged_file
+from trainer.io.staging import check_writable, staged_file
 
 PROG = "python -m trainer.report"
 EXIT_OK, EXIT_NO_RUN = 0, 2
@@ -85,19 +85,8 @@ def output_path(output: str | None, run_dir) -> tuple:
                              f".png file (or one of {', '.join('.' + f for f in sorted(formats))}) or a "
                              f"directory to write {DEFAULT_NAME} into")
     if not is_remote(path):
-        _check_local_parent(path)
+        check_writable(os.fspath(path), overwrite=True, name="--output")
     return path, suffix
-
-
-def _check_local_parent(path) -> None:
-    """A file on the way to `path` (or an unwritable directory) is said now, before rendering."""
-    parent = resolve(path).parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UserInputError(f"--output {path}: {parent} is a file, not a directory; choose another output")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserInputError(f"--output {path}: {parent} is not writable; choose another output")
 
 
 def _write(path, data: bytes) -> None:

@@ -19,13 +19,23 @@ class OutputExists(FileExistsError):
     """The output exists and overwrite was not asked for."""
 
 
-def check_writable(dest: str | os.PathLike, *, overwrite: bool, flag: str = "--overwrite") -> Path:
-    """Refuse an existing output up front (before any work), naming the flag that allows replacing it."""
-    dest = Path(dest).expanduser()
-    if dest.exists() and not overwrite:
-        from trainer.errors import UserInputError
+def check_writable(dest: str | os.PathLike, *, overwrite: bool, flag: str = "--overwrite", name: str = "") -> Path:
+    """Refuse up front (before any work) an output that cannot be written: it exists (naming the flag
+    that allows replacing it), or its nearest existing ancestor is a file or not writable. `name` is
+    how the message names the output (e.g. the option that gave it)."""
+    from trainer.errors import UserInputError
 
-        raise UserInputError(f"{dest} already exists; pass {flag} to replace it, or choose another output")
+    dest = Path(dest).expanduser()
+    label = f"{name} {dest}" if name else str(dest)
+    if dest.exists() and not overwrite:
+        raise UserInputError(f"{label} already exists; pass {flag} to replace it, or choose another output")
+    parent = dest.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserInputError(f"{label}: {parent} is a file, not a directory; choose another output")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserInputError(f"{label}: {parent} is not writable; choose another output")
     return dest
 
 

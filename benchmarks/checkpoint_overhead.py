@@ -13,7 +13,8 @@ checkpoint_period) and reports:
   cross-check (run-to-run noise here is a few percent);
 - the restore time of the newest checkpoint (the run resumed for one more step) next to this disk's
   sequential write (fsync) and read bandwidth, measured on a file of the checkpoint's size.
-Extra `key=value` arguments go to the trainer (e.g. checkpoint_compression=false).
+Extra `key=value` arguments go to the trainer (e.g. checkpoint_compression=false). TRAINER_SMOKE=1 runs
+it all at minimal sizes (see cli_runs).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_runs import excess_step_time, mean, median, read_jsonl, run, step_times  # noqa: E402
+from cli_runs import (SMOKE_SHAPE, SMOKE_SHAPE_TEXT, announce_smoke, excess_step_time, mean,  # noqa: E402
+                      median, read_jsonl, run, smoke_cap, smoke_median, smoke_overrides, step_times)
 
 
 def disk_bandwidth(directory: Path, nbytes: int) -> tuple[float, float]:
@@ -59,8 +61,11 @@ def main() -> None:
     p.add_argument("--ab", action="store_true", help="also run without checkpoints and compare mean step times")
     p.add_argument("extra", nargs="*", help="more key=value for the trainer")
     args = p.parse_args()
-    steps = args.steps or 3 * args.period + 5
-    common = [f"model={args.model}", f"steps={steps}", "log_period=1000", *args.extra]
+    args.period = smoke_cap(args.period, 2)
+    steps = smoke_cap(args.steps or 3 * args.period + 5, 8)
+    common = smoke_overrides([f"model={args.model}", f"steps={steps}", "log_period=1000", *args.extra],
+                             **SMOKE_SHAPE)
+    announce_smoke(f"checkpoint period {args.period}, {steps} steps, {SMOKE_SHAPE_TEXT}")
     ckpt_args = [*common, f"checkpoint_period={args.period}", "max_num_checkpoints_to_keep=2"]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -69,6 +74,7 @@ def main() -> None:
         blocked = [e for e in events if e["event"] == "checkpoint_save_blocked"]
         saved = [e for e in events if e["event"] == "checkpoint_save_committed"]
         excess, base = excess_step_time(ckpt, "checkpoint_save_start", "checkpoint_save_committed")
+        per_save = smoke_median(excess)
         out = {
             "model": args.model, "checkpoint_period": args.period, "steps": steps, "extra": args.extra,
             "saves": len(saved), "baseline_step_time_s": round(base, 4),
@@ -76,7 +82,7 @@ def main() -> None:
             "median_of_which_waiting_for_the_step_s": round(median([e["waited_for_step_s"] for e in blocked]), 4),
             "median_async_save_s": round(median([e["seconds"] for e in saved]), 3),
             "extra_step_time_per_save_s": [round(x, 3) for x in excess],
-            "step_time_overhead_at_period": round(median(excess) / (args.period * base), 4),
+            "step_time_overhead_at_period": None if per_save is None else round(per_save / (args.period * base), 4),
         }
         if args.ab:
             plain = run(root, "plain", [*common, "enable_checkpointing=false"])

@@ -1,4 +1,10 @@
-"""Shared by the benchmarks: run the trainer CLI in a subprocess and read what it wrote."""
+"""Shared by the benchmarks: run the trainer CLI in a subprocess and read what it wrote.
+
+Smoke mode: with TRAINER_SMOKE=1 in the environment a benchmark runs its whole path (the same CLI runs,
+measurements and report) at minimal sizes (few steps, short sequences), whatever its arguments say, so
+that a documented command can be checked in well under a minute and a half. Its figures then mean
+nothing, and a benchmark says so on its first line (`announce_smoke`).
+"""
 from __future__ import annotations
 
 import json
@@ -8,12 +14,71 @@ import subprocess
 import sys
 from pathlib import Path
 
+SMOKE_VAR = "TRAINER_SMOKE"
+# Trainer arguments every smoke run caps: a narrow 2-layer model with a 512-token vocabulary (the synthetic
+# data's, which the benchmarks train on) on short rows, so that steps, saves and restores cost little next to
+# starting a process.
+SMOKE_SHAPE = {"base_num_decoder_layers": 2, "base_emb_dim": 64, "base_num_query_heads": 4, "base_num_kv_heads": 2,
+               "head_dim": 16, "base_mlp_dim": 128, "vocab_size": 512, "max_target_length": 32}
+SMOKE_SHAPE_TEXT = "a 2-layer 64-wide model, vocabulary 512, rows of 32 tokens, compiled without XLA optimisation"
+# XLA compiles in half the time without its optimisation passes: compiling is most of a smoke run.
+SMOKE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+
+
+def smoke() -> bool:
+    """Whether TRAINER_SMOKE is set (to anything but empty or 0)."""
+    return os.environ.get(SMOKE_VAR, "") not in ("", "0")
+
+
+def smoke_cap(value, cap):
+    """`value`, at most `cap` in smoke mode."""
+    return min(value, cap) if smoke() else value
+
+
+def smoke_overrides(overrides: list[str], **caps) -> list[str]:
+    """Trainer `key=value` arguments with, in smoke mode, each key of `caps` at most its cap: a given value
+    above it is replaced in place, a missing key is added with the cap (every default is larger)."""
+    if not smoke():
+        return list(overrides)
+    out, seen = [], set()
+    for arg in overrides:
+        key, sep, value = arg.partition("=")
+        if sep and key in caps:
+            seen.add(key)
+            try:
+                arg = f"{key}={min(int(value), caps[key])}"
+            except ValueError:
+                arg = f"{key}={caps[key]}"
+        out.append(arg)
+    return out + [f"{k}={v}" for k, v in caps.items() if k not in seen]
+
+
+def announce_smoke(shortened: str) -> None:
+    """In smoke mode, say so (and what was shortened) on one line before anything else."""
+    if smoke():
+        print(f"smoke mode ({SMOKE_VAR}=1): {shortened}; figures are not measurements", flush=True)
+
+
+def smoke_env(env: dict) -> dict:
+    """`env` (changed in place) with, in smoke mode, XLA's optimisation passes off in XLA_FLAGS."""
+    if smoke():
+        flags = env.get("XLA_FLAGS", "").split()
+        given = {f.split("=")[0] for f in flags}
+        env["XLA_FLAGS"] = " ".join(flags + [f for f in SMOKE_XLA_FLAGS if f.split("=")[0] not in given])
+    return env
+
+
+def smoke_median(xs):
+    """median(xs), or in smoke mode None when there is nothing to take it of (a run that short may end
+    before a save or snapshot has a step after it)."""
+    return None if smoke() and not xs else median(xs)
+
 
 def env_with_devices(devices: int) -> dict:
     env = dict(os.environ)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
-    return env
+    return smoke_env(env)
 
 
 def trainer_cmd(root: Path, name: str, overrides: list[str]) -> list[str]:

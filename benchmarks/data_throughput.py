@@ -6,6 +6,7 @@ Generates function-calling chats, writes them as ArrayRecord shards in a tempora
 times the training iterator (tokenize, template, pack, batch) after a warm-up that includes worker
 start-up. "tokens" are non-padding positions; the qwen3-mini preset consumes about 2 x 512 tokens per
 0.5-1 s step on 2 CPU cores (~1-2k tokens/s), so the pipeline should deliver >= 20k tokens/s.
+TRAINER_SMOKE=1 runs it all at minimal sizes (see cli_runs): few chats and steps, one worker setting.
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+from cli_runs import announce_smoke, smoke, smoke_cap  # noqa: E402
 from trainer.config.schema import DataConfig  # noqa: E402
 from trainer.data.grain_pipeline import make_arrayrecord_iterator  # noqa: E402
 from trainer.data.prepare import prepare  # noqa: E402
@@ -64,6 +67,13 @@ def main(argv=None) -> int:
     parser.add_argument("--length", type=int, default=512, help="max_target_length (qwen3-mini: 512)")
     parser.add_argument("--chats", type=int, default=4000)
     args = parser.parse_args(argv)
+    if smoke():
+        args.workers = args.workers[:1]
+    args.steps, args.warmup = smoke_cap(args.steps, 3), smoke_cap(args.warmup, 1)
+    args.batch, args.length = smoke_cap(args.batch, 4), smoke_cap(args.length, 128)
+    args.chats = smoke_cap(args.chats, 200)
+    announce_smoke(f"{args.chats} chats, {args.steps} timed steps of {args.batch} x {args.length}, "
+                   f"grain_worker_count={args.workers[0]} only")
     with tempfile.TemporaryDirectory() as tmp:
         _write_chats(Path(tmp) / "chats.jsonl", args.chats)
         prepare([str(Path(tmp) / "chats.jsonl")], Path(tmp) / "shards", 4, progress_stream=io.StringIO())

@@ -10,6 +10,8 @@ the survivors, respawn, rejoin), the steps lost and the PIDs of every process. K
 coordination service host) ends the job; the demo then says so and shows the exit codes.
 
 The functions here (launch, kill_at_step, collect, timeline) also drive tests/test_multiprocess.py.
+TRAINER_SMOKE=1 (as for the benchmarks, benchmarks/cli_runs.py) runs it all at minimal sizes; the run may then
+end before the replacement has rejoined, and the launcher stops it after a short grace.
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ TINY = ["model=qwen3-tiny", "base_num_decoder_layers=2", "base_emb_dim=64", "bas
 # The collective timeout must exceed any legitimate wait inside one collective on a loaded 2-core CI box
 # (step skew); it only delays detection when a receive hangs on the dead peer.
 FAST_FT = ["heartbeat_timeout_seconds=2", "collective_timeout_seconds=20", "elastic_poll_interval_seconds=0.05"]
+# TRAINER_SMOKE=1: the demo at minimal sizes (benchmarks/cli_runs.py reads it for the benchmarks).
+SMOKE = os.environ.get("TRAINER_SMOKE", "") not in ("", "0")
+SMOKE_XLA_FLAGS = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
 
 
 def trainer_args(run_root: Path, run_name: str, *, steps: int, processes: int = 3, min_slices: int = 2,
@@ -47,14 +52,15 @@ class Job:
     """scripts/launch_local.py running in the background, its output in a file, its events readable."""
 
     def __init__(self, run_root: Path, run_name: str, args: list[str], *, processes: int = 3,
-                 restart_delay: float = 3.0, max_restarts: int = 1, max_job_restarts: int = 0):
+                 restart_delay: float = 3.0, max_restarts: int = 1, max_job_restarts: int = 0, grace: float = 30.0):
         self.run_dir = run_root / run_name
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = run_root / f"{run_name}.launcher.log"
         self.events_path = run_root / f"{run_name}.launcher.jsonl"
         cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), f"--num-processes={processes}",
                f"--restart-delay={restart_delay}", f"--max-restarts={max_restarts}",
-               f"--max-job-restarts={max_job_restarts}", "--grace=30", f"--events={self.events_path}", "--", *args]
+               f"--max-job-restarts={max_job_restarts}", f"--grace={grace:g}", f"--events={self.events_path}", "--",
+               *args]
         self._log = open(self.log_path, "ab")
         # Its own process group: stop() reaches the launcher and every trainer it started.
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
@@ -226,11 +232,20 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("overrides", nargs="*", help="extra key=value for the trainer")
     args = p.parse_args()
+    grace = 30.0
+    if SMOKE:  # whatever the arguments say; the launcher gives a replacement still joining 5 s, not 30
+        args.steps, args.kill_at_step = min(args.steps, 10), min(args.kill_at_step, 3)
+        args.restart_delay, grace = min(args.restart_delay, 1.0), 5.0
+        flags = os.environ.get("XLA_FLAGS", "").split()
+        os.environ["XLA_FLAGS"] = " ".join(flags + [f for f in SMOKE_XLA_FLAGS if f not in flags])
+        print(f"smoke mode (TRAINER_SMOKE=1): {args.steps} steps, kill after step {args.kill_at_step}, restart delay "
+              f"{args.restart_delay:g} s, launcher grace {grace:g} s, compiled without XLA optimisation; figures are "
+              "not measurements", flush=True)
     root = args.run_root or Path(tempfile.mkdtemp(prefix="multiprocess_demo_"))
     min_slices = 2 if args.mode == "replica-resize" else -1
     job = Job(root, "demo", trainer_args(root, "demo", steps=args.steps, min_slices=min_slices,
                                          extra=tuple(args.overrides)),
-              restart_delay=args.restart_delay, max_restarts=0 if args.no_respawn else 1)
+              restart_delay=args.restart_delay, max_restarts=0 if args.no_respawn else 1, grace=grace)
     print(f"run directory: {job.run_dir}\nlauncher output: {job.log_path}", flush=True)
     try:
         kill = kill_at_step(job, args.kill_process, args.kill_at_step, timeout=args.timeout)

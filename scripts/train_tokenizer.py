@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.data.errors import DataError  # noqa: E402
 from trainer.data.formatting import RecordError, chat_text  # noqa: E402
-from trainer.data.prepare import (INPUT_HELP, TEXT_UNITS, Summary, check_inputs, expand_inputs,  # noqa: E402
+from trainer.data.prepare import (INPUT_HELP, Summary, add_record_arguments, check_inputs, expand_inputs,  # noqa: E402
                                   no_usable_record, output_path, read_records)
 from trainer.data.tokenizer import CHAT_TOKENS, EXTRA_SYMBOLS, Tokenizer, train_sentencepiece  # noqa: E402
 from trainer.errors import tool_main  # noqa: E402
@@ -119,12 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=int, default=8192, help="pieces in the model (default: %(default)s)")
     parser.add_argument("--model-type", default="bpe", choices=("bpe", "unigram"))
     parser.add_argument("--max-records", type=int, default=200_000, help="train on at most this many records")
-    parser.add_argument("--text-field", default="text", help="JSON field / Parquet column with the text "
-                        "(default: %(default)s)")
-    parser.add_argument("--messages-field", default="messages", help="JSON field / Parquet column with a chat, "
-                        "a list of {role, content} (default: %(default)s)")
-    parser.add_argument("--text-unit", default="paragraph", choices=TEXT_UNITS,
-                        help="plain text files: one record per paragraph (blank-line separated), line or file")
+    add_record_arguments(parser)
     return parser
 
 

@@ -24,3 +24,18 @@ def synthetic_batch(cfg, rows: int, step: int = 0):
 
 def replace(cfg, section: str, **changes):
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
+
+
+def shard_records(directory) -> list[dict]:
+    """Every JSON record of the ArrayRecord shards in `directory`, in shard order."""
+    import json
+    from pathlib import Path
+
+    from array_record.python import array_record_module
+
+    records = []
+    for path in sorted(Path(directory).glob("*.arrayrecord")):
+        reader = array_record_module.ArrayRecordReader(str(path))
+        records += [json.loads(r) for r in reader.read(list(range(reader.num_records())))]
+        reader.close()
+    return records

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from array_record.python import array_record_module
+from helpers import shard_records
 
 REPO = Path(__file__).resolve().parents[1]
 PREPARE = "prepare_data.py"
@@ -43,15 +43,6 @@ def snapshot(root: Path) -> dict[str, str]:
     """Every file and folder under `root` (hidden ones included) with the hash of its bytes."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
             for p in sorted(root.rglob("*"))}
-
-
-def shard_records(directory: Path) -> list[dict]:
-    records = []
-    for path in sorted(directory.glob("*.arrayrecord")):
-        reader = array_record_module.ArrayRecordReader(str(path))
-        records += [json.loads(r) for r in reader.read(list(range(reader.num_records())))]
-        reader.close()
-    return records
 
 
 def jsonl(*records) -> str:

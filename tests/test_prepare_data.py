@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from array_record.python import array_record_module
+from helpers import shard_records
 
 from trainer.config.schema import DataConfig
 from trainer.data.batch import fingerprint
@@ -32,15 +32,6 @@ def load_script(name: str):
     return module
 
 
-def read_shards(directory: Path) -> list[dict]:
-    records = []
-    for path in sorted(directory.glob("*.arrayrecord")):
-        reader = array_record_module.ArrayRecordReader(str(path))
-        records += [json.loads(r) for r in reader.read(list(range(reader.num_records())))]
-        reader.close()
-    return records
-
-
 def test_prepare_data_round_trips_text_chats_and_plain_text_and_counts_bad_records(tmp_path, capsys):
     jsonl = tmp_path / "mixed.jsonl"
     jsonl.write_text("\n".join([
@@ -59,7 +50,7 @@ def test_prepare_data_round_trips_text_chats_and_plain_text_and_counts_bad_recor
                          "--num-shards", "2"])
     out = capsys.readouterr().out
     assert code == 0
-    records = read_shards(tmp_path / "out")
+    records = shard_records(tmp_path / "out")
     assert sorted(map(json.dumps, records)) == sorted(map(json.dumps, [
         {"text": "first document"}, {"messages": CHAT}, {"text": "second document"},
         {"text": "Paragraph one,\nstill one."}, {"text": "Paragraph two."}]))
@@ -171,7 +162,7 @@ def test_pretokenized_shards_give_the_same_batches_as_raw_ones(tmp_path):
     raw = prepare([str(tmp_path / "in.jsonl")], tmp_path / "raw", 2, progress_stream=io.StringIO())
     pre = prepare([str(tmp_path / "in.jsonl")], tmp_path / "pre", 2, tokenizer=tok, progress_stream=io.StringIO())
     assert raw.tokens is None and pre.tokens > 20
-    assert "input_ids" in read_shards(tmp_path / "pre")[0]
+    assert "input_ids" in shard_records(tmp_path / "pre")[0]
 
     def run(directory):
         cfg = DataConfig(dataset_type="arrayrecord", grain_train_files=f"{directory}/*.arrayrecord",

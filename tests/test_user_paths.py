@@ -96,12 +96,15 @@ def test_resuming_a_run_with_another_model_shape_exits_2_naming_the_fix(tmp_path
     assert "run_name=" in proc.stderr
 
 
-def test_relative_data_and_tokenizer_paths_and_a_glob_over_a_prepared_directory(tmp_path):
+def test_relative_data_and_tokenizer_paths_a_glob_over_a_prepared_directory_and_the_directory_itself(tmp_path):
     shutil.copytree(REPO / "data" / "fc_sample", tmp_path / "mydata")
     (tmp_path / "tok").mkdir()
     shutil.copy(REPO / "data" / "tokenizer" / "fc_sp8k.model", tmp_path / "tok")
     proc = train(tmp_path, "steps=2", *DATA, "grain_train_files=mydata/*", "tokenizer_path=tok/fc_sp8k.model")
     assert status(proc) == f"STATUS: finished step=2 run_dir={tmp_path / 'runs' / 'qwen3-tiny-mydata'}", \
+        proc.stderr[-3000:]
+    proc = train(tmp_path, "steps=3", *DATA, "grain_train_files=mydata", "tokenizer_path=tok/fc_sp8k.model")
+    assert status(proc) == f"STATUS: finished step=3 run_dir={tmp_path / 'runs' / 'qwen3-tiny-mydata'}", \
         proc.stderr[-3000:]
 
 

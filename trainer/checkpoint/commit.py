@@ -45,9 +45,10 @@ def step_dir(root: epath.PathLike, step: int) -> epath.Path:
 
 
 def committed_steps(root: epath.PathLike) -> list[int]:
-    """Committed steps under `root`, ascending; read from storage on every call."""
+    """Committed steps under `root`, ascending; read from storage on every call (none if `root` is not a
+    directory: a save there fails and says so)."""
     root = epath.Path(root)
-    if not root.exists():
+    if not root.is_dir():
         return []
     return sorted(int(m.group(1)) for p in root.iterdir()
                   if (m := _STEP_DIR.fullmatch(p.name)) and is_committed(p))
@@ -56,7 +57,7 @@ def committed_steps(root: epath.PathLike) -> list[int]:
 def partial_step_paths(root: epath.PathLike) -> list[tuple[int, epath.Path]]:
     """(step, path) of every step-like entry under `root` that is not committed, by step."""
     root = epath.Path(root)
-    if not root.exists():
+    if not root.is_dir():
         return []
     found = []
     for p in root.iterdir():

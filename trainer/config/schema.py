@@ -114,8 +114,9 @@ class DataConfig:
     tokenizer_path: str = key("data/tokenizer/fc_sp8k.model",
                               "arrayrecord: sentencepiece .model or HF tokenizer.json (relative to cwd, else the "
                               "repo; ~; gs://).")
-    data_cache_dir: str = key("", "arrayrecord: where shards and tokenizers on an object store are copied once per "
-                                  "host before reading; '' = ~/.cache/elastic-trainer/remote.")
+    data_cache_dir: str = key("", "arrayrecord: where shards on an object store are copied once per host before "
+                                  "reading (tokenizers go to $TRAINER_CACHE_DIR/remote); '' = the same "
+                                  "(~/.cache/elastic-trainer/remote).")
     tokenizer_type: str = key("sentencepiece", "arrayrecord: sentencepiece | huggingface (tokenizer.json).",
                               choices=("sentencepiece", "huggingface"))
     packing: bool = key(True, "arrayrecord: pack several whole documents per row (else one per row, padded).")

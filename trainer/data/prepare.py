@@ -586,6 +586,16 @@ exit codes:
 """
 
 
+def add_record_arguments(parser: argparse.ArgumentParser) -> None:
+    """How input files become records: the options prepare_data.py and train_tokenizer.py share."""
+    parser.add_argument("--text-field", default="text", help="JSON field / Parquet column with the text "
+                        "(default: %(default)s)")
+    parser.add_argument("--messages-field", default="messages", help="JSON field / Parquet column with a chat, "
+                        "a list of {role, content} (default: %(default)s)")
+    parser.add_argument("--text-unit", default="paragraph", choices=TEXT_UNITS,
+                        help="plain text files: one record per paragraph (blank-line separated), line or file")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prepare_data.py", description=__doc__.splitlines()[0], epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -595,12 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-shards", type=int, default=1)
     parser.add_argument("--tokenizer", default=None, help="pre-tokenize with this tokenizer (and count tokens)")
     parser.add_argument("--tokenizer-type", default="sentencepiece", choices=("sentencepiece", "huggingface"))
-    parser.add_argument("--text-field", default="text", help="JSON field / Parquet column with the text "
-                        "(default: %(default)s)")
-    parser.add_argument("--messages-field", default="messages", help="JSON field / Parquet column with a chat, "
-                        "a list of {role, content} (default: %(default)s)")
-    parser.add_argument("--text-unit", default="paragraph", choices=TEXT_UNITS,
-                        help="plain text files: one record per paragraph (blank-line separated), line or file")
+    add_record_arguments(parser)
     parser.add_argument("--prefix", default="data", help="shard name prefix")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --output-dir (only once the new shards are written)")

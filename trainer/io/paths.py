@@ -66,7 +66,10 @@ def _split_glob(pattern: str) -> tuple[str, str]:
 
 
 def glob(pattern: str) -> list[epath.Path]:
-    """Files matching one glob (sorted), local or remote; a pattern without wildcards matches itself."""
+    """Files matching one glob (sorted), local or remote; a pattern without wildcards matches itself, or
+    the files inside it when it names a directory."""
+    if not _GLOB_CHARS & set(pattern) and resolve_input(pattern).is_dir():
+        return glob(pattern.rstrip("/") + "/*")
     if not is_remote(pattern):
         local = os.path.expanduser(pattern)
         matches = sorted(globlib.glob(local, recursive=True))

@@ -69,36 +69,31 @@ def _remove(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_dir(dest: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+def _staged(dest: str | os.PathLike, *, overwrite: bool, directory: bool) -> Iterator[Path]:
+    dest = check_writable(dest, overwrite=overwrite)
+    parents = _make_parents(dest)
+    tmp = _aside(dest, "staging")
+    if directory:
+        tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        _remove(tmp)
+        _remove_empty(parents)
+        raise
+    _swap(tmp, dest)
+
+
+def staged_dir(dest: str | os.PathLike, *, overwrite: bool = False) -> contextlib.AbstractContextManager[Path]:
     """Yield an empty directory beside `dest`; on success it becomes `dest` (replacing the old one). On
     failure nothing is left: not the staging directory, nor parent folders made for it."""
-    dest = check_writable(dest, overwrite=overwrite)
-    parents = _make_parents(dest)
-    tmp = _aside(dest, "staging")
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        _remove(tmp)
-        _remove_empty(parents)
-        raise
-    _swap(tmp, dest)
+    return _staged(dest, overwrite=overwrite, directory=True)
 
 
-@contextlib.contextmanager
-def staged_file(dest: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+def staged_file(dest: str | os.PathLike, *, overwrite: bool = False) -> contextlib.AbstractContextManager[Path]:
     """Yield a path beside `dest` to write; on success it is renamed onto `dest`. On failure nothing is
     left, as for staged_dir."""
-    dest = check_writable(dest, overwrite=overwrite)
-    parents = _make_parents(dest)
-    tmp = _aside(dest, "staging")
-    try:
-        yield tmp
-    except BaseException:
-        _remove(tmp)
-        _remove_empty(parents)
-        raise
-    _swap(tmp, dest)
+    return _staged(dest, overwrite=overwrite, directory=False)
 
 
 def _swap(tmp: Path, dest: Path) -> None:

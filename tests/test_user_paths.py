@@ -64,8 +64,8 @@ def test_output_under_home_and_a_relative_load_path(tmp_path):
     tuned = train(tmp_path, "steps=2", "run_name=tuned", "load_parameters_path=exp/qwen3-tiny-synthetic/checkpoints/2",
                   "base_output_directory=out")
     assert status(tuned).startswith("STATUS: finished step=2"), tuned.stderr[-3000:]
-    starts = [e for e in records(tmp_path / "out" / "tuned" / "events.jsonl") if e["event"] == "restore"]
-    assert any(e.get("source") == "load_parameters_path" for e in starts) or "load_parameters_path" in tuned.stderr
+    starts = [e for e in records(tmp_path / "out" / "tuned" / "events.jsonl") if e["event"] == "attempt_start"]
+    assert [e["source"] for e in starts] == ["load_parameters_path"]
 
 
 @pytest.mark.parametrize("key", ["load_parameters_path", "load_full_state_path"])

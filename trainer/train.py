@@ -74,16 +74,11 @@ class _StopFlag:
 def main(argv=None) -> int:
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     _setup_logging()
-    from trainer.config import build, to_yaml
-    from trainer.config.loader import load_layers, merge, value_sources
-    from trainer.config.validate import validate
+    from trainer.config.loader import load_explained
     from trainer.errors import UserInputError
 
     try:
-        layers = load_layers(args.config, args.overrides)
-        cfg = build(merge(layers))
-        validate(cfg)
-        config_text = to_yaml(cfg, value_sources(layers))
+        cfg, config_text = load_explained(args.config, args.overrides)
         if args.print_config:
             sys.stdout.write(config_text)
             return EXIT_OK

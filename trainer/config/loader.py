@@ -91,13 +91,14 @@ def _unknown_key(k: str, source: str) -> ConfigError:
     return ConfigError(f"unknown config key {k!r} in {source}{extra} (every key is listed in configs/base.yml)")
 
 
-def _typed(key: str, value: Any, source: str, *, text: bool) -> tuple[str, Any] | None:
+def _typed(key: str, value: Any, source: str, *, text: bool) -> Any:
+    """The value typed by its key's schema type (a deprecated key's value passes as given)."""
     if key in DEPRECATED:
-        return key, value
+        return value
     if key not in flat_fields():
         raise _unknown_key(key, source)
     kind = _kind(key)
-    return key, (from_text(key, value, kind) if text else coerce(key, value, kind))
+    return from_text(key, value, kind) if text else coerce(key, value, kind)
 
 
 def read_yaml(path: Path) -> Layer:
@@ -125,10 +126,9 @@ def read_yaml(path: Path) -> Layer:
         if isinstance(value_node, yaml.ScalarNode):
             is_null = value_node.tag.endswith(":null") and value_node.style is None
             raw = "" if is_null else value_node.value
-            typed = _typed(k, raw, str(path), text=True)
+            values[k] = _typed(k, raw, str(path), text=True)
         else:
-            typed = _typed(k, yaml.safe_load(yaml.serialize(value_node)), str(path), text=False)
-        values[typed[0]] = typed[1]
+            values[k] = _typed(k, yaml.safe_load(yaml.serialize(value_node)), str(path), text=False)
     return Layer(str(path), values)
 
 
@@ -140,7 +140,7 @@ def parse_overrides(args: Iterable[str]) -> Layer:
         k = k.strip()
         if not sep or not k:
             raise ConfigError(f"argument {arg!r} is not key=value (e.g. steps=100)")
-        value = _typed(k, v, COMMAND_LINE, text=True)[1]
+        value = _typed(k, v, COMMAND_LINE, text=True)
         if k in out and out[k] != value:  # later wins, as in every layer order; said, not silent
             log.warning("config key %s is given twice on the command line (%r, then %r): using %r",
                         k, out[k], value, value)
@@ -253,9 +253,15 @@ def value_sources(layers: list[Layer]) -> dict[str, str]:
     return out
 
 
-def explain(config_arg: str = "base.yml", overrides: Iterable[str] = ()) -> str:
-    """--print-config: the validated config, each value set by a layer above base.yml marked with it."""
+def load_explained(config_arg: str = "base.yml", overrides: Iterable[str] = ()) -> tuple[RunConfig, str]:
+    """The validated config and its YAML with each value set above base.yml marked with its layer (what
+    --print-config prints and the run directory's config.yml holds)."""
     layers = load_layers(config_arg, overrides)
     cfg = build(merge(layers))
     validate(cfg)
-    return to_yaml(cfg, value_sources(layers))
+    return cfg, to_yaml(cfg, value_sources(layers))
+
+
+def explain(config_arg: str = "base.yml", overrides: Iterable[str] = ()) -> str:
+    """--print-config: the validated config, each value set by a layer above base.yml marked with it."""
+    return load_explained(config_arg, overrides)[1]

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +43,6 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     if not p.exists():
         return []
     return parse_lines(p.read_bytes().decode("utf-8", errors="replace"), source=str(path))
-
-
-def iter_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
-    yield from read_jsonl(path)
 
 
 def repair_tail(path: str | os.PathLike) -> int:

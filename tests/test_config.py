@@ -82,6 +82,13 @@ def test_values_that_follow_other_keys_stay_as_given():
     (["elastic_min_slice_count=5", "num_slices=2"], "elastic_min_slice_count=5"),
     (["steps=0"], "steps=0 must be >= 1"),
     (["noequals"], "is not key=value"),
+    (["steps=1.5"], "a whole number"),
+    (["STEPS=4"], "did you mean 'steps'"),
+    (["top_p=1.5"], "top_p=1.5 must be <= 1.0"),
+    (["warmup_steps_fraction=2"], "must be <= 1.0"),
+    (["model=/missing.yml"], "model file not found"),
+    (["fault_schedule=garbage"], "fault_schedule entry 'garbage'"),
+    (["dcn_data_parallelism=3", "num_slices=2"], "no longer a config key"),
 ])
 def test_bad_input_raises_a_config_error_that_names_the_problem(override, message):
     with pytest.raises(ConfigError, match=None) as info:

@@ -16,6 +16,7 @@ checkpoint_period) and reports:
 Extra `key=value` arguments go to the trainer (e.g. checkpoint_compression=false). TRAINER_SMOKE=1 runs
 it all at minimal sizes (see cli_runs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,20 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_runs import (SMOKE_SHAPE, SMOKE_SHAPE_TEXT, announce_smoke, excess_step_time, mean,  # noqa: E402
-                      median, read_jsonl, run, smoke_cap, smoke_median, smoke_overrides, step_times)
+from cli_runs import (
+    SMOKE_SHAPE,
+    SMOKE_SHAPE_TEXT,
+    announce_smoke,
+    excess_step_time,
+    mean,  # noqa: E402
+    median,
+    read_jsonl,
+    run,
+    smoke_cap,
+    smoke_median,
+    smoke_overrides,
+    step_times,
+)
 
 
 def disk_bandwidth(directory: Path, nbytes: int) -> tuple[float, float]:
@@ -63,8 +76,9 @@ def main() -> None:
     args = p.parse_args()
     args.period = smoke_cap(args.period, 2)
     steps = smoke_cap(args.steps or 3 * args.period + 5, 8)
-    common = smoke_overrides([f"model={args.model}", f"steps={steps}", "log_period=1000", *args.extra],
-                             **SMOKE_SHAPE)
+    common = smoke_overrides(
+        [f"model={args.model}", f"steps={steps}", "log_period=1000", *args.extra], **SMOKE_SHAPE
+    )
     announce_smoke(f"checkpoint period {args.period}, {steps} steps, {SMOKE_SHAPE_TEXT}")
     ckpt_args = [*common, f"checkpoint_period={args.period}", "max_num_checkpoints_to_keep=2"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,13 +90,19 @@ def main() -> None:
         excess, base = excess_step_time(ckpt, "checkpoint_save_start", "checkpoint_save_committed")
         per_save = smoke_median(excess)
         out = {
-            "model": args.model, "checkpoint_period": args.period, "steps": steps, "extra": args.extra,
-            "saves": len(saved), "baseline_step_time_s": round(base, 4),
+            "model": args.model,
+            "checkpoint_period": args.period,
+            "steps": steps,
+            "extra": args.extra,
+            "saves": len(saved),
+            "baseline_step_time_s": round(base, 4),
             "median_loop_blocked_per_save_s": round(median([e["seconds"] for e in blocked]), 4),
             "median_of_which_waiting_for_the_step_s": round(median([e["waited_for_step_s"] for e in blocked]), 4),
             "median_async_save_s": round(median([e["seconds"] for e in saved]), 3),
             "extra_step_time_per_save_s": [round(x, 3) for x in excess],
-            "step_time_overhead_at_period": None if per_save is None else round(per_save / (args.period * base), 4),
+            "step_time_overhead_at_period": None
+            if per_save is None
+            else round(per_save / (args.period * base), 4),
         }
         if args.ab:
             plain = run(root, "plain", [*common, "enable_checkpointing=false"])
@@ -93,11 +113,15 @@ def main() -> None:
         restore = [e for e in read_jsonl(ckpt / "events.jsonl") if e["event"] == "restore_end"][-1]
         nbytes = restore["bytes"]
         write_mb, read_mb = disk_bandwidth(root, nbytes)
-    out.update({
-        "checkpoint_bytes": nbytes, "restore_s": restore["seconds"],
-        "restore_mb_per_s": round(nbytes / restore["seconds"] / 1e6, 1),
-        "disk_write_mb_per_s_fsync": round(write_mb, 1), "disk_read_mb_per_s": round(read_mb, 1),
-    })
+    out.update(
+        {
+            "checkpoint_bytes": nbytes,
+            "restore_s": restore["seconds"],
+            "restore_mb_per_s": round(nbytes / restore["seconds"] / 1e6, 1),
+            "disk_write_mb_per_s_fsync": round(write_mb, 1),
+            "disk_read_mb_per_s": round(read_mb, 1),
+        }
+    )
     print(json.dumps(out, indent=2))
 
 

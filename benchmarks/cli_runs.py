@@ -5,6 +5,7 @@ measurements and report) at minimal sizes (few steps, short sequences), whatever
 that a documented command can be checked in well under a minute and a half. Its figures then mean
 nothing, and a benchmark says so on its first line (`announce_smoke`).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,16 @@ SMOKE_VAR = "TRAINER_SMOKE"
 # Trainer arguments every smoke run caps: a narrow 2-layer model with a 512-token vocabulary (the synthetic
 # data's, which the benchmarks train on) on short rows, so that steps, saves and restores cost little next to
 # starting a process.
-SMOKE_SHAPE = {"base_num_decoder_layers": 2, "base_emb_dim": 64, "base_num_query_heads": 4, "base_num_kv_heads": 2,
-               "head_dim": 16, "base_mlp_dim": 128, "vocab_size": 512, "max_target_length": 32}
+SMOKE_SHAPE = {
+    "base_num_decoder_layers": 2,
+    "base_emb_dim": 64,
+    "base_num_query_heads": 4,
+    "base_num_kv_heads": 2,
+    "head_dim": 16,
+    "base_mlp_dim": 128,
+    "vocab_size": 512,
+    "max_target_length": 32,
+}
 SMOKE_SHAPE_TEXT = "a 2-layer 64-wide model, vocabulary 512, rows of 32 tokens, compiled without XLA optimisation"
 # XLA compiles in half the time without its optimisation passes: compiling is most of a smoke run.
 SMOKE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
@@ -82,13 +91,22 @@ def env_with_devices(devices: int) -> dict:
 
 
 def trainer_cmd(root: Path, name: str, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "trainer.train", "base.yml", *overrides, f"base_output_directory={root}",
-            f"run_name={name}", "enable_tensorboard=false"]
+    return [
+        sys.executable,
+        "-m",
+        "trainer.train",
+        "base.yml",
+        *overrides,
+        f"base_output_directory={root}",
+        f"run_name={name}",
+        "enable_tensorboard=false",
+    ]
 
 
 def run(root: Path, name: str, overrides: list[str], devices: int = 1) -> Path:
-    proc = subprocess.run(trainer_cmd(root, name, overrides), capture_output=True, text=True,
-                          env=env_with_devices(devices))
+    proc = subprocess.run(
+        trainer_cmd(root, name, overrides), capture_output=True, text=True, env=env_with_devices(devices)
+    )
     if proc.returncode != 0:
         sys.exit(f"trainer run {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return root / name
@@ -116,8 +134,9 @@ def mean(xs) -> float:
     return statistics.fmean(xs)
 
 
-def excess_step_time(run_dir: Path, start_event: str, end_event: str, *, skip: int = 3,
-                     not_with: str | None = None) -> tuple[list[float], float]:
+def excess_step_time(
+    run_dir: Path, start_event: str, end_event: str, *, skip: int = 3, not_with: str | None = None
+) -> tuple[list[float], float]:
     """(extra step time each periodic job cost, baseline step time), measured inside one run.
 
     A job (a checkpoint save, a snapshot) starts at step s (`start_event` with that step) and ends when

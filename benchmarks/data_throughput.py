@@ -8,6 +8,7 @@ start-up. "tokens" are non-padding positions; the qwen3-mini preset consumes abo
 0.5-1 s step on 2 CPU cores (~1-2k tokens/s), so the pipeline should deliver >= 20k tokens/s.
 TRAINER_SMOKE=1 runs it all at minimal sizes (see cli_runs): few chats and steps, one worker setting.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from cli_runs import announce_smoke, smoke, smoke_cap  # noqa: E402
+
 from trainer.config.schema import DataConfig  # noqa: E402
 from trainer.data.grain_pipeline import make_arrayrecord_iterator  # noqa: E402
 from trainer.data.prepare import prepare  # noqa: E402
@@ -54,8 +56,12 @@ def measure(cfg: DataConfig, *, batch: int, steps: int, warmup: int) -> dict:
         seconds = time.perf_counter() - warm
     finally:
         it.close()
-    return {"workers": cfg.grain_worker_count, "tokens_per_s": tokens / seconds,
-            "fill": tokens / (steps * batch * cfg.max_target_length), "warmup_s": warm - start}
+    return {
+        "workers": cfg.grain_worker_count,
+        "tokens_per_s": tokens / seconds,
+        "fill": tokens / (steps * batch * cfg.max_target_length),
+        "warmup_s": warm - start,
+    }
 
 
 def main(argv=None) -> int:
@@ -72,21 +78,36 @@ def main(argv=None) -> int:
     args.steps, args.warmup = smoke_cap(args.steps, 3), smoke_cap(args.warmup, 1)
     args.batch, args.length = smoke_cap(args.batch, 4), smoke_cap(args.length, 128)
     args.chats = smoke_cap(args.chats, 200)
-    announce_smoke(f"{args.chats} chats, {args.steps} timed steps of {args.batch} x {args.length}, "
-                   f"grain_worker_count={args.workers[0]} only")
+    announce_smoke(
+        f"{args.chats} chats, {args.steps} timed steps of {args.batch} x {args.length}, "
+        f"grain_worker_count={args.workers[0]} only"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         _write_chats(Path(tmp) / "chats.jsonl", args.chats)
         prepare([str(Path(tmp) / "chats.jsonl")], Path(tmp) / "shards", 4, progress_stream=io.StringIO())
-        base = DataConfig(dataset_type="arrayrecord", grain_train_files=f"{tmp}/shards/*.arrayrecord",
-                          use_sft=True, packing=True, max_target_length=args.length)
-        print(f"pipeline: {args.chats} chats, SFT, packing, global batch {args.batch} x {args.length}, "
-              f"{args.steps} timed steps")
+        base = DataConfig(
+            dataset_type="arrayrecord",
+            grain_train_files=f"{tmp}/shards/*.arrayrecord",
+            use_sft=True,
+            packing=True,
+            max_target_length=args.length,
+        )
+        print(
+            f"pipeline: {args.chats} chats, SFT, packing, global batch {args.batch} x {args.length}, "
+            f"{args.steps} timed steps"
+        )
         for workers in args.workers:
-            r = measure(dataclasses.replace(base, grain_worker_count=workers), batch=args.batch,
-                        steps=args.steps, warmup=args.warmup)
-            print(f"grain_worker_count={workers}: {r['tokens_per_s']:,.0f} tokens/s "
-                  f"({r['tokens_per_s'] / QWEN3_MINI_TOKENS_PER_S:.0f}x qwen3-mini's ~{QWEN3_MINI_TOKENS_PER_S} "
-                  f"tokens/s; rows {r['fill']:.0%} full; warm-up {r['warmup_s']:.1f} s)")
+            r = measure(
+                dataclasses.replace(base, grain_worker_count=workers),
+                batch=args.batch,
+                steps=args.steps,
+                warmup=args.warmup,
+            )
+            print(
+                f"grain_worker_count={workers}: {r['tokens_per_s']:,.0f} tokens/s "
+                f"({r['tokens_per_s'] / QWEN3_MINI_TOKENS_PER_S:.0f}x qwen3-mini's ~{QWEN3_MINI_TOKENS_PER_S} "
+                f"tokens/s; rows {r['fill']:.0%} full; warm-up {r['warmup_s']:.1f} s)"
+            )
     return 0
 
 

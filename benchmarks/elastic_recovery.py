@@ -20,6 +20,7 @@ next one fails. On real hardware the step in flight is lost too and detection ad
 
 TRAINER_SMOKE=1 runs it all at minimal sizes (see cli_runs): 12 steps, the failures early, one kill.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cli_runs import (SMOKE_SHAPE, SMOKE_SHAPE_TEXT, announce_smoke, env_with_devices,  # noqa: E402
-                      excess_step_time, mean, median, read_jsonl, run, smoke, smoke_cap, smoke_median,
-                      smoke_overrides, step_times, trainer_cmd)
+from cli_runs import (
+    SMOKE_SHAPE,
+    SMOKE_SHAPE_TEXT,
+    announce_smoke,
+    env_with_devices,  # noqa: E402
+    excess_step_time,
+    mean,
+    median,
+    read_jsonl,
+    run,
+    smoke,
+    smoke_cap,
+    smoke_median,
+    smoke_overrides,
+    step_times,
+    trainer_cmd,
+)
+
 from trainer.observe.timeline import recovery_timelines  # noqa: E402
 
 
@@ -80,16 +96,30 @@ def main() -> None:
     args.max_target_length = smoke_cap(args.max_target_length, SMOKE_SHAPE["max_target_length"])
     ckpt_period, snap_period = smoke_cap(20, 4), smoke_cap(10, 2)
     pr_steps = (3, 6, 9) if smoke() else (15, 35, 55)
-    rr_faults = ("step=3,slice=2,down_s=1; step=8,slice=2,down_s=60" if smoke() else
-                 "step=15,slice=2,down_s=3; step=40,slice=2,down_s=60")
+    rr_faults = (
+        "step=3,slice=2,down_s=1; step=8,slice=2,down_s=60"
+        if smoke()
+        else "step=15,slice=2,down_s=3; step=40,slice=2,down_s=60"
+    )
     kill_at = [5] if smoke() else [25, 45]
-    announce_smoke(f"{args.steps} steps, failures at steps {', '.join(map(str, pr_steps))}, resizes at 3 and 8, "
-                   f"one full restart, checkpoint period {ckpt_period}, snapshot period {snap_period}, "
-                   f"{SMOKE_SHAPE_TEXT}")
-    common = smoke_overrides([f"model={args.model}", f"max_target_length={args.max_target_length}",
-                              f"steps={args.steps}", "num_slices=3", "elastic_enabled=true",
-                              f"checkpoint_period={ckpt_period}", "log_period=1000",
-                              "elastic_poll_interval_seconds=0.05"], **SMOKE_SHAPE)
+    announce_smoke(
+        f"{args.steps} steps, failures at steps {', '.join(map(str, pr_steps))}, resizes at 3 and 8, "
+        f"one full restart, checkpoint period {ckpt_period}, snapshot period {snap_period}, "
+        f"{SMOKE_SHAPE_TEXT}"
+    )
+    common = smoke_overrides(
+        [
+            f"model={args.model}",
+            f"max_target_length={args.max_target_length}",
+            f"steps={args.steps}",
+            "num_slices=3",
+            "elastic_enabled=true",
+            f"checkpoint_period={ckpt_period}",
+            "log_period=1000",
+            "elastic_poll_interval_seconds=0.05",
+        ],
+        **SMOKE_SHAPE,
+    )
     out: dict = {"model": args.model, "max_target_length": args.max_target_length}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -102,18 +132,35 @@ def main() -> None:
         ts = recovery_timelines(read_jsonl(pr / "events.jsonl"))
         kill_to_step = [t["relative_s"]["first_step"] for t in ts]
         ratios = [t["relative_s"]["first_step"] / (t["restore_s"] + step) for t in ts]
-        out["pause_resume"] = {"kill_to_next_step_s": kill_to_step, "restore_s": [t["restore_s"] for t in ts],
-                               "restore_source": [t["restore_source"] for t in ts],
-                               "ratio_to_restore_plus_one_step": [round(r, 2) for r in ratios],
-                               "median_ratio": round(median(ratios), 2),
-                               "steps_rewound": [t["steps_rewound"] for t in ts]}
+        out["pause_resume"] = {
+            "kill_to_next_step_s": kill_to_step,
+            "restore_s": [t["restore_s"] for t in ts],
+            "restore_source": [t["restore_source"] for t in ts],
+            "ratio_to_restore_plus_one_step": [round(r, 2) for r in ratios],
+            "median_ratio": round(median(ratios), 2),
+            "steps_rewound": [t["steps_rewound"] for t in ts],
+        }
 
-        rr = run(root, "rr", [*common, "elastic_min_slice_count=2", f"snapshot_period={snap_period}",
-                              f"fault_schedule={rr_faults}"], devices=3)
+        rr = run(
+            root,
+            "rr",
+            [
+                *common,
+                "elastic_min_slice_count=2",
+                f"snapshot_period={snap_period}",
+                f"fault_schedule={rr_faults}",
+            ],
+            devices=3,
+        )
         ts = recovery_timelines(read_jsonl(rr / "events.jsonl"))
-        out["replica_resize"] = [{"kill_to_next_step_s": x["relative_s"]["first_step"],
-                                  "in_step_times": round(x["relative_s"]["first_step"] / step, 2),
-                                  "slices_after": x.get("slices_after")} for x in ts]
+        out["replica_resize"] = [
+            {
+                "kill_to_next_step_s": x["relative_s"]["first_step"],
+                "in_step_times": round(x["relative_s"]["first_step"] / step, 2),
+                "slices_after": x.get("slices_after"),
+            }
+            for x in ts
+        ]
 
         restarts = full_restarts(root, [c for c in common if c != "elastic_enabled=true"], kill_at=kill_at)
         out["full_restart_kill_to_next_step_s"] = [round(r, 3) for r in restarts]
@@ -123,8 +170,9 @@ def main() -> None:
         excess, base = excess_step_time(snap, "snapshot_taken", "snapshot_taken", not_with="checkpoint_save_start")
         out["snapshot_extra_step_time_s"] = [round(x, 3) for x in excess]
         per_snapshot = smoke_median(excess)
-        out["snapshot_overhead_at_period_10"] = (None if per_snapshot is None else
-                                                 round(per_snapshot / (snap_period * base), 4))
+        out["snapshot_overhead_at_period_10"] = (
+            None if per_snapshot is None else round(per_snapshot / (snap_period * base), 4)
+        )
         out["snapshot_overhead_ab_mean_step_time"] = round(mean(step_times(snap)) / mean(step_times(plain)) - 1, 4)
     print(json.dumps(out, indent=2))
 

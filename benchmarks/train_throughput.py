@@ -7,6 +7,7 @@ and reports medians over the steps after the first `--skip` (compile and warm-up
 this machine's float32 matmul peak (a jitted 2048x2048 matmul) and reports MFU against it, since
 CPUs have no spec-sheet peak. TRAINER_SMOKE=1 runs it all at minimal sizes (see cli_runs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_runs import (SMOKE_SHAPE, SMOKE_SHAPE_TEXT, announce_smoke, smoke_cap, smoke_env,  # noqa: E402
-                      smoke_overrides)
+from cli_runs import (
+    SMOKE_SHAPE,
+    SMOKE_SHAPE_TEXT,
+    announce_smoke,
+    smoke_cap,
+    smoke_env,  # noqa: E402
+    smoke_overrides,
+)
 
 
 def matmul_peak_gflops(n: int = 2048, repeats: int = 20) -> float:
@@ -44,8 +51,17 @@ def run_trainer(overrides: list[str], devices: int, workdir: Path) -> tuple[list
     if devices > 1:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     smoke_env(env)
-    cmd = [sys.executable, "-m", "trainer.train", "base.yml", *overrides, f"base_output_directory={workdir}",
-           "run_name=bench", "enable_checkpointing=false", "enable_tensorboard=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.train",
+        "base.yml",
+        *overrides,
+        f"base_output_directory={workdir}",
+        "run_name=bench",
+        "enable_checkpointing=false",
+        "enable_tensorboard=false",
+    ]
     t_start = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -71,16 +87,22 @@ def main() -> None:
         cache = [f"jax_cache_dir={tmp}/jax_cache"]
         _, cold_first_step_s = run_trainer(args.overrides + cache, args.devices, Path(tmp) / "cold")
         records, first_step_s = run_trainer(args.overrides + cache, args.devices, Path(tmp) / "warm")
-    steady = records[args.skip:] or records
+    steady = records[args.skip :] or records
     step_time = statistics.median(r["step_time_s"] for r in steady)
     tokens_s = statistics.median(r["tokens_per_s"] for r in steady)
     tflops_dev = statistics.median(r["tflops_per_device"] for r in steady)
-    out = {"overrides": args.overrides, "devices": args.devices, "steps_measured": len(steady),
-           "median_step_time_s": round(step_time, 4), "median_tokens_per_s": round(tokens_s, 1),
-           "model_gflops_per_device": round(tflops_dev * 1e3, 2),
-           "process_start_to_first_step_s_cold_cache": round(cold_first_step_s, 2),
-           "process_start_to_first_step_s_warm_cache": round(first_step_s, 2),
-           "global_batch_size": records[-1]["global_batch_size"], "final_loss": round(records[-1]["loss"], 4)}
+    out = {
+        "overrides": args.overrides,
+        "devices": args.devices,
+        "steps_measured": len(steady),
+        "median_step_time_s": round(step_time, 4),
+        "median_tokens_per_s": round(tokens_s, 1),
+        "model_gflops_per_device": round(tflops_dev * 1e3, 2),
+        "process_start_to_first_step_s_cold_cache": round(cold_first_step_s, 2),
+        "process_start_to_first_step_s_warm_cache": round(first_step_s, 2),
+        "global_batch_size": records[-1]["global_batch_size"],
+        "final_loss": round(records[-1]["loss"], 4),
+    }
     if not args.no_peak:
         peak = matmul_peak_gflops(peak_n, peak_repeats)
         out["matmul_peak_gflops"] = round(peak, 1)

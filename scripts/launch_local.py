@@ -25,6 +25,7 @@ Restart policy (a Job's backoff limit; the delay models scheduling a replacement
 The launcher exits with process 0's final code (128 + signal number for a signal). --events FILE
 writes one JSON object per spawn, exit and restart decision (with wall-clock times and PIDs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,16 +102,23 @@ class Launcher:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={self.args.devices_per_process}"])
+        env["XLA_FLAGS"] = " ".join(
+            flags + [f"--xla_force_host_platform_device_count={self.args.devices_per_process}"]
+        )
         env.setdefault("JAX_PLATFORMS", "cpu")
-        env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{self.port}", JAX_NUM_PROCESSES=str(self.args.num_processes),
-                   JAX_PROCESS_ID=str(i), PYTHONUNBUFFERED="1")
+        env.update(
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{self.port}",
+            JAX_NUM_PROCESSES=str(self.args.num_processes),
+            JAX_PROCESS_ID=str(i),
+            PYTHONUNBUFFERED="1",
+        )
         return env
 
     def spawn(self, i: int) -> None:
         cmd = [sys.executable, "-m", "trainer.train", *self.args.trainer_args]
-        proc = subprocess.Popen(cmd, env=self.env(i), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                preexec_fn=_die_with_parent)  # the caller's cwd (see the module docstring)
+        proc = subprocess.Popen(
+            cmd, env=self.env(i), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )  # the caller's cwd (see the module docstring)
         self.procs[i] = proc
         self.incarnation[i] = self.incarnation.get(i, -1) + 1
         threading.Thread(target=self._pump, args=(i, proc.stdout), daemon=True).start()
@@ -118,7 +126,7 @@ class Launcher:
         self.event("spawn", process=i, pid=proc.pid, incarnation=self.incarnation[i], port=self.port)
 
     def stop_all(self, sig: int = signal.SIGKILL) -> None:
-        for i, proc in self.procs.items():
+        for proc in self.procs.values():
             if proc.poll() is None:
                 try:
                     proc.send_signal(sig)
@@ -182,8 +190,10 @@ class Launcher:
             if self.job_restarts >= self.args.max_job_restarts:
                 return exit_code(rc)
             self.job_restarts += 1
-            self.say(f"restarting the whole job in {self.args.restart_delay} s "
-                     f"({self.job_restarts}/{self.args.max_job_restarts}); it resumes from its newest checkpoint")
+            self.say(
+                f"restarting the whole job in {self.args.restart_delay} s "
+                f"({self.job_restarts}/{self.args.max_job_restarts}); it resumes from its newest checkpoint"
+            )
             self.event("job_restart", number=self.job_restarts, delay_s=self.args.restart_delay)
             time.sleep(self.args.restart_delay)
             self.procs.clear()
@@ -200,7 +210,9 @@ class Launcher:
             return None
         self.restarts += 1
         self.pending[i] = time.monotonic() + self.args.restart_delay
-        self.say(f"restarting process {i} in {self.args.restart_delay} s ({self.restarts}/{self.args.max_restarts})")
+        self.say(
+            f"restarting process {i} in {self.args.restart_delay} s ({self.restarts}/{self.args.max_restarts})"
+        )
         self.event("respawn_scheduled", process=i, delay_s=self.args.restart_delay)
         return None
 
@@ -216,8 +228,9 @@ class Launcher:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                usage="%(prog)s --num-processes N [options] -- TRAINER_ARGS...")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], usage="%(prog)s --num-processes N [options] -- TRAINER_ARGS..."
+    )
     p.add_argument("--num-processes", type=int, required=True)
     p.add_argument("--devices-per-process", type=int, default=1, help="CPU devices of each process")
     p.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")

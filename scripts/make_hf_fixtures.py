@@ -21,6 +21,7 @@ The models are deliberately awkward: head_dim is not hidden/heads, every RMSNorm
 init so that logits differ clearly between tokens. `dense_untied_kv1` is written with the legacy
 top-level `rope_theta` spelling (transformers 4.x checkpoints); the others with `rope_parameters`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,21 +37,61 @@ import torch
 import transformers
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf"
-COMMON = dict(vocab_size=160, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
-              max_position_embeddings=128, rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
-              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+COMMON = dict(
+    vocab_size=160,
+    hidden_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    head_dim=16,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    attention_bias=False,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 FIXTURES = {
-    "dense_tied": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
-        COMMON, num_key_value_heads=2, intermediate_size=80, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})),
-    "dense_untied_kv1": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
-        COMMON, num_key_value_heads=1, intermediate_size=80, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
-    "moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
-        COMMON, num_key_value_heads=2, intermediate_size=80, moe_intermediate_size=24, num_experts=4,
-        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        router_aux_loss_coef=0.001, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
+    "dense_tied": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(
+            COMMON,
+            num_key_value_heads=2,
+            intermediate_size=80,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        ),
+    ),
+    "dense_untied_kv1": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(
+            COMMON,
+            num_key_value_heads=1,
+            intermediate_size=80,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        ),
+    ),
+    "moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            COMMON,
+            num_key_value_heads=2,
+            intermediate_size=80,
+            moe_intermediate_size=24,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=0.001,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        ),
+    ),
 }
 LEGACY_ROPE_SPELLING = {"dense_untied_kv1"}
 BATCH, SEQ, PROMPT_LEN, NEW_TOKENS = 2, 10, 6, 12
@@ -71,13 +112,20 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def _greedy(model, prompt: torch.Tensor) -> tuple[np.ndarray, float]:
-    out = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    out = model.generate(
+        prompt,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     margins = []
     for step_logits in out.logits:
         top2 = torch.topk(step_logits[0].float(), 2).values
         margins.append(float(top2[0] - top2[1]))
-    return out.sequences[0, prompt.shape[1]:].numpy().astype(np.int32), min(margins)
+    return out.sequences[0, prompt.shape[1] :].numpy().astype(np.int32), min(margins)
 
 
 def make(name: str, seed: int) -> dict:
@@ -103,17 +151,26 @@ def make(name: str, seed: int) -> dict:
     with torch.no_grad():
         result = model(torch.from_numpy(ids), labels=torch.from_numpy(ids))
         greedy, margin = _greedy(model, torch.from_numpy(prompt))
-    np.savez(out_dir / "expected.npz", input_ids=ids.astype(np.int32),
-             logits=result.logits.float().numpy(), loss=np.float32(result.loss.item()),
-             prompt_ids=prompt[0].astype(np.int32), greedy_ids=greedy, greedy_margin=np.float32(margin))
+    np.savez(
+        out_dir / "expected.npz",
+        input_ids=ids.astype(np.int32),
+        logits=result.logits.float().numpy(),
+        loss=np.float32(result.loss.item()),
+        prompt_ids=prompt[0].astype(np.int32),
+        greedy_ids=greedy,
+        greedy_margin=np.float32(margin),
+    )
 
     # The fixture must load back through transformers exactly as saved (the legacy spelling included).
     reloaded = model_cls.from_pretrained(out_dir, attn_implementation="eager").eval()
     with torch.no_grad():
         again = reloaded(torch.from_numpy(ids)).logits.float().numpy()
     assert np.array_equal(again, result.logits.float().numpy()), f"{name}: reload changed the logits"
-    return {"loss": float(result.loss), "greedy_margin": margin,
-            "bytes": sum(p.stat().st_size for p in out_dir.iterdir())}
+    return {
+        "loss": float(result.loss),
+        "greedy_margin": margin,
+        "bytes": sum(p.stat().st_size for p in out_dir.iterdir()),
+    }
 
 
 def verify_export(name: str) -> float:
@@ -123,8 +180,10 @@ def verify_export(name: str) -> float:
     expected = np.load(src / "expected.npz")
     with tempfile.TemporaryDirectory() as tmp:
         ckpt, export = Path(tmp) / "ckpt", Path(tmp) / "export"
-        for args in (["hf-to-trainer", "--hf-dir", str(src), "--output-dir", str(ckpt)],
-                     ["trainer-to-hf", "--checkpoint", str(ckpt), "--output-dir", str(export)]):
+        for args in (
+            ["hf-to-trainer", "--hf-dir", str(src), "--output-dir", str(ckpt)],
+            ["trainer-to-hf", "--checkpoint", str(ckpt), "--output-dir", str(export)],
+        ):
             subprocess.run([sys.executable, "-m", "trainer.convert", *args], check=True, cwd=OUT.parents[2])
         model = model_cls.from_pretrained(export, attn_implementation="eager").eval()
         with torch.no_grad():

@@ -13,6 +13,7 @@ The functions here (launch, kill_at_step, collect, timeline) also drive tests/te
 TRAINER_SMOKE=1 (as for the benchmarks, benchmarks/cli_runs.py) runs it all at minimal sizes; the run may then
 end before the replacement has rejoined, and the launcher stops it after a short grace.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Small enough to compile in seconds on a shared CPU; the elastic machinery is what is shown. Rows of 128
 # tokens give a step enough work that the survivors are still training when a replacement has started.
-TINY = ["model=qwen3-tiny", "base_num_decoder_layers=2", "base_emb_dim=64", "base_num_query_heads=4",
-        "base_num_kv_heads=2", "head_dim=16", "base_mlp_dim=128", "vocab_size=512", "max_target_length=128",
-        "per_device_batch_size=2", "remat_policy=none", "enable_tensorboard=false", "log_period=1"]
+TINY = [
+    "model=qwen3-tiny",
+    "base_num_decoder_layers=2",
+    "base_emb_dim=64",
+    "base_num_query_heads=4",
+    "base_num_kv_heads=2",
+    "head_dim=16",
+    "base_mlp_dim=128",
+    "vocab_size=512",
+    "max_target_length=128",
+    "per_device_batch_size=2",
+    "remat_policy=none",
+    "enable_tensorboard=false",
+    "log_period=1",
+]
 # Detection in ~2-3 s; a receive stuck on the dead peer fails after the collective timeout at worst.
 # The collective timeout must exceed any legitimate wait inside one collective on a loaded 2-core CI box
 # (step skew); it only delays detection when a receive hangs on the dead peer.
@@ -41,30 +54,68 @@ SMOKE = os.environ.get("TRAINER_SMOKE", "") not in ("", "0")
 SMOKE_XLA_FLAGS = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
 
 
-def trainer_args(run_root: Path, run_name: str, *, steps: int, processes: int = 3, min_slices: int = 2,
-                 extra: tuple[str, ...] = ()) -> list[str]:
-    return ["base.yml", *TINY, *FAST_FT, f"steps={steps}", f"num_slices={processes}", "elastic_enabled=true",
-            f"elastic_min_slice_count={min_slices}", "snapshot_period=2", "checkpoint_period=10",
-            "elastic_timeout_seconds=120", f"base_output_directory={run_root}", f"run_name={run_name}", *extra]
+def trainer_args(
+    run_root: Path,
+    run_name: str,
+    *,
+    steps: int,
+    processes: int = 3,
+    min_slices: int = 2,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    return [
+        "base.yml",
+        *TINY,
+        *FAST_FT,
+        f"steps={steps}",
+        f"num_slices={processes}",
+        "elastic_enabled=true",
+        f"elastic_min_slice_count={min_slices}",
+        "snapshot_period=2",
+        "checkpoint_period=10",
+        "elastic_timeout_seconds=120",
+        f"base_output_directory={run_root}",
+        f"run_name={run_name}",
+        *extra,
+    ]
 
 
 class Job:
     """scripts/launch_local.py running in the background, its output in a file, its events readable."""
 
-    def __init__(self, run_root: Path, run_name: str, args: list[str], *, processes: int = 3,
-                 restart_delay: float = 3.0, max_restarts: int = 1, max_job_restarts: int = 0, grace: float = 30.0):
+    def __init__(
+        self,
+        run_root: Path,
+        run_name: str,
+        args: list[str],
+        *,
+        processes: int = 3,
+        restart_delay: float = 3.0,
+        max_restarts: int = 1,
+        max_job_restarts: int = 0,
+        grace: float = 30.0,
+    ):
         self.run_dir = run_root / run_name
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = run_root / f"{run_name}.launcher.log"
         self.events_path = run_root / f"{run_name}.launcher.jsonl"
-        cmd = [sys.executable, str(REPO / "scripts" / "launch_local.py"), f"--num-processes={processes}",
-               f"--restart-delay={restart_delay}", f"--max-restarts={max_restarts}",
-               f"--max-job-restarts={max_job_restarts}", f"--grace={grace:g}", f"--events={self.events_path}", "--",
-               *args]
+        cmd = [
+            sys.executable,
+            str(REPO / "scripts" / "launch_local.py"),
+            f"--num-processes={processes}",
+            f"--restart-delay={restart_delay}",
+            f"--max-restarts={max_restarts}",
+            f"--max-job-restarts={max_job_restarts}",
+            f"--grace={grace:g}",
+            f"--events={self.events_path}",
+            "--",
+            *args,
+        ]
         self._log = open(self.log_path, "ab")
         # Its own process group: stop() reaches the launcher and every trainer it started.
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def launcher_events(self) -> list[dict]:
         return read_jsonl(self.events_path)
@@ -133,8 +184,13 @@ def kill_at_step(job: Job, process: int, step: int, *, timeout: float) -> dict:
 
 def collect(run_dir: Path, processes: int = 3) -> dict:
     """Events and metrics of every process, keyed by process id."""
-    return {i: {"events": read_jsonl(log_dir(run_dir, i) / "events.jsonl"),
-                "metrics": read_jsonl(log_dir(run_dir, i) / "metrics.jsonl")} for i in range(processes)}
+    return {
+        i: {
+            "events": read_jsonl(log_dir(run_dir, i) / "events.jsonl"),
+            "metrics": read_jsonl(log_dir(run_dir, i) / "metrics.jsonl"),
+        }
+        for i in range(processes)
+    }
 
 
 def _first(events: list[dict], name: str, after: float, **match) -> dict | None:
@@ -149,8 +205,13 @@ def timeline(run_dir: Path, kill: dict, launcher_events: list[dict], processes: 
     data = collect(run_dir, processes)
     victim, t0 = kill["process"], kill["time"]
     survivors = [i for i in range(processes) if i != victim]
-    out: dict = {"killed_process": victim, "killed_pid": kill["pid"], "killed_after_step": kill["step"],
-                 "survivors": {}, "pids": {}}
+    out: dict = {
+        "killed_process": victim,
+        "killed_pid": kill["pid"],
+        "killed_after_step": kill["step"],
+        "survivors": {},
+        "pids": {},
+    }
     for i in range(processes):
         out["pids"][i] = sorted({r["pid"] for r in data[i]["metrics"]})
     for i in survivors:
@@ -183,18 +244,25 @@ def timeline(run_dir: Path, kill: dict, launcher_events: list[dict], processes: 
         joined = _first(ev, "wait_end", 0)
         attempt = _first(ev, "attempt_start", 0)
         recs = [r for r in data[victim]["metrics"] if r["pid"] == respawn["pid"]]
-        out["rejoiner"] = {"joined": joined and joined["time"] - t0,
-                           "start_step": attempt and attempt["start_step"],
-                           "restored_from": attempt and attempt["source"],
-                           "first_step": recs[0]["time"] - t0 if recs else None,
-                           "first_step_number": recs[0]["step"] if recs else None}
+        out["rejoiner"] = {
+            "joined": joined and joined["time"] - t0,
+            "start_step": attempt and attempt["start_step"],
+            "restored_from": attempt and attempt["source"],
+            "first_step": recs[0]["time"] - t0 if recs else None,
+            "first_step_number": recs[0]["step"] if recs else None,
+        }
     return out
 
 
 def format_timeline(t: dict) -> str:
     """The timeline in time order, then steps lost and PIDs."""
-    rows: list[tuple[float, str]] = [(0.0, f"kill -9 process {t['killed_process']} (pid {t['killed_pid']}); its "
-                                           f"metrics showed step {t['killed_after_step']}")]
+    rows: list[tuple[float, str]] = [
+        (
+            0.0,
+            f"kill -9 process {t['killed_process']} (pid {t['killed_pid']}); its "
+            f"metrics showed step {t['killed_after_step']}",
+        )
+    ]
 
     def add(at, text):
         if at is not None:
@@ -202,18 +270,32 @@ def format_timeline(t: dict) -> str:
 
     add(t["launcher_saw_exit"], "launcher sees it exit")
     for i, s in t["survivors"].items():
-        add(s["detected"], f"process {i}: failure detected in the train function (last step {s['last_step_before']})")
-        add(s.get("continued"), f"process {i}: step {s.get('continued_step')} done on slices "
-                                f"{s.get('continued_slices')} (detection -> next step {s.get('detection_to_next_step')} s)")
-        add(s.get("rejoin_seen"), f"process {i}: sees the replacement after step {s.get('rejoin_step')}: "
-                                  f"snapshot, scale up")
-        add(s.get("first_step_all"), f"process {i}: step {s.get('first_step_all_number')} done on all processes again")
+        add(
+            s["detected"],
+            f"process {i}: failure detected in the train function (last step {s['last_step_before']})",
+        )
+        add(
+            s.get("continued"),
+            f"process {i}: step {s.get('continued_step')} done on slices "
+            f"{s.get('continued_slices')} (detection -> next step {s.get('detection_to_next_step')} s)",
+        )
+        add(
+            s.get("rejoin_seen"),
+            f"process {i}: sees the replacement after step {s.get('rejoin_step')}: snapshot, scale up",
+        )
+        add(
+            s.get("first_step_all"),
+            f"process {i}: step {s.get('first_step_all_number')} done on all processes again",
+        )
     if t.get("respawned") is not None:
         r = t.get("rejoiner", {})
         add(t["respawned"], f"launcher starts the replacement (pid {t['respawned_pid']})")
         add(r.get("joined"), "replacement agrees membership with the survivors")
-        add(r.get("first_step"), f"replacement: first step {r.get('first_step_number')} (restored "
-                                 f"{r.get('restored_from')}, start step {r.get('start_step')})")
+        add(
+            r.get("first_step"),
+            f"replacement: first step {r.get('first_step_number')} (restored "
+            f"{r.get('restored_from')}, start step {r.get('start_step')})",
+        )
     lines = [f"t={at:+8.2f}s  {text}" for at, text in sorted(rows, key=lambda row: row[0])]
     lines.append("steps lost: " + ", ".join(f"process {i}: {s['steps_lost']}" for i, s in t["survivors"].items()))
     lines.append("PIDs per process: " + ", ".join(f"{i}: {p}" for i, p in t["pids"].items()))
@@ -238,19 +320,29 @@ def main() -> int:
         args.restart_delay, grace = min(args.restart_delay, 1.0), 5.0
         flags = os.environ.get("XLA_FLAGS", "").split()
         os.environ["XLA_FLAGS"] = " ".join(flags + [f for f in SMOKE_XLA_FLAGS if f not in flags])
-        print(f"smoke mode (TRAINER_SMOKE=1): {args.steps} steps, kill after step {args.kill_at_step}, restart delay "
-              f"{args.restart_delay:g} s, launcher grace {grace:g} s, compiled without XLA optimisation; figures are "
-              "not measurements", flush=True)
+        print(
+            f"smoke mode (TRAINER_SMOKE=1): {args.steps} steps, kill after step {args.kill_at_step}, "
+            f"restart delay {args.restart_delay:g} s, launcher grace {grace:g} s, compiled without XLA "
+            "optimisation; figures are not measurements",
+            flush=True,
+        )
     root = args.run_root or Path(tempfile.mkdtemp(prefix="multiprocess_demo_"))
     min_slices = 2 if args.mode == "replica-resize" else -1
-    job = Job(root, "demo", trainer_args(root, "demo", steps=args.steps, min_slices=min_slices,
-                                         extra=tuple(args.overrides)),
-              restart_delay=args.restart_delay, max_restarts=0 if args.no_respawn else 1, grace=grace)
+    job = Job(
+        root,
+        "demo",
+        trainer_args(root, "demo", steps=args.steps, min_slices=min_slices, extra=tuple(args.overrides)),
+        restart_delay=args.restart_delay,
+        max_restarts=0 if args.no_respawn else 1,
+        grace=grace,
+    )
     print(f"run directory: {job.run_dir}\nlauncher output: {job.log_path}", flush=True)
     try:
         kill = kill_at_step(job, args.kill_process, args.kill_at_step, timeout=args.timeout)
-        print(f"killed process {args.kill_process} (pid {kill['pid']}) with SIGKILL after step {kill['step']}",
-              flush=True)
+        print(
+            f"killed process {args.kill_process} (pid {kill['pid']}) with SIGKILL after step {kill['step']}",
+            flush=True,
+        )
         rc = job.wait(timeout=args.timeout)
     finally:
         job.stop()
@@ -258,8 +350,10 @@ def main() -> int:
     exits = [e for e in job.launcher_events() if e["event"] == "exit"]
     print("process exits: " + ", ".join(f"p{e['process']} pid {e['pid']} rc={e['rc']}" for e in exits))
     if args.kill_process == 0:
-        print("process 0 hosted the coordination service: the whole job ended with it. Rerun the same command "
-              "(or use launch_local.py --max-job-restarts) to resume from the newest committed checkpoint.")
+        print(
+            "process 0 hosted the coordination service: the whole job ended with it. Rerun the same command "
+            "(or use launch_local.py --max-job-restarts) to resume from the newest committed checkpoint."
+        )
         return 0
     t = timeline(job.run_dir, kill, job.launcher_events())
     print(format_timeline(t))

@@ -7,6 +7,7 @@ Accepts JSONL/JSON, Parquet, ArrayRecord and any plain UTF-8 text file; --help l
 fields, outputs and exit codes (0 success, 2 bad input, as one line "prepare_data.py: error: ...").
 See trainer/data/prepare.py for the record format.
 """
+
 import sys
 from pathlib import Path
 

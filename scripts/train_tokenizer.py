@@ -7,6 +7,7 @@ ArrayRecord shards it wrote. Chats are seen as their templated text, so the role
 they will in training. <|pad|>=0, <unk>=1, <|endoftext|>=2 (EOS), then <|im_start|>, <|im_end|>, the
 tool-call tags and "\\n" as single pieces (trainer/data/tokenizer.py).
 """
+
 import argparse
 import re
 import sys
@@ -16,8 +17,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.data.errors import DataError  # noqa: E402
 from trainer.data.formatting import RecordError, chat_text  # noqa: E402
-from trainer.data.prepare import (INPUT_HELP, Summary, add_record_arguments, check_inputs, expand_inputs,  # noqa: E402
-                                  no_usable_record, output_path, read_records)
+from trainer.data.prepare import (
+    INPUT_HELP,
+    Summary,
+    add_record_arguments,
+    check_inputs,
+    expand_inputs,  # noqa: E402
+    no_usable_record,
+    output_path,
+    read_records,
+)
 from trainer.data.tokenizer import CHAT_TOKENS, EXTRA_SYMBOLS, Tokenizer, train_sentencepiece  # noqa: E402
 from trainer.errors import tool_main  # noqa: E402
 from trainer.io.staging import check_writable, staged_file  # noqa: E402
@@ -98,22 +107,31 @@ def training_error(error: RuntimeError, texts: TrainingTexts, vocab_size: int) -
     message = str(error)
     data = f"{used:,} record(s) ({texts.chars:,} characters)"
     if m := _TOO_HIGH.search(message):
-        return DataError(f"--vocab-size {vocab_size} is more than the training text can fill: {data} give at "
-                         f"most {int(m[2])} pieces; pass --vocab-size {int(m[2])}, or train on more text"
-                         f"{texts.skipped()}")
+        return DataError(
+            f"--vocab-size {vocab_size} is more than the training text can fill: {data} give at "
+            f"most {int(m[2])} pieces; pass --vocab-size {int(m[2])}, or train on more text"
+            f"{texts.skipped()}"
+        )
     if m := _TOO_LOW.search(message):
-        return DataError(f"--vocab-size {vocab_size} is too small for this text: it needs at least {int(m[2])} "
-                         f"pieces ({RESERVED_PIECES} reserved plus one per distinct character); pass "
-                         f"--vocab-size {int(m[2])} or more")
+        return DataError(
+            f"--vocab-size {vocab_size} is too small for this text: it needs at least {int(m[2])} "
+            f"pieces ({RESERVED_PIECES} reserved plus one per distinct character); pass "
+            f"--vocab-size {int(m[2])} or more"
+        )
     detail = message.split("] ", 1)[-1].strip() or message.strip()
     return DataError(f"sentencepiece training failed on {data}: {detail}{texts.skipped()}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", action="append", required=True,
-                        help="file or glob (repeatable, comma-separated); formats below")
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__.splitlines()[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--input", action="append", required=True, help="file or glob (repeatable, comma-separated); formats below"
+    )
     parser.add_argument("--output", required=True, help="path of the .model file to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     parser.add_argument("--vocab-size", type=int, default=8192, help="pieces in the model (default: %(default)s)")
@@ -128,12 +146,19 @@ def run(args: argparse.Namespace) -> int:
         raise DataError(f"--vocab-size ({args.vocab_size}) and --max-records ({args.max_records}) must be >= 1")
     output = output_path(args.output, "--output")
     if output.is_dir():  # --overwrite would replace the whole folder with one file
-        raise DataError(f"--output {output} is a directory; name the model file, e.g. --output {output}/mine.model")
+        raise DataError(
+            f"--output {output} is a directory; name the model file, e.g. --output {output}/mine.model"
+        )
     check_writable(output, overwrite=args.overwrite)
     files = expand_inputs(args.input)
     check_inputs(files)
-    texts = TrainingTexts(files, text_field=args.text_field, messages_field=args.messages_field,
-                          text_unit=args.text_unit, limit=args.max_records)
+    texts = TrainingTexts(
+        files,
+        text_field=args.text_field,
+        messages_field=args.messages_field,
+        text_unit=args.text_unit,
+        limit=args.max_records,
+    )
     with staged_file(output, overwrite=args.overwrite) as staging:
         try:
             train_sentencepiece(texts, staging, vocab_size=args.vocab_size, model_type=args.model_type)
@@ -143,8 +168,10 @@ def run(args: argparse.Namespace) -> int:
             raise training_error(e, texts, args.vocab_size) from None
         tok = Tokenizer(staging)  # a model that does not load is not moved into place
     special = ", ".join(f"{t}={tok.token_id(t)}" for t in CHAT_TOKENS)
-    print(f"wrote {output} ({output.stat().st_size:,} bytes): vocab {tok.vocab_size}, trained on "
-          f"{texts.summary.records:,} records; special tokens {special}")
+    print(
+        f"wrote {output} ({output.stat().st_size:,} bytes): vocab {tok.vocab_size}, trained on "
+        f"{texts.summary.records:,} records; special tokens {special}"
+    )
     if texts.summary.bad:
         print(f"skipped {sum(texts.summary.bad.values()):,} record(s): {texts.summary.bad_brief()}")
     return 0

@@ -1,4 +1,5 @@
 """Run the real CLI (on N virtual CPU devices) and read back what it left: metrics, events, final state."""
+
 from __future__ import annotations
 
 import json
@@ -10,9 +11,21 @@ from pathlib import Path
 import numpy as np
 
 # A micro model: the elastic machinery, not the model, is under test; it compiles in about a second.
-MICRO = ["model=qwen3-tiny", "base_num_decoder_layers=2", "base_emb_dim=64", "base_num_query_heads=4",
-         "base_num_kv_heads=2", "head_dim=16", "base_mlp_dim=128", "vocab_size=512", "max_target_length=32",
-         "per_device_batch_size=2", "remat_policy=none", "enable_tensorboard=false", "log_period=1"]
+MICRO = [
+    "model=qwen3-tiny",
+    "base_num_decoder_layers=2",
+    "base_emb_dim=64",
+    "base_num_query_heads=4",
+    "base_num_kv_heads=2",
+    "head_dim=16",
+    "base_mlp_dim=128",
+    "vocab_size=512",
+    "max_target_length=32",
+    "per_device_batch_size=2",
+    "remat_policy=none",
+    "enable_tensorboard=false",
+    "log_period=1",
+]
 
 
 def cli_env(devices: int) -> dict:
@@ -23,13 +36,26 @@ def cli_env(devices: int) -> dict:
 
 
 def command(run_root: Path, run_name: str, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "trainer.train", "base.yml", *MICRO, f"base_output_directory={run_root}",
-            f"run_name={run_name}", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "trainer.train",
+        "base.yml",
+        *MICRO,
+        f"base_output_directory={run_root}",
+        f"run_name={run_name}",
+        *overrides,
+    ]
 
 
 def run_cli(run_root: Path, run_name: str, *overrides: str, devices: int = 3, timeout: int = 300):
-    return subprocess.run(command(run_root, run_name, *overrides), capture_output=True, text=True,
-                          timeout=timeout, env=cli_env(devices))
+    return subprocess.run(
+        command(run_root, run_name, *overrides),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=cli_env(devices),
+    )
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -78,4 +104,6 @@ def assert_same_data_order(run_dir: Path, baseline_dir: Path, steps: int | None 
     got, base = final_by_step(metrics(run_dir)), final_by_step(metrics(baseline_dir))
     if steps is not None:
         assert sorted(got) == list(range(1, steps + 1))
-    assert [got[s]["batch_fingerprint"] for s in sorted(got)] == [base[s]["batch_fingerprint"] for s in sorted(got)]
+    assert [got[s]["batch_fingerprint"] for s in sorted(got)] == [
+        base[s]["batch_fingerprint"] for s in sorted(got)
+    ]

@@ -2,6 +2,7 @@
 the flag must be in the environment before anything imports jax: 8 CPU devices let the sharding,
 resharding and virtual-slice tests build real multi-device meshes. Single-device tests use
 jax.devices()[:1]."""
+
 import os
 
 _FLAG = "--xla_force_host_platform_device_count=8"

@@ -14,6 +14,7 @@ A command whose own comment starts with `# cluster:` (e.g. the TPU-sized headlin
 command too.
 An unknown program fails the classification test, so a new kind of documented command needs a decision.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,10 +31,10 @@ FAIL_COMMENT = re.compile(r"#\s*(config error|error|exit (\d+))\b(.*)")
 
 @dataclasses.dataclass(frozen=True)
 class Command:
-    doc: str            # README.md, docs/x.md
-    line: int           # 1-based line of the command in the doc
-    text: str           # the command as printed (continuations joined)
-    kind: str           # setup | suite | local | cluster | shell
+    doc: str  # README.md, docs/x.md
+    line: int  # 1-based line of the command in the doc
+    text: str  # the command as printed (continuations joined)
+    kind: str  # setup | suite | local | cluster | shell
     expect_fail: str = ""  # text expected on stderr (or "exit N") when documented to fail
 
     @property
@@ -106,7 +107,7 @@ def commands(doc: Path) -> list[Command]:
         i = 0
         while i < len(body):
             first, text = i, _strip_comment(body[i])
-            on_cluster = body[i][len(text):].strip().startswith("# cluster:")
+            on_cluster = body[i][len(text) :].strip().startswith("# cluster:")
             while text.endswith("\\") and i + 1 < len(body):
                 i += 1
                 text = text[:-1].rstrip() + " " + _strip_comment(body[i]).strip()
@@ -118,7 +119,9 @@ def commands(doc: Path) -> list[Command]:
                 expect = f"exit {m.group(2)}" if m.group(2) else (m.group(1) + m.group(3)).strip()
             for part in (p.strip() for p in text.split(" && ")):
                 if part:
-                    out.append(Command(rel, start + first, part, "cluster" if on_cluster else kind_of(part), expect))
+                    out.append(
+                        Command(rel, start + first, part, "cluster" if on_cluster else kind_of(part), expect)
+                    )
     return out
 
 

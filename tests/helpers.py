@@ -1,4 +1,5 @@
 """Small shared pieces for tests: a micro model config and a synthetic global batch."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,16 +10,33 @@ from trainer.data.synthetic import SyntheticIterator
 
 def micro_config(*overrides: str):
     """A config whose model compiles in a second or two: 2 layers, d=64, vocab 256, sequence 16."""
-    return load_config("base.yml", ["model=qwen3-tiny", "base_num_decoder_layers=2", "base_emb_dim=64",
-                                    "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=16",
-                                    "base_mlp_dim=128", "vocab_size=256", "max_target_length=16",
-                                    "per_device_batch_size=1", "remat_policy=none", "run_name=test",
-                                    *overrides])
+    return load_config(
+        "base.yml",
+        [
+            "model=qwen3-tiny",
+            "base_num_decoder_layers=2",
+            "base_emb_dim=64",
+            "base_num_query_heads=4",
+            "base_num_kv_heads=2",
+            "head_dim=16",
+            "base_mlp_dim=128",
+            "vocab_size=256",
+            "max_target_length=16",
+            "per_device_batch_size=1",
+            "remat_policy=none",
+            "run_name=test",
+            *overrides,
+        ],
+    )
 
 
 def synthetic_batch(cfg, rows: int, step: int = 0):
-    it = SyntheticIterator(vocab_size=cfg.model.vocab_size, seq_len=cfg.data.max_target_length,
-                           global_batch_size=rows, seed=cfg.data.data_shuffle_seed)
+    it = SyntheticIterator(
+        vocab_size=cfg.model.vocab_size,
+        seq_len=cfg.data.max_target_length,
+        global_batch_size=rows,
+        seed=cfg.data.data_shuffle_seed,
+    )
     return it.batch_at(step)
 
 

@@ -6,6 +6,7 @@ running on this host, so this test's own pid makes a live run without training. 
 real 2-slice trainer: a refused and an accepted kill on a live job, then a resumed run that must ignore
 a request left for the attempt before it.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from cli_harness import cli_env, command
+
 from trainer.chaos import attempt_of, request_kill
 from trainer.config import load_config, to_yaml
 from trainer.elastic.faults import FaultInjector, Outages
@@ -29,8 +30,14 @@ HANG_GUARD_S = 300  # only catches a hang; nothing here measures time
 
 
 def chaos(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.chaos", "kill-slice", *args], capture_output=True,
-                          text=True, cwd=cwd, env=env, timeout=HANG_GUARD_S)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.chaos", "kill-slice", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=HANG_GUARD_S,
+    )
 
 
 def assert_refused(proc: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -76,22 +83,30 @@ def dead_pid() -> int:
 
 # ---- the CLI ------------------------------------------------------------------------------------------
 
+
 def test_help_states_the_index_range_and_the_unit():
-    out = subprocess.run([sys.executable, "-m", "trainer.chaos", "kill-slice", "--help"], capture_output=True,
-                         text=True, timeout=HANG_GUARD_S)
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer.chaos", "kill-slice", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
     assert "[0, num_slices)" in text and "seconds the slice stays unhealthy" in text and ">= 0" in text
 
 
-@pytest.mark.parametrize("args, fragments", [
-    (["--slice", "99"], ["--slice 99", "num_slices=2", "[0, 2)"]),
-    (["--slice", "2"], ["--slice 2", "[0, 2)"]),
-    (["--slice", "-1"], ["--slice -1", "[0, num_slices)"]),
-    (["--slice", "1", "--down-s", "-5"], ["--down-s -5.0", "finite number >= 0"]),
-    (["--slice", "1", "--down-s", "nan"], ["--down-s nan", "finite number >= 0"]),
-    (["--slice", "1", "--down-s", "inf"], ["--down-s inf", "finite number >= 0"]),
-])
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--slice", "99"], ["--slice 99", "num_slices=2", "[0, 2)"]),
+        (["--slice", "2"], ["--slice 2", "[0, 2)"]),
+        (["--slice", "-1"], ["--slice -1", "[0, num_slices)"]),
+        (["--slice", "1", "--down-s", "-5"], ["--down-s -5.0", "finite number >= 0"]),
+        (["--slice", "1", "--down-s", "nan"], ["--down-s nan", "finite number >= 0"]),
+        (["--slice", "1", "--down-s", "inf"], ["--down-s inf", "finite number >= 0"]),
+    ],
+)
 def test_out_of_range_input_is_refused_on_a_live_run_and_writes_no_request(live, args, fragments):
     assert_refused(chaos("--run-dir", str(live), *args), *fragments)
     assert requests(live) == []
@@ -104,8 +119,9 @@ def test_a_finished_run_is_refused(tmp_path):
 
 
 def test_a_run_whose_trainer_was_killed_is_refused(tmp_path):
-    run = fake_run(tmp_path / "killed", start(os.getpid(), 100.0), finish(os.getpid(), 200.0),
-                   start(dead_pid(), 300.0))  # resumed, then kill -9: no finish event
+    run = fake_run(
+        tmp_path / "killed", start(os.getpid(), 100.0), finish(os.getpid(), 200.0), start(dead_pid(), 300.0)
+    )  # resumed, then kill -9: no finish event
     assert_refused(chaos("--run-dir", str(run), "--slice", "1"), "not running", "resume the run first")
     assert requests(run) == []
 
@@ -138,6 +154,7 @@ def test_a_gs_run_dir_means_the_trainers_local_mirror(tmp_path, monkeypatch):
 
 # ---- the trainer's reader: a request reaches only the attempt it names -------------------------------
 
+
 class _Events:
     def __init__(self):
         self.killed = []
@@ -156,8 +173,14 @@ def test_the_reader_fires_only_requests_for_its_own_attempt(tmp_path):
     previous = start(dead_pid(), now - 100)
     reused_pid = start(os.getpid(), now - 50)  # an earlier trainer that had this pid (a container's pid 1)
     own = start(os.getpid(), now)
-    run = fake_run(tmp_path / "run", previous, finish(previous["pid"], now - 90), reused_pid,
-                   finish(os.getpid(), now - 40), own)
+    run = fake_run(
+        tmp_path / "run",
+        previous,
+        finish(previous["pid"], now - 90),
+        reused_pid,
+        finish(os.getpid(), now - 40),
+        own,
+    )
     stale = [request_kill(run, 0, 0.0, attempt_of(previous)), request_kill(run, 0, 0.0, attempt_of(reused_pid))]
     by_hand_before = run / "chaos" / "0-by-hand-before.json"
     by_hand_before.write_text('{"slice": 0}')
@@ -185,8 +208,14 @@ def test_a_request_written_by_hand_during_the_run_still_counts(tmp_path):
 
 # ---- a real 2-slice trainer -------------------------------------------------------------------------
 
-LIVE = ["num_slices=2", "elastic_enabled=true", "snapshot_period=2", "elastic_poll_interval_seconds=0.05",
-        "elastic_timeout_seconds=120", "steps=100000"]  # ended by SIGTERM (saves, exits 0), never by its steps
+LIVE = [
+    "num_slices=2",
+    "elastic_enabled=true",
+    "snapshot_period=2",
+    "elastic_poll_interval_seconds=0.05",
+    "elastic_timeout_seconds=120",
+    "steps=100000",
+]  # ended by SIGTERM (saves, exits 0), never by its steps
 
 
 def _names(run_dir: Path) -> list[str]:
@@ -231,8 +260,15 @@ def live_job(tmp_path_factory):
     finally:
         proc.kill()
         proc.wait()
-    return {"run": run, "cmd": cmd, "out_of_range": out_of_range, "left": left, "valid": valid,
-            "rc": proc.returncode, "output": output}
+    return {
+        "run": run,
+        "cmd": cmd,
+        "out_of_range": out_of_range,
+        "left": left,
+        "valid": valid,
+        "rc": proc.returncode,
+        "output": output,
+    }
 
 
 def test_on_a_live_2_slice_job_slice_5_is_refused_and_slice_1_is_killed(live_job):
@@ -254,8 +290,12 @@ def test_a_request_left_for_an_ended_attempt_does_not_kill_the_resumed_run(live_
     log = run.parent / "resumed.log"
     proc = _trainer(live_job["cmd"], log)
     try:
-        _wait_until(proc, lambda: sum(r["pid"] == proc.pid for r in read_jsonl(run / "metrics.jsonl")) >= 3,
-                    log, "3 steps of the resumed run")
+        _wait_until(
+            proc,
+            lambda: sum(r["pid"] == proc.pid for r in read_jsonl(run / "metrics.jsonl")) >= 3,
+            log,
+            "3 steps of the resumed run",
+        )
         output = _preempt(proc, log)
     finally:
         proc.kill()

@@ -4,6 +4,7 @@ Tiny pytrees on the 8 virtual CPU devices tests/conftest.py sets up. Faults are 
 (a directory that is a file, a truncated data file, a tmp dir a killed save leaves, a step without
 its commit marker) or real save errors, not mocks.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,10 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from trainer.checkpoint import (CheckpointSaveError, Checkpointer, is_committed, load_full_state,
-                                load_parameters, save_parameters)
+from trainer.checkpoint import (
+    Checkpointer,
+    CheckpointSaveError,
+    is_committed,
+    load_full_state,
+    load_parameters,
+    save_parameters,
+)
 from trainer.config.schema import CheckpointConfig
 
 
@@ -26,22 +34,28 @@ def _cfg(**changes) -> CheckpointConfig:
 
 
 def _mesh(shape: tuple[int, ...], axes: tuple[str, ...]) -> Mesh:
-    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
+    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), axes)
 
 
 def _state(mesh: Mesh, spec: P, step: int = 7) -> dict:
     """{"step", "params", "opt_state"}, the matrices sharded over `mesh` by `spec`."""
     put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
     w = jnp.arange(32, dtype=jnp.float32).reshape(8, 4) + step
-    return {"step": put(jnp.array(step, jnp.int32), P()),
-            "params": {"w": put(w, spec), "b": put(jnp.ones(4, jnp.bfloat16), P())},
-            "opt_state": {"mu": put(w * 0.5, spec)}}
+    return {
+        "step": put(jnp.array(step, jnp.int32), P()),
+        "params": {"w": put(w, spec), "b": put(jnp.ones(4, jnp.bfloat16), P())},
+        "opt_state": {"mu": put(w * 0.5, spec)},
+    }
 
 
 def _abstract(state: dict, mesh: Mesh, spec: P) -> dict:
     """The same tree as ShapeDtypeStructs: matrices sharded by `spec` on `mesh`, the rest replicated."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=NamedSharding(mesh, spec if x.ndim == 2 else P())), state)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh, spec if x.ndim == 2 else P())
+        ),
+        state,
+    )
 
 
 def _assert_same(restored, expected) -> None:
@@ -123,9 +137,12 @@ def test_restore_reshards_onto_meshes_of_other_sizes_and_axes(tmp_path, mesh4):
     ckpt.save(7, state, {}, {})
     ckpt.wait()
 
-    for mesh, spec in [(_mesh((2,), ("data",)), P("data")), (_mesh((2,), ("data",)), P()),
-                       (_mesh((2, 2), ("fsdp", "tensor")), P("fsdp", "tensor")),
-                       (_mesh((2, 2), ("fsdp", "tensor")), P("tensor", "fsdp"))]:
+    for mesh, spec in [
+        (_mesh((2,), ("data",)), P("data")),
+        (_mesh((2,), ("data",)), P()),
+        (_mesh((2, 2), ("fsdp", "tensor")), P("fsdp", "tensor")),
+        (_mesh((2, 2), ("fsdp", "tensor")), P("tensor", "fsdp")),
+    ]:
         abstract = _abstract(state, mesh, spec)
         restored = ckpt.restore(abstract)
         _assert_same(restored.state, state)

@@ -3,14 +3,13 @@
 The oracle is an uninterrupted run: a killed-and-restarted run must end with bitwise-equal
 parameters (CPU, float32) and the same batch for every step.
 """
+
 import signal
 import subprocess
 import time
 
 import pytest
-
-from cli_harness import (assert_same_data_order, assert_same_params, cli_env, command, events, metrics,
-                         run_cli)
+from cli_harness import assert_same_data_order, assert_same_params, cli_env, command, events, metrics, run_cli
 
 STEPS = 12
 COMMON = [f"steps={STEPS}", "checkpoint_period=3", "num_slices=1"]
@@ -30,8 +29,13 @@ def _assert_same_run(run, baseline):
 
 
 def _kill_when(root, name, ready, *extra):
-    proc = subprocess.Popen(command(root, name, *COMMON, *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=cli_env(1))
+    proc = subprocess.Popen(
+        command(root, name, *COMMON, *extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(1),
+    )
     try:
         deadline = time.time() + 300  # a hang guard, not a speed claim
         while time.time() < deadline and proc.poll() is None:
@@ -61,6 +65,7 @@ def _in_flight_save_after_a_commit(run):
 def _after_step(n):
     def ready(run):
         return (run / "metrics.jsonl").exists() and len(metrics(run)) >= n
+
     return ready
 
 
@@ -81,8 +86,9 @@ def test_kill_9_anywhere_then_restart_resumes_from_the_newest_committed_step(bas
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_0_then_resumes(baseline, tmp_path):
-    proc = subprocess.Popen(command(tmp_path, "t", *COMMON), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=cli_env(1))
+    proc = subprocess.Popen(
+        command(tmp_path, "t", *COMMON), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(1)
+    )
     try:
         deadline = time.time() + 300  # a hang guard, not a speed claim
         while time.time() < deadline and not _after_step(4)(tmp_path / "t"):
@@ -108,11 +114,26 @@ def test_resume_onto_another_mesh_continues_the_same_run(tmp_path):
     # resumed on data=2 x 2 (2 devices). Same math on another layout: reductions run in another order.
     ref = run_cli(tmp_path, "ref", *COMMON, "per_device_batch_size=4", devices=1)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    first = run_cli(tmp_path, "m", *COMMON[1:], "steps=6", "learning_rate_schedule_steps=12",
-                    "ici_fsdp_parallelism=4", "per_device_batch_size=1", devices=4)
+    first = run_cli(
+        tmp_path,
+        "m",
+        *COMMON[1:],
+        "steps=6",
+        "learning_rate_schedule_steps=12",
+        "ici_fsdp_parallelism=4",
+        "per_device_batch_size=1",
+        devices=4,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run_cli(tmp_path, "m", *COMMON, "ici_fsdp_parallelism=1", "ici_data_parallelism=2",
-                     "per_device_batch_size=2", devices=2)
+    second = run_cli(
+        tmp_path,
+        "m",
+        *COMMON,
+        "ici_fsdp_parallelism=1",
+        "ici_data_parallelism=2",
+        "per_device_batch_size=2",
+        devices=2,
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     attempts = [e for e in events(tmp_path / "m") if e["event"] == "attempt_start"]
     assert attempts[-1]["source"] == "checkpoint:6" and attempts[-1]["global_batch_size"] == 4

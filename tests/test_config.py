@@ -1,4 +1,5 @@
 """Config: one schema, layered loading, typed values and clear errors before any compute."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +17,9 @@ PRESETS = sorted(p.stem for p in (REPO / "configs" / "models").glob("*.yml"))
 
 
 def test_base_yml_is_exactly_the_rendered_schema():
-    assert (REPO / "configs" / "base.yml").read_text() == render(), \
+    assert (REPO / "configs" / "base.yml").read_text() == render(), (
         "configs/base.yml drifted from the schema: run python -m trainer.config.render_base > configs/base.yml"
+    )
 
 
 def test_every_schema_key_is_documented_in_base_yml():
@@ -40,8 +42,8 @@ def test_every_shipped_preset_loads_and_validates(preset):
 
 def test_layers_apply_in_order_base_then_preset_then_cli():
     cfg = load_config("base.yml", ["model=qwen3-tiny", "max_target_length=64"])
-    assert cfg.model.base_emb_dim == 256           # from the preset
-    assert cfg.data.max_target_length == 64        # CLI beats the preset's 256
+    assert cfg.model.base_emb_dim == 256  # from the preset
+    assert cfg.data.max_target_length == 64  # CLI beats the preset's 256
     assert cfg.checkpoint.checkpoint_period == build({}).checkpoint.checkpoint_period  # from base
 
 
@@ -71,25 +73,28 @@ def test_values_that_follow_other_keys_stay_as_given():
     assert cfg.optim.learning_rate_schedule_steps == -1 and cfg.train.run_name == ""
 
 
-@pytest.mark.parametrize("override, message", [
-    (["learning_rat=1"], "did you mean 'learning_rate'"),
-    (["steps=ten"], "'steps': expected an integer"),
-    (["enable_tensorboard=3"], "expected true/false"),
-    (["base_num_kv_heads=3"], "not divisible by base_num_kv_heads=3"),
-    (["model=qwen3-tiniest"], "unknown model preset 'qwen3-tiniest'; did you mean 'qwen3-tiny'"),
-    (["remat_policy=some"], "remat_policy='some' is not one of"),
-    (["ici_fsdp_parallelism=-1", "ici_tensor_parallelism=-1"], "at most one ici_*_parallelism may be -1"),
-    (["elastic_min_slice_count=5", "num_slices=2"], "elastic_min_slice_count=5"),
-    (["steps=0"], "steps=0 must be >= 1"),
-    (["noequals"], "is not key=value"),
-    (["steps=1.5"], "a whole number"),
-    (["STEPS=4"], "did you mean 'steps'"),
-    (["top_p=1.5"], "top_p=1.5 must be <= 1.0"),
-    (["warmup_steps_fraction=2"], "must be <= 1.0"),
-    (["model=/missing.yml"], "model file not found"),
-    (["fault_schedule=garbage"], "fault_schedule entry 'garbage'"),
-    (["dcn_data_parallelism=3", "num_slices=2"], "no longer a config key"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["learning_rat=1"], "did you mean 'learning_rate'"),
+        (["steps=ten"], "'steps': expected an integer"),
+        (["enable_tensorboard=3"], "expected true/false"),
+        (["base_num_kv_heads=3"], "not divisible by base_num_kv_heads=3"),
+        (["model=qwen3-tiniest"], "unknown model preset 'qwen3-tiniest'; did you mean 'qwen3-tiny'"),
+        (["remat_policy=some"], "remat_policy='some' is not one of"),
+        (["ici_fsdp_parallelism=-1", "ici_tensor_parallelism=-1"], "at most one ici_*_parallelism may be -1"),
+        (["elastic_min_slice_count=5", "num_slices=2"], "elastic_min_slice_count=5"),
+        (["steps=0"], "steps=0 must be >= 1"),
+        (["noequals"], "is not key=value"),
+        (["steps=1.5"], "a whole number"),
+        (["STEPS=4"], "did you mean 'steps'"),
+        (["top_p=1.5"], "top_p=1.5 must be <= 1.0"),
+        (["warmup_steps_fraction=2"], "must be <= 1.0"),
+        (["model=/missing.yml"], "model file not found"),
+        (["fault_schedule=garbage"], "fault_schedule entry 'garbage'"),
+        (["dcn_data_parallelism=3", "num_slices=2"], "no longer a config key"),
+    ],
+)
 def test_bad_input_raises_a_config_error_that_names_the_problem(override, message):
     with pytest.raises(ConfigError, match=None) as info:
         load_config("base.yml", override)
@@ -109,8 +114,20 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
 
 
 def test_cli_bad_key_exits_2_with_one_clear_message_before_any_compute(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", "base.yml", "model=qwen3-tiny", "stepz=3",
-                           f"base_output_directory={tmp_path}"], capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            "base.yml",
+            "model=qwen3-tiny",
+            "stepz=3",
+            f"base_output_directory={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     assert "unknown config key 'stepz'" in proc.stderr and "did you mean 'steps'" in proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "STATUS: config_error"
@@ -118,8 +135,19 @@ def test_cli_bad_key_exits_2_with_one_clear_message_before_any_compute(tmp_path)
 
 
 def test_cli_print_config_prints_the_resolved_values_and_exits_0():
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", "base.yml", "model=qwen3-0.6b",
-                           "elastic_enabled=true", "--print-config"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            "base.yml",
+            "model=qwen3-0.6b",
+            "elastic_enabled=true",
+            "--print-config",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0
     resolved = {}
     for doc in proc.stdout.split("# ---"):

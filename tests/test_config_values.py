@@ -1,4 +1,5 @@
 """Config values as users type them: typed by the schema, layered in a fixed order, printed so they load back."""
+
 import subprocess
 import sys
 
@@ -8,10 +9,19 @@ from trainer.config import ConfigError, load_config, load_resolved
 from trainer.config.loader import explain
 
 
-@pytest.mark.parametrize("given, expected", [
-    ("yes", "yes"), ("007", "007"), ("0x1F", "0x1F"), ("12:30:00", "12:30:00"), ("exp #3", "exp #3"),
-    ("true", "true"), ("[a, b]", "[a, b]"), ("", ""),
-])
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ("yes", "yes"),
+        ("007", "007"),
+        ("0x1F", "0x1F"),
+        ("12:30:00", "12:30:00"),
+        ("exp #3", "exp #3"),
+        ("true", "true"),
+        ("[a, b]", "[a, b]"),
+        ("", ""),
+    ],
+)
 def test_a_string_key_takes_the_literal_text(given, expected):
     assert load_config("base.yml", [f"run_name={given}"]).train.run_name == expected
 
@@ -35,8 +45,10 @@ def test_integers_are_decimal_and_may_use_an_exponent(given, expected):
     assert load_config("base.yml", [f"steps={given}"]).train.steps == expected
 
 
-@pytest.mark.parametrize("override", ["learning_rate=nan", "learning_rate=inf", "learning_rate=1e400",
-                                      "adam_b1=.nan", "learning_rate=-inf"])
+@pytest.mark.parametrize(
+    "override",
+    ["learning_rate=nan", "learning_rate=inf", "learning_rate=1e400", "adam_b1=.nan", "learning_rate=-inf"],
+)
 def test_non_finite_numbers_are_config_errors(override):
     with pytest.raises(ConfigError, match="'(learning_rate|adam_b1)'"):
         load_config("base.yml", [override])
@@ -71,7 +83,7 @@ def test_the_users_file_beats_the_model_preset_and_the_command_line_beats_both(t
     own.write_text("learning_rate: 3.0e-5\nmax_target_length: 1024\nsteps: 7\n")
     cfg = load_config(str(own))
     assert (cfg.optim.learning_rate, cfg.data.max_target_length) == (3.0e-5, 1024)  # the preset sets 1e-3, 256
-    assert cfg.model.base_emb_dim == 256                                             # architecture from the preset
+    assert cfg.model.base_emb_dim == 256  # architecture from the preset
     cfg = load_config(str(own), ["max_target_length=64"])
     assert cfg.data.max_target_length == 64
 
@@ -93,8 +105,10 @@ def test_print_config_marks_the_layer_that_set_each_value(tmp_path):
     assert "# from" not in lines["checkpoint_period"]
 
 
-@pytest.mark.parametrize("overrides", [["steps=200"], ["num_slices=2", "elastic_enabled=true"],
-                                       ["run_name=007", "prompt=yes", "model=qwen3-0.6b"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [["steps=200"], ["num_slices=2", "elastic_enabled=true"], ["run_name=007", "prompt=yes", "model=qwen3-0.6b"]],
+)
 def test_a_printed_config_loads_back_to_the_same_config(tmp_path, overrides):
     printed = tmp_path / "printed.yml"
     printed.write_text(explain("base.yml", overrides))
@@ -104,8 +118,13 @@ def test_a_printed_config_loads_back_to_the_same_config(tmp_path, overrides):
 
 
 def test_flags_and_overrides_come_in_any_order(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", "base.yml", "--print-config", "steps=3"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "base.yml", "--print-config", "steps=3"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "steps: 3  # from command line" in proc.stdout
     assert not any(tmp_path.iterdir())
@@ -118,29 +137,45 @@ def test_a_config_saved_by_an_older_version_with_the_dcn_key_still_builds():
 
 
 def _cli(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "trainer.train", *args], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.train", *args], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
 
 
-@pytest.mark.parametrize("arg, line", [
-    ("run_name=yes", "run_name: 'yes'"), ("run_name=007", "run_name: '007'"), ("run_name=0x1F", "run_name: '0x1F'"),
-    ("run_name=12:30:00", "run_name: '12:30:00'"), ("run_name=exp #3", "run_name: 'exp #3'"),
-    ("tokenizer_path=/data/run #2/a.model", "tokenizer_path: '/data/run #2/a.model'"),
-    ("prompt=def f(x): return x", "prompt: 'def f(x): return x'"), ("prompt=yes", "prompt: 'yes'"),
-    ("steps=1e3", "steps: 1000"), ("steps=010", "steps: 10"),
-])
+@pytest.mark.parametrize(
+    "arg, line",
+    [
+        ("run_name=yes", "run_name: 'yes'"),
+        ("run_name=007", "run_name: '007'"),
+        ("run_name=0x1F", "run_name: '0x1F'"),
+        ("run_name=12:30:00", "run_name: '12:30:00'"),
+        ("run_name=exp #3", "run_name: 'exp #3'"),
+        ("tokenizer_path=/data/run #2/a.model", "tokenizer_path: '/data/run #2/a.model'"),
+        ("prompt=def f(x): return x", "prompt: 'def f(x): return x'"),
+        ("prompt=yes", "prompt: 'yes'"),
+        ("steps=1e3", "steps: 1000"),
+        ("steps=010", "steps: 10"),
+    ],
+)
 def test_the_cli_keeps_what_the_user_typed(tmp_path, arg, line):
     proc = _cli(tmp_path, "base.yml", arg, "--print-config")
     assert proc.returncode == 0, proc.stderr
     assert f"{line}  # from command line" in proc.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["learning_rate=nan"], "not a finite number"), (["learning_rate=inf"], "not a finite number"),
-    (["learning_rate=1e400"], "not a finite number"), (["adam_b1=.nan"], "expected a number"),
-    (["STEPS=4"], "did you mean 'steps'"), (["model=/missing.yml"], "model file not found"),
-    (["fault_schedule=garbage"], "fault_schedule entry 'garbage'"), (["steps=1.5"], "a whole number"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["learning_rate=nan"], "not a finite number"),
+        (["learning_rate=inf"], "not a finite number"),
+        (["learning_rate=1e400"], "not a finite number"),
+        (["adam_b1=.nan"], "expected a number"),
+        (["STEPS=4"], "did you mean 'steps'"),
+        (["model=/missing.yml"], "model file not found"),
+        (["fault_schedule=garbage"], "fault_schedule entry 'garbage'"),
+        (["steps=1.5"], "a whole number"),
+    ],
+)
 def test_the_cli_refuses_bad_values_with_exit_2_and_writes_nothing(tmp_path, args, message):
     proc = _cli(tmp_path, "base.yml", *args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr

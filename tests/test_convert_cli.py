@@ -5,6 +5,7 @@ HOME pointing at another one so `~/...` works too. Contract: README's commands w
 a user can fix is one line `python -m trainer.convert: error: ...` naming the input and the fix, exit 2,
 no traceback, and nothing written; outputs are checked before any tensor is read.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_harness import cli_env
 from safetensors import safe_open
 
-from cli_harness import cli_env
 from trainer import convert
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,10 +37,20 @@ def user(tmp_path):
 
 
 def run(cwd: Path, home: Path, *args: str, module: str = "trainer.convert") -> subprocess.CompletedProcess:
-    env = {**cli_env(1), "HOME": str(home), "PYTHONPATH": os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
+    env = {
+        **cli_env(1),
+        "HOME": str(home),
+        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *fragments: str, prefix: str = PREFIX) -> str:
@@ -89,6 +100,7 @@ def _fake_run(root: Path, committed=(50, 100), partial=()) -> Path:
 
 # --- README's commands --------------------------------------------------------------------------------
 
+
 def test_readme_commands_work_with_relative_paths_and_home_from_the_users_directory(user):
     """hf-to-trainer from ~/..., trainer-to-hf of runs/NAME/checkpoints/1000, logits and decode of
     ckpt/..., all relative to a working directory that is not the repository."""
@@ -103,8 +115,17 @@ def test_readme_commands_work_with_relative_paths_and_home_from_the_users_direct
     assert tree(cwd / "ckpt") == sorted(["qwen3-0.6b", *(f"qwen3-0.6b/{p}" for p in tree(ckpt))])  # no leftovers
 
     _training_step_dir(ckpt, cwd / "runs" / "NAME" / "checkpoints" / "1000")
-    proc = run(cwd, home, "trainer-to-hf", "--checkpoint", "runs/NAME/checkpoints/1000", "--output-dir", "hf_out",
-               "--dtype", "bfloat16")
+    proc = run(
+        cwd,
+        home,
+        "trainer-to-hf",
+        "--checkpoint",
+        "runs/NAME/checkpoints/1000",
+        "--output-dir",
+        "hf_out",
+        "--dtype",
+        "bfloat16",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == f"wrote {cwd / 'hf_out'}"
     assert json.loads((cwd / "hf_out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -113,29 +134,49 @@ def test_readme_commands_work_with_relative_paths_and_home_from_the_users_direct
         np.testing.assert_array_equal(exported[key], value.astype(exported[key].dtype), err_msg=key)
 
     np.save(cwd / "ids.npy", expected["input_ids"])
-    proc = run(cwd, home, "logits", "--checkpoint", "ckpt/qwen3-0.6b", "--input-ids", "ids.npy",
-               "--output", "logits.npy")
+    proc = run(
+        cwd, home, "logits", "--checkpoint", "ckpt/qwen3-0.6b", "--input-ids", "ids.npy", "--output", "logits.npy"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == f"wrote {cwd / 'logits.npy'}"
     assert np.abs(np.load(cwd / "logits.npy") - expected["logits"]).max() <= 1e-4
 
-    proc = run(cwd, home, "base.yml", "model=ckpt/qwen3-0.6b/model.yml", "load_parameters_path=ckpt/qwen3-0.6b",
-               f"prompt_ids={expected['prompt_ids'].tolist()}", f"max_decode_length={len(expected['greedy_ids'])}",
-               module="trainer.decode")
+    proc = run(
+        cwd,
+        home,
+        "base.yml",
+        "model=ckpt/qwen3-0.6b/model.yml",
+        "load_parameters_path=ckpt/qwen3-0.6b",
+        f"prompt_ids={expected['prompt_ids'].tolist()}",
+        f"max_decode_length={len(expected['greedy_ids'])}",
+        module="trainer.decode",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == f"output_ids: {expected['greedy_ids'].tolist()}"
 
 
 # --- trainer-to-hf: where the checkpoint is -------------------------------------------------------------
 
-@pytest.mark.parametrize("checkpoint,fragments", [
-    ("runs/NAME", ["is a run directory", "point --checkpoint at", "runs/NAME/checkpoints/<step>",
-                   "committed steps in", ": 50, 100"]),
-    ("runs/NAME/checkpoints", ["checkpoints directory", "runs/NAME/checkpoints/<step>", ": 50, 100"]),
-    ("runs/NAME/checkpoints/1000", ["runs/NAME/checkpoints/1000 does not exist", ": 50, 100"]),
-    ("runs/NAME/checkpoints/150", ["not a committed checkpoint", "commit_success.txt", ": 50, 100"]),
-    ("nowhere/ckpt", ["nowhere/ckpt does not exist"]),
-])
+
+@pytest.mark.parametrize(
+    "checkpoint,fragments",
+    [
+        (
+            "runs/NAME",
+            [
+                "is a run directory",
+                "point --checkpoint at",
+                "runs/NAME/checkpoints/<step>",
+                "committed steps in",
+                ": 50, 100",
+            ],
+        ),
+        ("runs/NAME/checkpoints", ["checkpoints directory", "runs/NAME/checkpoints/<step>", ": 50, 100"]),
+        ("runs/NAME/checkpoints/1000", ["runs/NAME/checkpoints/1000 does not exist", ": 50, 100"]),
+        ("runs/NAME/checkpoints/150", ["not a committed checkpoint", "commit_success.txt", ": 50, 100"]),
+        ("nowhere/ckpt", ["nowhere/ckpt does not exist"]),
+    ],
+)
 def test_trainer_to_hf_says_what_the_checkpoint_path_is_and_where_the_steps_are(user, checkpoint, fragments):
     cwd, home = user
     _fake_run(cwd / "runs" / "NAME", partial=[150])
@@ -148,8 +189,11 @@ def test_trainer_to_hf_says_what_the_checkpoint_path_is_and_where_the_steps_are(
 def test_a_run_without_a_committed_checkpoint_says_so(user):
     cwd, home = user
     _fake_run(cwd / "runs" / "fresh", committed=[], partial=[10])
-    one_line_error(run(cwd, home, "trainer-to-hf", "--checkpoint", "runs/fresh", "--output-dir", "o"),
-                   "is a run directory", "no committed checkpoint yet")
+    one_line_error(
+        run(cwd, home, "trainer-to-hf", "--checkpoint", "runs/fresh", "--output-dir", "o"),
+        "is a run directory",
+        "no committed checkpoint yet",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -160,15 +204,31 @@ def converted(tmp_path_factory):
 
 def test_a_model_of_another_size_names_the_tensor_and_both_shapes(user, converted):
     cwd, home = user
-    proc = run(cwd, home, "trainer-to-hf", "--checkpoint", str(converted), "--output-dir", "hf_out",
-               "--model", "qwen3-tiny")
-    line = one_line_error(proc, "does not match the model config", "embed_tokens", "[160, 48]", "[32768, 256]",
-                          "--model must be the model the checkpoint was trained with")
+    proc = run(
+        cwd,
+        home,
+        "trainer-to-hf",
+        "--checkpoint",
+        str(converted),
+        "--output-dir",
+        "hf_out",
+        "--model",
+        "qwen3-tiny",
+    )
+    line = one_line_error(
+        proc,
+        "does not match the model config",
+        "embed_tokens",
+        "[160, 48]",
+        "[32768, 256]",
+        "--model must be the model the checkpoint was trained with",
+    )
     assert "strict" not in line
     assert not (cwd / "hf_out").exists()
 
 
 # --- hf-to-trainer: broken downloads ----------------------------------------------------------------------
+
 
 def _not_json(d: Path):
     (d / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"],')
@@ -188,21 +248,26 @@ def _wrong_type(d: Path):
 
 def _truncated(d: Path):
     data = (d / "model.safetensors").read_bytes()
-    (d / "model.safetensors").write_bytes(data[:len(data) * 3 // 4])
+    (d / "model.safetensors").write_bytes(data[: len(data) * 3 // 4])
 
 
 def _bad_index(d: Path):
     (d / "model.safetensors.index.json").write_text("<html>rate limited</html>")
 
 
-@pytest.mark.parametrize("damage,fragments", [
-    (_not_json, ["Qwen3-0.6B/config.json is not valid JSON"]),
-    (_missing_key, ["Qwen3-0.6B/config.json has no 'hidden_size'"]),
-    (_wrong_type, ["Qwen3-0.6B/config.json: num_hidden_layers='two' must be a positive integer"]),
-    (_truncated, ["Qwen3-0.6B/model.safetensors is not a readable safetensors file", "truncated",
-                  "download it again"]),
-    (_bad_index, ["Qwen3-0.6B/model.safetensors.index.json is not a valid safetensors index"]),
-])
+@pytest.mark.parametrize(
+    "damage,fragments",
+    [
+        (_not_json, ["Qwen3-0.6B/config.json is not valid JSON"]),
+        (_missing_key, ["Qwen3-0.6B/config.json has no 'hidden_size'"]),
+        (_wrong_type, ["Qwen3-0.6B/config.json: num_hidden_layers='two' must be a positive integer"]),
+        (
+            _truncated,
+            ["Qwen3-0.6B/model.safetensors is not a readable safetensors file", "truncated", "download it again"],
+        ),
+        (_bad_index, ["Qwen3-0.6B/model.safetensors.index.json is not a valid safetensors index"]),
+    ],
+)
 def test_a_broken_hf_directory_is_one_line_naming_the_file_and_nothing_is_written(user, damage, fragments):
     cwd, home = user
     damage(home / "Qwen3-0.6B")
@@ -213,11 +278,14 @@ def test_a_broken_hf_directory_is_one_line_naming_the_file_and_nothing_is_writte
 
 def test_a_missing_hf_dir_is_named(user):
     cwd, home = user
-    one_line_error(run(cwd, home, "hf-to-trainer", "--hf-dir", "Qwen3", "--output-dir", "o"),
-                   f"--hf-dir {cwd / 'Qwen3'} does not exist")
+    one_line_error(
+        run(cwd, home, "hf-to-trainer", "--hf-dir", "Qwen3", "--output-dir", "o"),
+        f"--hf-dir {cwd / 'Qwen3'} does not exist",
+    )
 
 
 # --- the output: checked first, replaced only when complete ------------------------------------------------
+
 
 def test_an_existing_output_is_refused_before_any_input_is_read_and_left_untouched(user):
     """The input is broken too (a truncated safetensors): the error is about the output, so the output
@@ -236,8 +304,10 @@ def test_overwrite_replaces_the_output_only_with_a_complete_one(user):
     (cwd / "ckpt").mkdir()
     (cwd / "ckpt" / "old.txt").write_text("old")
     _truncated(home / "Qwen3-0.6B")
-    one_line_error(run(cwd, home, "hf-to-trainer", "--hf-dir", "~/Qwen3-0.6B", "--output-dir", "ckpt",
-                       "--overwrite"), "truncated")
+    one_line_error(
+        run(cwd, home, "hf-to-trainer", "--hf-dir", "~/Qwen3-0.6B", "--output-dir", "ckpt", "--overwrite"),
+        "truncated",
+    )
     assert tree(cwd) == ["ckpt", "ckpt/old.txt"]  # a failed run leaves the old output as it was
 
     shutil.copyfile(FIXTURES / "dense_untied_kv1" / "model.safetensors", home / "Qwen3-0.6B" / "model.safetensors")
@@ -250,8 +320,10 @@ def test_overwrite_replaces_the_output_only_with_a_complete_one(user):
 def test_an_output_under_a_file_is_refused_up_front(user):
     cwd, home = user
     (cwd / "notes").write_text("a file")
-    one_line_error(run(cwd, home, "hf-to-trainer", "--hf-dir", "~/Qwen3-0.6B", "--output-dir", "notes/ckpt"),
-                   f"{cwd / 'notes'} is a file, not a directory")
+    one_line_error(
+        run(cwd, home, "hf-to-trainer", "--hf-dir", "~/Qwen3-0.6B", "--output-dir", "notes/ckpt"),
+        f"{cwd / 'notes'} is a file, not a directory",
+    )
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write into a read-only directory")
@@ -260,27 +332,38 @@ def test_an_unwritable_output_directory_is_refused_up_front(user):
     (cwd / "ro").mkdir()
     (cwd / "ro").chmod(0o555)
     try:
-        one_line_error(run(cwd, home, "hf-to-trainer", "--hf-dir", "~/Qwen3-0.6B", "--output-dir", "ro/ckpt"),
-                       "is not writable")
+        one_line_error(
+            run(cwd, home, "hf-to-trainer", "--hf-dir", "~/Qwen3-0.6B", "--output-dir", "ro/ckpt"),
+            "is not writable",
+        )
     finally:
         (cwd / "ro").chmod(0o755)
 
 
 def test_the_output_may_not_replace_the_input(user):
     cwd, home = user
-    one_line_error(run(cwd, home, "hf-to-trainer", "--hf-dir", "~/Qwen3-0.6B", "--output-dir", "~/Qwen3-0.6B",
-                       "--overwrite"), "would replace the input")
+    one_line_error(
+        run(cwd, home, "hf-to-trainer", "--hf-dir", "~/Qwen3-0.6B", "--output-dir", "~/Qwen3-0.6B", "--overwrite"),
+        "would replace the input",
+    )
     assert (home / "Qwen3-0.6B" / "model.safetensors").exists()
 
 
 # --- logits: the ids ----------------------------------------------------------------------------------------
 
+
 def test_logits_reads_a_text_file_of_ids_the_same_as_the_npy(user, converted):
     cwd, home = user
     ids = np.load(FIXTURES / "dense_tied" / "expected.npz")["input_ids"]
-    (cwd / "ids.txt").write_text("\n".join(", ".join(map(str, row)) if i % 2 else " ".join(map(str, row))
-                                           for i, row in enumerate(ids.tolist())) + "\n")
-    proc = run(cwd, home, "logits", "--checkpoint", str(converted), "--input-ids", "ids.txt", "--output", "out/l.npy")
+    (cwd / "ids.txt").write_text(
+        "\n".join(
+            ", ".join(map(str, row)) if i % 2 else " ".join(map(str, row)) for i, row in enumerate(ids.tolist())
+        )
+        + "\n"
+    )
+    proc = run(
+        cwd, home, "logits", "--checkpoint", str(converted), "--input-ids", "ids.txt", "--output", "out/l.npy"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     cfg = convert.checkpoint_model_config(converted)
     want = convert.compute_logits(convert.load_checkpoint_params(converted, cfg), cfg, ids)
@@ -317,12 +400,15 @@ def test_unusable_ids_files_are_named_with_what_is_wrong(tmp_path, name, content
         assert fragment in str(err.value)
 
 
-@pytest.mark.parametrize("name,content,fragments", [
-    BAD_IDS[0],                                                   # empty: was a ZeroDivisionError
-    BAD_IDS[1],                                                   # text: was a numpy pickle traceback
-    BAD_IDS[-1],                                                  # a pickled .npy is never unpickled
-    ("ids.npy", np.array([[1, 2, 999]]), ["must be in [0, 160)", "999"]),  # checked before loading params
-])
+@pytest.mark.parametrize(
+    "name,content,fragments",
+    [
+        BAD_IDS[0],  # empty: was a ZeroDivisionError
+        BAD_IDS[1],  # text: was a numpy pickle traceback
+        BAD_IDS[-1],  # a pickled .npy is never unpickled
+        ("ids.npy", np.array([[1, 2, 999]]), ["must be in [0, 160)", "999"]),  # checked before loading params
+    ],
+)
 def test_logits_refuses_unusable_ids_in_one_line(user, converted, name, content, fragments):
     cwd, home = user
     _write_ids(cwd / name, content)
@@ -331,11 +417,14 @@ def test_logits_refuses_unusable_ids_in_one_line(user, converted, name, content,
     assert not (cwd / "l.npy").exists()
 
 
-@pytest.mark.parametrize("text,want", [
-    ("5 6 7\n", [[5, 6, 7]]),
-    ("1,2,3\n4, 5, 6\n\n", [[1, 2, 3], [4, 5, 6]]),
-    ("  8\t9 \r\n10 11\n", [[8, 9], [10, 11]]),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("5 6 7\n", [[5, 6, 7]]),
+        ("1,2,3\n4, 5, 6\n\n", [[1, 2, 3], [4, 5, 6]]),
+        ("  8\t9 \r\n10 11\n", [[8, 9], [10, 11]]),
+    ],
+)
 def test_text_ids_are_whitespace_or_comma_separated_one_sequence_per_line(tmp_path, text, want):
     (tmp_path / "ids").write_text(text)
     np.testing.assert_array_equal(convert.read_input_ids(tmp_path / "ids"), want)

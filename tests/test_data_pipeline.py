@@ -3,6 +3,7 @@
 Data is tiny and made here (records "rec0007 ..." so a test can tell which record a row holds); the
 tokenizer is the bundled one. Worker processes are used in one test only (each start costs ~1 s).
 """
+
 from __future__ import annotations
 
 import io
@@ -48,17 +49,31 @@ def text_records(n: int, seed: int = 0) -> list[dict]:
 
 
 def chat_records(n: int) -> list[dict]:
-    return [{"messages": [{"role": "system", "content": "You can call tools."},
-                          {"role": "user", "content": f"What is the weather in city {i}?"},
-                          {"role": "assistant", "content": f'<tool_call>{{"name": "w", "arguments": {{"c": {i}}}}}</tool_call>'},
-                          {"role": "tool", "content": f'{{"temp": {i % 30}}}'},
-                          {"role": "assistant", "content": f"It is {i % 30} degrees in city {i}."}]}
-            for i in range(n)]
+    return [
+        {
+            "messages": [
+                {"role": "system", "content": "You can call tools."},
+                {"role": "user", "content": f"What is the weather in city {i}?"},
+                {
+                    "role": "assistant",
+                    "content": f'<tool_call>{{"name": "w", "arguments": {{"c": {i}}}}}</tool_call>',
+                },
+                {"role": "tool", "content": f'{{"temp": {i % 30}}}'},
+                {"role": "assistant", "content": f"It is {i % 30} degrees in city {i}."},
+            ]
+        }
+        for i in range(n)
+    ]
 
 
 def config(files: str, **overrides) -> DataConfig:
-    base = dict(dataset_type="arrayrecord", grain_train_files=files, tokenizer_path=str(BUNDLED_TOKENIZER),
-                max_target_length=32, grain_worker_count=0)
+    base = dict(
+        dataset_type="arrayrecord",
+        grain_train_files=files,
+        tokenizer_path=str(BUNDLED_TOKENIZER),
+        max_target_length=32,
+        grain_worker_count=0,
+    )
     return DataConfig(**{**base, **overrides})
 
 
@@ -74,8 +89,12 @@ def segments(batch: dict, row: int):
     seg = batch["segment_ids"][row]
     for s in range(1, seg.max() + 1):
         where = seg == s
-        yield (batch["inputs"][row][where], batch["targets"][row][where], batch["loss_mask"][row][where],
-               batch["positions"][row][where])
+        yield (
+            batch["inputs"][row][where],
+            batch["targets"][row][where],
+            batch["loss_mask"][row][where],
+            batch["positions"][row][where],
+        )
 
 
 def record_ids(batch: dict, tok: Tokenizer) -> list[int]:
@@ -88,6 +107,7 @@ def record_ids(batch: dict, tok: Tokenizer) -> list[int]:
 
 
 # ---- packing ----------------------------------------------------------------------------------
+
 
 def test_pack_row_keeps_targets_inside_each_document():
     docs = [(np.array([5, 6, 7, 2]), np.ones(4, np.int32)), (np.array([8, 9, 2]), np.ones(3, np.int32))]
@@ -133,6 +153,7 @@ def test_without_packing_each_row_holds_one_document(tmp_path):
 
 # ---- SFT -----------------------------------------------------------------------------------------
 
+
 def test_sft_loss_mask_covers_exactly_the_assistant_replies(tmp_path, tok):
     records = chat_records(12)
     files = make_shards(tmp_path, records, shards=2)
@@ -141,12 +162,15 @@ def test_sft_loss_mask_covers_exactly_the_assistant_replies(tmp_path, tok):
     for _ in range(6):
         batch = next(it)
         for row in range(2):
-            (inputs, targets, mask, _), = segments(batch, row)
+            ((inputs, targets, mask, _),) = segments(batch, row)
             city = int(re.search(r"city (\d+)\?", tok.decode(inputs)).group(1))
             replies = [m["content"] for m in records[city]["messages"] if m["role"] == "assistant"]
             trained = np.split(targets, np.flatnonzero(np.diff(mask)) + 1)
-            spans = [tok.decode(span) for span, m in zip(trained, np.split(mask, np.flatnonzero(np.diff(mask)) + 1))
-                     if m[0] == 1]
+            spans = [
+                tok.decode(span)
+                for span, m in zip(trained, np.split(mask, np.flatnonzero(np.diff(mask)) + 1))
+                if m[0] == 1
+            ]
             assert spans == [reply + "<|im_end|>" for reply in replies]
             assert tok.decode(inputs).startswith("<|im_start|>system\nYou can call tools.<|im_end|>\n")
 
@@ -158,6 +182,7 @@ def test_sft_on_text_records_names_the_missing_messages_field(tmp_path):
 
 
 # ---- order, resume, re-sharding, workers, epochs ---------------------------------------------
+
 
 def test_shuffle_is_deterministic_by_seed_and_differs_across_seeds(tmp_path):
     files = make_shards(tmp_path, text_records(80))
@@ -186,8 +211,12 @@ def test_resharding_4_to_2_to_4_loader_processes_keeps_every_global_batch(tmp_pa
     reference = batches(cfg, 9, rows=8)
     state, step, seen = None, 0, []
     for processes in (4, 2, 4):
-        loaders = [make_arrayrecord_iterator(cfg, vocab_size=32768, global_batch_size=8, process_index=p,
-                                             process_count=processes) for p in range(processes)]
+        loaders = [
+            make_arrayrecord_iterator(
+                cfg, vocab_size=32768, global_batch_size=8, process_index=p, process_count=processes
+            )
+            for p in range(processes)
+        ]
         for loader in loaders:
             if state is not None:
                 loader.set_state(state)
@@ -242,10 +271,12 @@ def test_a_changed_global_batch_resumes_without_repeating_examples(tmp_path, tok
 
 # ---- errors: DataError with the file/field and the fix, at construction --------------------------
 
+
 def test_a_glob_matching_nothing_raises_data_error(tmp_path):
     with pytest.raises(DataError, match=r"matches no shard.*prepare_data"):
-        make_arrayrecord_iterator(config(str(tmp_path / "nope" / "*.arrayrecord")), vocab_size=32768,
-                                  global_batch_size=2)
+        make_arrayrecord_iterator(
+            config(str(tmp_path / "nope" / "*.arrayrecord")), vocab_size=32768, global_batch_size=2
+        )
 
 
 def test_empty_grain_train_files_raises_data_error():
@@ -294,8 +325,9 @@ def test_a_tokenizer_larger_than_the_model_vocab_raises_data_error(tmp_path):
 def test_a_missing_tokenizer_raises_data_error(tmp_path):
     files = make_shards(tmp_path, text_records(5), shards=1)
     with pytest.raises(DataError, match="tokenizer_path='missing.model' not found"):
-        make_arrayrecord_iterator(config(files, tokenizer_path="missing.model"), vocab_size=32768,
-                                  global_batch_size=2)
+        make_arrayrecord_iterator(
+            config(files, tokenizer_path="missing.model"), vocab_size=32768, global_batch_size=2
+        )
 
 
 def test_a_state_from_other_data_is_refused(tmp_path):
@@ -310,10 +342,16 @@ def test_a_state_from_other_data_is_refused(tmp_path):
 
 # ---- the bundled sample ------------------------------------------------------------------------
 
+
 def test_bundled_sample_and_default_tokenizer_produce_sft_batches(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # relative defaults resolve against the repository too
-    cfg = DataConfig(dataset_type="arrayrecord", grain_train_files="data/fc_sample/*.arrayrecord", use_sft=True,
-                     max_target_length=256, grain_worker_count=0)
+    cfg = DataConfig(
+        dataset_type="arrayrecord",
+        grain_train_files="data/fc_sample/*.arrayrecord",
+        use_sft=True,
+        max_target_length=256,
+        grain_worker_count=0,
+    )
     for batch in batches(cfg, 2, rows=2):
         check_batch(batch, 2, 256)
         assert 0 < batch["loss_mask"].sum() < (batch["segment_ids"] > 0).sum()
@@ -329,18 +367,30 @@ def test_a_hugging_face_tokenizer_json_works_for_sft(tmp_path):
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator(["What is the weather in city", "It is degrees", "tool_call name arguments"] * 20,
-                           trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                               special_tokens=["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]))
+    hf.train_from_iterator(
+        ["What is the weather in city", "It is degrees", "tool_call name arguments"] * 20,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            special_tokens=["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        ),
+    )
     hf.save(str(tmp_path / "tokenizer.json"))
     files = make_shards(tmp_path, chat_records(6), shards=1)
-    cfg = config(files, tokenizer_path=str(tmp_path / "tokenizer.json"), tokenizer_type="huggingface",
-                 use_sft=True, packing=False, max_target_length=200)
+    cfg = config(
+        files,
+        tokenizer_path=str(tmp_path / "tokenizer.json"),
+        tokenizer_type="huggingface",
+        use_sft=True,
+        packing=False,
+        max_target_length=200,
+    )
     tok = Tokenizer(tmp_path / "tokenizer.json", "huggingface")
     batch = batches(cfg, 1, rows=2)[0]
-    (inputs, targets, mask, _), = segments(batch, 0)
+    ((inputs, targets, mask, _),) = segments(batch, 0)
     text = tok.decode(inputs)
     city = int(re.search(r"city (\d+)\?", text).group(1))
     assert text.startswith("<|im_start|>system\n")
     assert tok.decode(targets[mask == 1]) == "".join(
-        m["content"] + "<|im_end|>" for m in chat_records(6)[city]["messages"] if m["role"] == "assistant")
+        m["content"] + "<|im_end|>" for m in chat_records(6)[city]["messages"] if m["role"] == "assistant"
+    )

@@ -4,6 +4,7 @@ Each test runs the script in a fresh working directory with relative paths and c
 the one-line error and what is left on disk: a failed run never destroys an old output and never
 leaves a new file or folder behind.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -23,8 +24,13 @@ TRAIN = "train_tokenizer.py"
 
 
 def run(cwd: Path, script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / script), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, prog: str, *needles: str) -> str:
@@ -41,8 +47,10 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, prog: str, *needles
 
 def snapshot(root: Path) -> dict[str, str]:
     """Every file and folder under `root` (hidden ones included) with the hash of its bytes."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
 
 
 def jsonl(*records) -> str:
@@ -51,9 +59,12 @@ def jsonl(*records) -> str:
 
 # -- prepare_data.py ------------------------------------------------------------------------------------
 
+
 def test_failed_overwrite_keeps_the_old_shards_and_info_byte_identical(tmp_path):
     (tmp_path / "good.jsonl").write_text(jsonl({"text": "old one"}, {"text": "old two"}))
-    assert run(tmp_path, PREPARE, "--input", "good.jsonl", "--output-dir", "out", "--num-shards", "2").returncode == 0
+    assert (
+        run(tmp_path, PREPARE, "--input", "good.jsonl", "--output-dir", "out", "--num-shards", "2").returncode == 0
+    )
     before = snapshot(tmp_path)
     (tmp_path / "bad.jsonl").write_text('{"body": "no text field"}\n{oops\n')
     after_input = {**before, **{k: v for k, v in snapshot(tmp_path).items() if k == "bad.jsonl"}}
@@ -66,14 +77,20 @@ def test_failed_overwrite_keeps_the_old_shards_and_info_byte_identical(tmp_path)
     assert run(tmp_path, PREPARE, "--input", "new.jsonl", "--output-dir", "out", "--overwrite").returncode == 0
     assert shard_records(tmp_path / "out") == [{"text": "new"}]
     info = json.loads((tmp_path / "out" / "dataset_info.json").read_text())
-    assert info["records"] == 1 and info["shards"] == sorted(p.name for p in (tmp_path / "out").glob("*.arrayrecord"))
+    assert info["records"] == 1 and info["shards"] == sorted(
+        p.name for p in (tmp_path / "out").glob("*.arrayrecord")
+    )
 
 
 def test_existing_output_needs_overwrite_and_foreign_files_are_never_replaced(tmp_path):
     (tmp_path / "a.jsonl").write_text(jsonl({"text": "a"}))
     assert run(tmp_path, PREPARE, "--input", "a.jsonl", "--output-dir", "out").returncode == 0
-    assert_one_line_error(run(tmp_path, PREPARE, "--input", "a.jsonl", "--output-dir", "out"), PREPARE,
-                          "already holds 1 .arrayrecord shards", "--overwrite")
+    assert_one_line_error(
+        run(tmp_path, PREPARE, "--input", "a.jsonl", "--output-dir", "out"),
+        PREPARE,
+        "already holds 1 .arrayrecord shards",
+        "--overwrite",
+    )
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.md").write_text("keep me")
     before = snapshot(tmp_path)
@@ -106,30 +123,57 @@ def test_an_input_without_usable_record_leaves_nothing_so_the_rerun_is_not_refus
 
 
 def test_any_text_file_is_plain_text_and_json_arrays_are_records(tmp_path):
-    files = {"guide.rst": "Title\n=====\n\nBody.\n", "page.html": "<p>hi</p>\n", "tool.py": "def f():\n    pass\n",
-             "NOTES": "no extension\n"}
+    files = {
+        "guide.rst": "Title\n=====\n\nBody.\n",
+        "page.html": "<p>hi</p>\n",
+        "tool.py": "def f():\n    pass\n",
+        "NOTES": "no extension\n",
+    }
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     (tmp_path / "notes.txt.gz").write_bytes(gzip.compress(b"gzipped text\n"))
-    proc = run(tmp_path, PREPARE, "--input", "guide.rst,page.html,tool.py,NOTES,notes.txt.gz", "--output-dir",
-               "text", "--text-unit", "file")
+    proc = run(
+        tmp_path,
+        PREPARE,
+        "--input",
+        "guide.rst,page.html,tool.py,NOTES,notes.txt.gz",
+        "--output-dir",
+        "text",
+        "--text-unit",
+        "file",
+    )
     assert proc.returncode == 0, proc.stderr
     assert [r["text"] for r in shard_records(tmp_path / "text")] == [
-        "Title\n=====\n\nBody.\n", "<p>hi</p>\n", "def f():\n    pass\n", "no extension\n", "gzipped text\n"]
+        "Title\n=====\n\nBody.\n",
+        "<p>hi</p>\n",
+        "def f():\n    pass\n",
+        "no extension\n",
+        "gzipped text\n",
+    ]
 
-    (tmp_path / "array.json").write_text(json.dumps([{"text": "one"}, {"messages": [
-        {"role": "user", "content": "hi"}]}, {"body": "x"}], indent=1))
+    (tmp_path / "array.json").write_text(
+        json.dumps([{"text": "one"}, {"messages": [{"role": "user", "content": "hi"}]}, {"body": "x"}], indent=1)
+    )
     (tmp_path / "object.json").write_text(json.dumps({"text": "single"}, indent=2))
     (tmp_path / "lines.json").write_text(jsonl({"text": "jsonl named .json"}))
     proc = run(tmp_path, PREPARE, "--input", "*.json", "--output-dir", "json")
     assert proc.returncode == 0, proc.stderr
-    assert shard_records(tmp_path / "json") == [{"text": "one"}, {"messages": [{"role": "user", "content": "hi"}]},
-                                                {"text": "jsonl named .json"}, {"text": "single"}]
+    assert shard_records(tmp_path / "json") == [
+        {"text": "one"},
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"text": "jsonl named .json"},
+        {"text": "single"},
+    ]
     assert "4 written, 1 bad" in proc.stdout and "array.json:13: missing field 'text'" in proc.stdout
 
 
-@pytest.mark.parametrize("content, why", [(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR", "binary data (a NUL byte"),
-                                          (bytes(range(128, 256)) * 20, "not UTF-8 text (")])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR", "binary data (a NUL byte"),
+        (bytes(range(128, 256)) * 20, "not UTF-8 text ("),
+    ],
+)
 def test_a_binary_file_is_refused_before_any_work(tmp_path, content, why):
     (tmp_path / "a.txt").write_text("text\n")
     (tmp_path / "image.png").write_bytes(content)
@@ -141,16 +185,28 @@ def test_a_binary_file_is_refused_before_any_work(tmp_path, content, why):
 
 
 def test_bad_globs_and_arguments_are_one_line_errors(tmp_path):
-    assert_one_line_error(run(tmp_path, PREPARE, "--input", "raw/*.jsonl", "--output-dir", "out"), PREPARE,
-                          "'raw/*.jsonl' matches no file", str(tmp_path / "raw"))
+    assert_one_line_error(
+        run(tmp_path, PREPARE, "--input", "raw/*.jsonl", "--output-dir", "out"),
+        PREPARE,
+        "'raw/*.jsonl' matches no file",
+        str(tmp_path / "raw"),
+    )
     (tmp_path / "raw").mkdir()
-    assert_one_line_error(run(tmp_path, TRAIN, "--input", "raw", "--output", "t.model"), TRAIN,
-                          "is a directory", "raw/*")
+    assert_one_line_error(
+        run(tmp_path, TRAIN, "--input", "raw", "--output", "t.model"), TRAIN, "is a directory", "raw/*"
+    )
     (tmp_path / "raw" / "a.jsonl").write_text(jsonl({"text": "a"}))
-    assert_one_line_error(run(tmp_path, PREPARE, "--input", "raw/*", "--output-dir", "o", "--num-shards", "0"),
-                          PREPARE, "--num-shards=0")
-    assert_one_line_error(run(tmp_path, PREPARE, "--input", "raw/*", "--output-dir", "o", "--tokenizer", "no.model"),
-                          PREPARE, "no.model", "not found")
+    assert_one_line_error(
+        run(tmp_path, PREPARE, "--input", "raw/*", "--output-dir", "o", "--num-shards", "0"),
+        PREPARE,
+        "--num-shards=0",
+    )
+    assert_one_line_error(
+        run(tmp_path, PREPARE, "--input", "raw/*", "--output-dir", "o", "--tokenizer", "no.model"),
+        PREPARE,
+        "no.model",
+        "not found",
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]
 
 
@@ -159,32 +215,74 @@ def test_help_says_formats_fields_exit_codes_and_outputs(tmp_path, script):
     proc = run(tmp_path, script, "--help")
     assert proc.returncode == 0
     text = proc.stdout
-    for needle in (".jsonl", ".json", ".parquet", ".arrayrecord", "plain UTF-8 text", ".rst", ".gz",
-                   "--text-field", "--messages-field", '"text"', '"messages"', "exit codes", "0  success",
-                   "2  bad input", f"{script}: error:", "--overwrite", "a failed run"):
+    for needle in (
+        ".jsonl",
+        ".json",
+        ".parquet",
+        ".arrayrecord",
+        "plain UTF-8 text",
+        ".rst",
+        ".gz",
+        "--text-field",
+        "--messages-field",
+        '"text"',
+        '"messages"',
+        "exit codes",
+        "0  success",
+        "2  bad input",
+        f"{script}: error:",
+        "--overwrite",
+        "a failed run",
+    ):
         assert needle in text, needle
     assert ("dataset_info.json" in text) if script == PREPARE else (".model file" in text)
 
 
 # -- train_tokenizer.py ---------------------------------------------------------------------------------
 
+
 def chats(n: int) -> str:
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    return jsonl(*({"messages": [{"role": "user", "content": " ".join(words[i % 12:] + words[:i % 12])},
-                                 {"role": "assistant", "content": f"answer {i}: " + " ".join(words[::-1])}]}
-                   for i in range(n)))
+    return jsonl(
+        *(
+            {
+                "messages": [
+                    {"role": "user", "content": " ".join(words[i % 12 :] + words[: i % 12])},
+                    {"role": "assistant", "content": f"answer {i}: " + " ".join(words[::-1])},
+                ]
+            }
+            for i in range(n)
+        )
+    )
 
 
 def test_train_tokenizer_says_how_many_records_lacked_the_text_field(tmp_path):
     (tmp_path / "a.jsonl").write_text(jsonl(*({"body": f"text {i}"} for i in range(5))))
     before = snapshot(tmp_path)
     proc = run(tmp_path, TRAIN, "--input", "a.jsonl", "--output", "tok/mine.model")
-    line = assert_one_line_error(proc, TRAIN, "no usable record", "5 x missing field 'text' or 'messages'",
-                                 "a.jsonl:1", "fields: body", "--text-field")
+    line = assert_one_line_error(
+        proc,
+        TRAIN,
+        "no usable record",
+        "5 x missing field 'text' or 'messages'",
+        "a.jsonl:1",
+        "fields: body",
+        "--text-field",
+    )
     assert "sentencepiece" not in line
     assert snapshot(tmp_path) == before  # no tok/ folder, no model
-    proc = run(tmp_path, TRAIN, "--input", "a.jsonl", "--output", "tok/mine.model", "--text-field", "body",
-               "--vocab-size", "280")
+    proc = run(
+        tmp_path,
+        TRAIN,
+        "--input",
+        "a.jsonl",
+        "--output",
+        "tok/mine.model",
+        "--text-field",
+        "body",
+        "--vocab-size",
+        "280",
+    )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "tok" / "mine.model").is_file()
 
@@ -192,8 +290,13 @@ def test_train_tokenizer_says_how_many_records_lacked_the_text_field(tmp_path):
 def test_train_tokenizer_suggests_a_vocab_size_that_works(tmp_path):
     (tmp_path / "chats.jsonl").write_text(chats(40) + jsonl({"body": "skipped"}))
     proc = run(tmp_path, TRAIN, "--input", "chats.jsonl", "--output", "tok.model")  # default 8192: too many
-    line = assert_one_line_error(proc, TRAIN, "--vocab-size 8192 is more than the training text can fill",
-                                 "1 record(s) skipped", "chats.jsonl:41")
+    line = assert_one_line_error(
+        proc,
+        TRAIN,
+        "--vocab-size 8192 is more than the training text can fill",
+        "1 record(s) skipped",
+        "chats.jsonl:41",
+    )
     assert "smaller" not in line and "use more data" not in line
     most = int(re.search(r"pass --vocab-size (\d+)", line)[1])
     proc = run(tmp_path, TRAIN, "--input", "chats.jsonl", "--output", "tok.model", "--vocab-size", "100")
@@ -202,8 +305,9 @@ def test_train_tokenizer_suggests_a_vocab_size_that_works(tmp_path):
     assert least < most
     assert not any(tmp_path.glob("*.model")) and not any(tmp_path.glob(".*"))
     for size in (least, most):
-        proc = run(tmp_path, TRAIN, "--input", "chats.jsonl", "--output", f"tok-{size}.model", "--vocab-size",
-                   str(size))
+        proc = run(
+            tmp_path, TRAIN, "--input", "chats.jsonl", "--output", f"tok-{size}.model", "--vocab-size", str(size)
+        )
         assert proc.returncode == 0, proc.stderr
         assert f"vocab {size}" in proc.stdout and "skipped 1 record(s)" in proc.stdout
 
@@ -214,12 +318,14 @@ def test_train_tokenizer_refuses_an_existing_output_without_overwrite(tmp_path):
     proc = run(tmp_path, TRAIN, "--input", "chats.jsonl", "--output", "tok.model", "--vocab-size", "300")
     assert_one_line_error(proc, TRAIN, "tok.model already exists", "--overwrite")
     assert (tmp_path / "tok.model").read_bytes() == b"an older model"
-    proc = run(tmp_path, TRAIN, "--input", "chats.jsonl", "--output", "tok.model", "--vocab-size", "100",
-               "--overwrite")  # fails: the old model stays
+    proc = run(
+        tmp_path, TRAIN, "--input", "chats.jsonl", "--output", "tok.model", "--vocab-size", "100", "--overwrite"
+    )  # fails: the old model stays
     assert_one_line_error(proc, TRAIN, "too small")
     assert (tmp_path / "tok.model").read_bytes() == b"an older model"
-    proc = run(tmp_path, TRAIN, "--input", "chats.jsonl", "--output", "tok.model", "--vocab-size", "300",
-               "--overwrite")
+    proc = run(
+        tmp_path, TRAIN, "--input", "chats.jsonl", "--output", "tok.model", "--vocab-size", "300", "--overwrite"
+    )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "tok.model").read_bytes() != b"an older model"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "tok.model"]
@@ -233,8 +339,16 @@ def test_train_tokenizer_skips_non_utf8_records_and_reads_any_text_file(tmp_path
     (tmp_path / "chats.jsonl").write_bytes(chats(30).encode() + b'{"text": "caf\xe9"}\n')
     (tmp_path / "guide.rst").write_text("Some reStructuredText\n=====================\n\nA paragraph.\n")
     (tmp_path / "more.json").write_text(json.dumps([{"text": "from a JSON array"}]))
-    proc = run(tmp_path, TRAIN, "--input", "chats.jsonl,guide.rst,more.json", "--output", "tok.model",
-               "--vocab-size", "320")
+    proc = run(
+        tmp_path,
+        TRAIN,
+        "--input",
+        "chats.jsonl,guide.rst,more.json",
+        "--output",
+        "tok.model",
+        "--vocab-size",
+        "320",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "trained on 33 records" in proc.stdout
     assert re.search(r"skipped 1 record\(s\): 1 x not UTF-8 text; first: \S*chats\.jsonl:31: ", proc.stdout)

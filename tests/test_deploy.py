@@ -5,6 +5,7 @@ parsed back (YAML, bash), its required structure checked, the trainer command ex
 rendered text and loaded with the trainer's own config loader, and the shell scripts executed against
 stub `xpk` / `srun` / `python` commands to check the quoting and the restart policy end to end.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,14 +35,30 @@ IMAGE = "us-docker.pkg.dev/my-proj/trainer/trainer:v1"
 # Two parameter sets: the reference run (3 x v5e-16, pause-and-resume) and a replica-resize run with
 # extra trainer overrides, a larger model, a Kueue queue and 2 nodes per slice for the GPU targets.
 PARAM_SETS = {
-    "reference": R.DeployParams(slices=3, image=IMAGE, run_name="qwen3-0.6b-elastic",
-                                output_dir="gs://my-bucket/runs"),
+    "reference": R.DeployParams(
+        slices=3, image=IMAGE, run_name="qwen3-0.6b-elastic", output_dir="gs://my-bucket/runs"
+    ),
     "resize": R.DeployParams(
-        slices=4, image=IMAGE + "-b", run_name="resize_run_2", output_dir="gs://other/exp", model="qwen3-4b",
-        min_slices=2, tpu_type="v6e-32", max_slice_restarts=10, queue="team-queue", nodes_per_slice=2,
-        compile_cache="gs://other/cache", elastic_timeout_seconds=600, checkpoint_period=50,
-        overrides=("steps=5000", "dataset_type=arrayrecord", "grain_train_files=gs://other/data/*.arrayrecord",
-                   "learning_rate=1e-4")),
+        slices=4,
+        image=IMAGE + "-b",
+        run_name="resize_run_2",
+        output_dir="gs://other/exp",
+        model="qwen3-4b",
+        min_slices=2,
+        tpu_type="v6e-32",
+        max_slice_restarts=10,
+        queue="team-queue",
+        nodes_per_slice=2,
+        compile_cache="gs://other/cache",
+        elastic_timeout_seconds=600,
+        checkpoint_period=50,
+        overrides=(
+            "steps=5000",
+            "dataset_type=arrayrecord",
+            "grain_train_files=gs://other/data/*.arrayrecord",
+            "learning_rate=1e-4",
+        ),
+    ),
 }
 PATHWAYS_TARGETS = ("xpk", "jobset-pathways")
 MULTIPROCESS_TARGETS = ("jobset-gpu", "slurm")
@@ -87,12 +104,12 @@ def extract_argv(target: str, text: str) -> list[str]:
         return _containers(_pod(_rjob(_one_doc(text), "slice")))["trainer"]["args"]
     if target == "xpk":
         (line,) = [l for l in text.splitlines() if l.startswith("TRAINER_CMD=")]
-        (cmd,) = shlex.split(line[len("TRAINER_CMD="):])  # the bash assignment's value: one word
-        return shlex.split(cmd)                              # xpk runs it through a shell
+        (cmd,) = shlex.split(line[len("TRAINER_CMD=") :])  # the bash assignment's value: one word
+        return shlex.split(cmd)  # xpk runs it through a shell
     if target == "slurm":
         (line,) = [l for l in text.splitlines() if l.startswith("TRAINER_ARGV=(")]
         assert line.endswith(")")
-        return shlex.split(line[len("TRAINER_ARGV=("):-1])
+        return shlex.split(line[len("TRAINER_ARGV=(") : -1])
     raise AssertionError(target)
 
 
@@ -167,8 +184,10 @@ def test_jobset_pathways_structure(pset):
     assert wspec["backoffLimit"] == tpu.hosts * p.max_slice_restarts >= 20
     wpod = _pod(worker)
     assert wpod["restartPolicy"] == "OnFailure"
-    assert wpod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": tpu.gke_accelerator,
-                                    "cloud.google.com/gke-tpu-topology": tpu.topology}
+    assert wpod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": tpu.gke_accelerator,
+        "cloud.google.com/gke-tpu-topology": tpu.topology,
+    }
     wc = _containers(wpod)["pathways-worker"]
     assert wc["resources"]["limits"]["google.com/tpu"] == str(tpu.chips_per_host)
 
@@ -204,8 +223,8 @@ def test_jobset_pathways_structure(pset):
 
 
 def test_elastic_slices_defaults_and_override():
-    assert PARAM_SETS["reference"].num_elastic_slices == 1        # pause-and-resume
-    assert PARAM_SETS["resize"].num_elastic_slices == 4 - 2       # replica-resize: slices - min
+    assert PARAM_SETS["reference"].num_elastic_slices == 1  # pause-and-resume
+    assert PARAM_SETS["resize"].num_elastic_slices == 4 - 2  # replica-resize: slices - min
     p = _params("reference", elastic_slices=2)
     text = R.render("jobset-pathways", p).text
     assert "--num_elastic_slices=2" in text
@@ -255,10 +274,18 @@ def test_xpk_script_runs_against_a_stub_xpk(pset, tmp_path):
     script = tmp_path / "submit.sh"
     script.write_text(r.text)
     record = tmp_path / "xpk_argv.json"
-    _stub(tmp_path / "bin", "xpk",
-          f'python3 -c \'import json, sys; json.dump(sys.argv[1:], open("{record}", "w"))\' "$@"\n')
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
-           "PROJECT": "my-proj", "ZONE": "us-east5-b", "CLUSTER": "my-cluster"}
+    _stub(
+        tmp_path / "bin",
+        "xpk",
+        f'python3 -c \'import json, sys; json.dump(sys.argv[1:], open("{record}", "w"))\' "$@"\n',
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        "PROJECT": "my-proj",
+        "ZONE": "us-east5-b",
+        "CLUSTER": "my-cluster",
+    }
     out = subprocess.run([BASH, str(script), "--priority=high"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     args = json.loads(record.read_text())
@@ -310,8 +337,10 @@ def test_jobset_gpu_structure(pset, platform):
     assert spec["completionMode"] == "Indexed"
     assert spec["backoffLimit"] == p.nodes_per_slice * p.max_task_restarts >= 5
     rules = spec["podFailurePolicy"]["rules"]
-    assert rules[0] == {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In",
-                                                             "values": list(R.NON_RETRIABLE_EXIT_CODES)}}
+    assert rules[0] == {
+        "action": "FailJob",
+        "onExitCodes": {"containerName": "trainer", "operator": "In", "values": list(R.NON_RETRIABLE_EXIT_CODES)},
+    }
     assert rules[1]["action"] == "Ignore"
     pod = _pod(job)
     assert pod["restartPolicy"] == "Never"
@@ -346,8 +375,12 @@ def test_jobset_gpu_prelude_computes_process_ids(tmp_path):
     seen = set()
     for job_index in range(p.slices):
         for pod_index in range(p.nodes_per_slice):
-            env = {"PATH": os.environ["PATH"], **static_env,
-                   "JOB_INDEX": str(job_index), "JOB_COMPLETION_INDEX": str(pod_index)}
+            env = {
+                "PATH": os.environ["PATH"],
+                **static_env,
+                "JOB_INDEX": str(job_index),
+                "JOB_COMPLETION_INDEX": str(pod_index),
+            }
             out = subprocess.run([BASH, *command[1:], "env"], env=env, capture_output=True, text=True)
             assert out.returncode == 0, out.stderr
             got = dict(l.split("=", 1) for l in out.stdout.splitlines() if "=" in l)
@@ -364,7 +397,7 @@ def _sbatch(text: str) -> dict[str, str]:
     out = {}
     for line in text.splitlines():
         if line.startswith("#SBATCH "):
-            k, _, v = line[len("#SBATCH "):].partition("=")
+            k, _, v = line[len("#SBATCH ") :].partition("=")
             out[k] = v
     return out
 
@@ -393,20 +426,30 @@ def _fake_slurm(tmp_path: Path, script_text: str, python_body: str, extra_env: d
     """Run the sbatch script with stub srun/scontrol (N tasks, one after the other) and a stub python."""
     _stub(tmp_path / "bin", "scontrol", 'printf "node-a\\nnode-b\\nnode-c\\nnode-d\\n"\n')
     # srun: skip its own options, then run the command once per task with SLURM_PROCID set.
-    _stub(tmp_path / "bin", "srun", r'''
+    _stub(
+        tmp_path / "bin",
+        "srun",
+        r"""
 while [[ "$1" == --* ]]; do shift; done
 rc=0
 for (( i = 0; i < SLURM_NTASKS; i++ )); do
   SLURM_PROCID=$i "$@" || rc=$?
 done
 exit $rc
-''')
+""",
+    )
     _stub(tmp_path / "bin", "python", python_body)
     script = tmp_path / "job.sbatch"
     script.write_text(script_text)
-    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-d]",
-           "SLURM_NTASKS": "2", "CONTAINER_IMAGE": "", "RESTART_BACKOFF_SECONDS": "0",
-           "LOG": str(tmp_path / "log"), **(extra_env or {})}
+    env = {
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "node-[a-d]",
+        "SLURM_NTASKS": "2",
+        "CONTAINER_IMAGE": "",
+        "RESTART_BACKOFF_SECONDS": "0",
+        "LOG": str(tmp_path / "log"),
+        **(extra_env or {}),
+    }
     return subprocess.run([BASH, str(script)], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=60)
 
 
@@ -415,12 +458,12 @@ def test_slurm_tasks_get_process_ids_and_restart_in_place(tmp_path):
     p = _params("reference", nodes_per_slice=1)
     text = R.render("slurm", p).text
     # The fake trainer fails once per task (exit 1), then succeeds; it logs its ids and argv.
-    body = r'''
+    body = r"""
 echo "$SLURM_PROCID $JAX_PROCESS_ID $JAX_NUM_PROCESSES $JAX_COORDINATOR_ADDRESS $NODES_PER_SLICE $*" >> "$LOG"
 marker="$LOG.$SLURM_PROCID"
 if [[ ! -e "$marker" ]]; then touch "$marker"; exit 1; fi
 exit 0
-'''
+"""
     out = _fake_slurm(tmp_path, text, body)
     assert out.returncode == 0, out.stderr
     runs = [l.split(" ", 5) for l in (tmp_path / "log").read_text().splitlines()]
@@ -445,8 +488,9 @@ def test_slurm_does_not_restart_non_retriable_exits(tmp_path, code):
 @needs_bash
 def test_slurm_gives_up_after_max_task_restarts(tmp_path):
     text = R.render("slurm", PARAM_SETS["reference"]).text
-    out = _fake_slurm(tmp_path, text, 'echo run >> "$LOG"; exit 1\n',
-                      {"SLURM_NTASKS": "1", "MAX_TASK_RESTARTS": "2"})
+    out = _fake_slurm(
+        tmp_path, text, 'echo run >> "$LOG"; exit 1\n', {"SLURM_NTASKS": "1", "MAX_TASK_RESTARTS": "2"}
+    )
     assert out.returncode == 1
     assert (tmp_path / "log").read_text().count("run") == 3  # first run + 2 restarts
     assert "no restarts left" in out.stderr
@@ -458,11 +502,15 @@ def test_slurm_mounts_shared_output_dirs_into_the_container(tmp_path):
     p = _params("reference", output_dir=str(shared / "runs"))
     text = R.render("slurm", p).text
     _stub(tmp_path / "bin", "srun", 'printf "%s\\n" "$@" > "$LOG"\n')
-    _stub(tmp_path / "bin", "scontrol", 'echo node-a\n')
+    _stub(tmp_path / "bin", "scontrol", "echo node-a\n")
     script = tmp_path / "job.sbatch"
     script.write_text(text)
-    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-a",
-           "SLURM_NTASKS": "1", "LOG": str(tmp_path / "srun_args")}
+    env = {
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "node-a",
+        "SLURM_NTASKS": "1",
+        "LOG": str(tmp_path / "srun_args"),
+    }
     out = subprocess.run([BASH, str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     args = (tmp_path / "srun_args").read_text().splitlines()
@@ -497,23 +545,29 @@ def test_bad_trainer_value_fails_rendering():
 
 
 def test_cli_reports_config_errors_with_exit_2(capsys):
-    rc = R.main(["xpk", "--slices", "3", "--image", IMAGE, "--run-name", "r", "--output-dir", "gs://b/r",
-                 "--", "stepz=10"])
+    rc = R.main(
+        ["xpk", "--slices", "3", "--image", IMAGE, "--run-name", "r", "--output-dir", "gs://b/r", "--", "stepz=10"]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert "config error: unknown config key 'stepz'" in err and "did you mean 'steps'" in err
 
 
-@pytest.mark.parametrize("changes,match", [
-    ({"overrides": ("num_slices=4",)}, "num_slices.*--slices"),
-    ({"overrides": ("enable_single_controller=false",)}, "enable_single_controller"),
-    ({"output_dir": "runs"}, "Cloud Storage"),
-    ({"tpu_type": "v9-16"}, "unknown --tpu-type"),
-    ({"elastic_slices": 5}, "between 1 and --slices=3"),
-    ({"run_name": "", "name": "x"}, "--run-name is required"),
-    ({"run_name": "Run_With_A_Very_Long_Name_That_Does_Not_Fit_In_A_Pod_Hostname_At_All", "name": "-bad"},
-     "DNS label"),
-])
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"overrides": ("num_slices=4",)}, "num_slices.*--slices"),
+        ({"overrides": ("enable_single_controller=false",)}, "enable_single_controller"),
+        ({"output_dir": "runs"}, "Cloud Storage"),
+        ({"tpu_type": "v9-16"}, "unknown --tpu-type"),
+        ({"elastic_slices": 5}, "between 1 and --slices=3"),
+        ({"run_name": "", "name": "x"}, "--run-name is required"),
+        (
+            {"run_name": "Run_With_A_Very_Long_Name_That_Does_Not_Fit_In_A_Pod_Hostname_At_All", "name": "-bad"},
+            "DNS label",
+        ),
+    ],
+)
 def test_pathways_parameter_errors(changes, match):
     with pytest.raises(R.DeployError, match=match):
         R.render("jobset-pathways", _params("reference", **changes))
@@ -539,14 +593,35 @@ def test_job_name_derivation():
 
 
 def test_cli_all_writes_every_artefact(tmp_path):
-    rc = R.main(["all", "-o", str(tmp_path), "--slices", "2", "--image", IMAGE, "--run-name", "cli-run",
-                 "--output-dir", "gs://b/runs", "--min-slices", "1", "--", "steps=20"])
+    rc = R.main(
+        [
+            "all",
+            "-o",
+            str(tmp_path),
+            "--slices",
+            "2",
+            "--image",
+            IMAGE,
+            "--run-name",
+            "cli-run",
+            "--output-dir",
+            "gs://b/runs",
+            "--min-slices",
+            "1",
+            "--",
+            "steps=20",
+        ]
+    )
     assert rc == 0
     files = sorted(f.name for f in tmp_path.iterdir())
     assert files == sorted(["cli-run.xpk.sh", "cli-run.pathways.yaml", "cli-run.gpu.yaml", "cli-run.sbatch"])
     assert os.access(tmp_path / "cli-run.xpk.sh", os.X_OK)
-    for target, fname in (("xpk", "cli-run.xpk.sh"), ("jobset-pathways", "cli-run.pathways.yaml"),
-                          ("jobset-gpu", "cli-run.gpu.yaml"), ("slurm", "cli-run.sbatch")):
+    for target, fname in (
+        ("xpk", "cli-run.xpk.sh"),
+        ("jobset-pathways", "cli-run.pathways.yaml"),
+        ("jobset-gpu", "cli-run.gpu.yaml"),
+        ("slurm", "cli-run.sbatch"),
+    ):
         cfg = _load(extract_argv(target, (tmp_path / fname).read_text()))
         assert cfg.train.steps == 20 and cfg.elastic.elastic_min_slice_count == 1
 
@@ -569,8 +644,13 @@ def test_template_filler():
 def test_rendered_xla_flags_are_known_to_jaxlib(platform):
     flags = " ".join(R.xla_flags(_params("reference", platform=platform)))
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; jnp.ones(2).block_until_ready()"],
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", "import jax.numpy as jnp; jnp.ones(2).block_until_ready()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
 
 
@@ -609,8 +689,9 @@ def test_dockerfile_layout():
 
 
 def test_dockerfile_copies_exist_and_are_not_ignored():
-    ignored = [l.strip() for l in (REPO / ".dockerignore").read_text().splitlines()
-               if l.strip() and not l.startswith("#")]
+    ignored = [
+        l.strip() for l in (REPO / ".dockerignore").read_text().splitlines() if l.strip() and not l.startswith("#")
+    ]
     for must in (".git", "tests", "runs", "**/__pycache__"):
         assert must in ignored
     missing = []
@@ -648,12 +729,12 @@ def _doc_render_commands() -> list[tuple[str, int]]:
     out = []
     for i, line in enumerate(lines):
         if line.startswith("export "):
-            for word in shlex.split(line[len("export "):]):
+            for word in shlex.split(line[len("export ") :]):
                 k, _, v = word.partition("=")
                 env[k] = re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m.group(1), m.group(0)), v)
         if line.startswith("python -m scripts.deploy.render "):
             cmd = re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m.group(1), m.group(0)), line)
-            nxt = next((l for l in lines[i + 1:] if l), "")
+            nxt = next((l for l in lines[i + 1 :] if l), "")
             out.append((cmd, 2 if nxt.startswith("# config error") else 0))
     return out
 

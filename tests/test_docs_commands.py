@@ -7,6 +7,7 @@ their full path at minimal sizes) and a trailing `steps=20` on a training comman
 Commands that need a cluster are not run; the artefacts they deploy come from
 `python -m scripts.deploy.render`, which runs here, and tests/test_deploy.py validates them.
 """
+
 import os
 import re
 import shlex
@@ -16,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cli_harness import cli_env
 from doc_commands import REPO, all_commands, commands, docs
 
@@ -61,8 +61,9 @@ def _scratch_home(tmp: Path) -> Path:
     """HOME with `~/Qwen3-0.6B`: a 2-layer Qwen3 checkpoint in HF layout and a small tokenizer.json."""
     home = tmp / "home"
     model = home / "Qwen3-0.6B"
-    shutil.copytree(REPO / "tests" / "fixtures" / "hf" / "dense_tied", model,
-                    ignore=shutil.ignore_patterns("expected.npz"))
+    shutil.copytree(
+        REPO / "tests" / "fixtures" / "hf" / "dense_tied", model, ignore=shutil.ignore_patterns("expected.npz")
+    )
     import json
 
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -126,8 +127,11 @@ def test_documented_commands_run_as_printed(doc, tmp_path):
             exports.append(cmd.text)
             continue
         script = "; ".join([*exports, _shorten(cmd.text)])
-        proc = subprocess.run(["bash", "-c", script], cwd=clone, env=env, capture_output=True, text=True,
-                              timeout=900)
+        proc = subprocess.run(
+            ["bash", "-c", script], cwd=clone, env=env, capture_output=True, text=True, timeout=900
+        )
         problem = _expectation_met(cmd, proc)
-        assert not problem, (f"{doc}:{cmd.line}: `{cmd.text}` ({problem})\n--- stdout\n{proc.stdout[-3000:]}"
-                             f"\n--- stderr\n{proc.stderr[-5000:]}")
+        assert not problem, (
+            f"{doc}:{cmd.line}: `{cmd.text}` ({problem})\n--- stdout\n{proc.stdout[-3000:]}"
+            f"\n--- stderr\n{proc.stderr[-5000:]}"
+        )

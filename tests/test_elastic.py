@@ -4,18 +4,33 @@ The oracle is an uninterrupted run with the same config: same final parameters (
 pause-and-resume, which replays the same steps on the same mesh with the same executable) and the
 same data order (the last batch fingerprint recorded for every step).
 """
+
 import subprocess
 import time
 
 import pytest
+from cli_harness import (
+    assert_same_data_order,
+    assert_same_params,
+    cli_env,
+    command,
+    events,
+    final_by_step,
+    metrics,
+    run_cli,
+)
 
-from cli_harness import (assert_same_data_order, assert_same_params, cli_env, command, events, final_by_step,
-                         metrics, run_cli)
 from trainer.io.jsonl import read_jsonl
 
 STEPS = 12
-COMMON = [f"steps={STEPS}", "num_slices=3", "elastic_enabled=true", "checkpoint_period=4",
-          "elastic_poll_interval_seconds=0.05", "elastic_timeout_seconds=60"]
+COMMON = [
+    f"steps={STEPS}",
+    "num_slices=3",
+    "elastic_enabled=true",
+    "checkpoint_period=4",
+    "elastic_poll_interval_seconds=0.05",
+    "elastic_timeout_seconds=60",
+]
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +73,14 @@ def test_recovery_without_a_snapshot_rewinds_to_the_newest_committed_checkpoint(
 
 
 def test_replica_resize_keeps_the_global_batch_and_scales_back_up_without_losing_steps(baseline, tmp_path):
-    proc = run_cli(tmp_path, "rr", *COMMON, "elastic_min_slice_count=2", "snapshot_period=2",
-                   "fault_schedule=step=5,slice=2,down_steps=3")
+    proc = run_cli(
+        tmp_path,
+        "rr",
+        *COMMON,
+        "elastic_min_slice_count=2",
+        "snapshot_period=2",
+        "fault_schedule=step=5,slice=2,down_steps=3",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "rr"
     attempts = [e for e in events(run) if e["event"] == "attempt_start"]
@@ -76,8 +97,15 @@ def test_replica_resize_keeps_the_global_batch_and_scales_back_up_without_losing
 
 
 def test_scale_policy_shrinks_global_batch_and_learning_rate_on_fewer_slices(tmp_path):
-    proc = run_cli(tmp_path, "sc", *COMMON, "elastic_min_slice_count=1", "elastic_resize_batch_policy=scale",
-                   "fault_schedule=step=3,slice=0,down_s=30", "steps=6")
+    proc = run_cli(
+        tmp_path,
+        "sc",
+        *COMMON,
+        "elastic_min_slice_count=1",
+        "elastic_resize_batch_policy=scale",
+        "fault_schedule=step=3,slice=0,down_s=30",
+        "steps=6",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     attempts = [e for e in events(tmp_path / "sc") if e["event"] == "attempt_start"]
     assert attempts[1]["slices"] == [1, 2] and attempts[1]["global_batch_size"] == 4
@@ -85,8 +113,9 @@ def test_scale_policy_shrinks_global_batch_and_learning_rate_on_fewer_slices(tmp
 
 
 def test_retries_exhausted_exits_non_zero_and_keeps_the_committed_checkpoint(tmp_path):
-    proc = run_cli(tmp_path, "ex", *COMMON, "elastic_max_retries=1",
-                   "fault_schedule=step=5,slice=1; step=9,slice=2")
+    proc = run_cli(
+        tmp_path, "ex", *COMMON, "elastic_max_retries=1", "fault_schedule=step=5,slice=1; step=9,slice=2"
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("STATUS: elastic_gave_up")
     assert "exceed elastic_max_retries=1" in proc.stdout
@@ -95,7 +124,9 @@ def test_retries_exhausted_exits_non_zero_and_keeps_the_committed_checkpoint(tmp
 
 
 def test_waiting_longer_than_the_timeout_exits_non_zero(tmp_path):
-    proc = run_cli(tmp_path, "to", *COMMON, "elastic_timeout_seconds=1", "fault_schedule=step=3,slice=0,down_s=120")
+    proc = run_cli(
+        tmp_path, "to", *COMMON, "elastic_timeout_seconds=1", "fault_schedule=step=3,slice=0,down_s=120"
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "elastic_timeout_seconds=1.0" in proc.stdout
     assert "wait_timeout" in _names(events(tmp_path / "to"))
@@ -121,8 +152,22 @@ def test_chaos_cli_kills_a_slice_of_a_running_job_from_outside(tmp_path):
             assert proc.poll() is None, f"the trainer exited rc={proc.returncode} before step 5"
             assert time.monotonic() < deadline, "hang: no step 5 after 300 s"
             time.sleep(0.1)
-        kill = subprocess.run([*cmd[:1], "-m", "trainer.chaos", "kill-slice", "--run-dir", str(run), "--slice", "1",
-                               "--down-s", "0.5"], capture_output=True, text=True)
+        kill = subprocess.run(
+            [
+                *cmd[:1],
+                "-m",
+                "trainer.chaos",
+                "kill-slice",
+                "--run-dir",
+                str(run),
+                "--slice",
+                "1",
+                "--down-s",
+                "0.5",
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert kill.returncode == 0, kill.stderr
         out, err = proc.communicate(timeout=240)
     finally:
@@ -138,11 +183,11 @@ def test_chaos_cli_kills_a_slice_of_a_running_job_from_outside(tmp_path):
 
 
 def test_a_non_slice_error_is_not_retried(tmp_path):
-    from trainer.elastic.supervisor import Supervisor
-    from trainer.observe.events import EventLog
+    import jax
     from helpers import micro_config
 
-    import jax
+    from trainer.elastic.supervisor import Supervisor
+    from trainer.observe.events import EventLog
 
     cfg = micro_config("num_slices=2", "elastic_enabled=true", "elastic_poll_interval_seconds=0.01")
 
@@ -156,8 +201,14 @@ def test_a_non_slice_error_is_not_retried(tmp_path):
     slices = [[d] for d in jax.devices()[:2]]
     from trainer.observe.rundir import run_paths
 
-    sup = Broken(cfg, slices, paths=run_paths(str(tmp_path), "x"), events=EventLog(None), sinks=None,
-                 stop_requested=lambda: False)
+    sup = Broken(
+        cfg,
+        slices,
+        paths=run_paths(str(tmp_path), "x"),
+        events=EventLog(None),
+        sinks=None,
+        stop_requested=lambda: False,
+    )
     with pytest.raises(ValueError, match="a bug"):
         sup.run()
     assert Broken.calls == 1

@@ -5,6 +5,7 @@ logits, loss and greedy continuation transformers computed for them (scripts/mak
 no torch needed here). Contract: logits within 1e-4, the same loss and the same greedy tokens; export
 -> import -> export is bitwise identical; bad inputs fail naming the tensor or key and leave nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,6 +55,7 @@ def _checkpoint(converted, name):
 
 # --- parity -------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", NAMES)
 def test_converted_checkpoint_logits_match_transformers_within_1e_4(converted, name):
     cfg, params = _checkpoint(converted, name)
@@ -73,8 +75,13 @@ def test_training_loss_on_the_fixture_equals_transformers_loss(converted, name):
     ids = jnp.asarray(_expected(name)["input_ids"])
     inputs, targets = ids[:, :-1], ids[:, 1:]
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-    batch = {"inputs": inputs, "targets": targets, "positions": positions, "segment_ids": jnp.ones_like(inputs),
-             "loss_mask": jnp.ones_like(inputs)}
+    batch = {
+        "inputs": inputs,
+        "targets": targets,
+        "positions": positions,
+        "segment_ids": jnp.ones_like(inputs),
+        "loss_mask": jnp.ones_like(inputs),
+    }
     _, parts = loss_sums(params, cfg, 0.0, batch)
     loss = float(parts["ce_sum"] / parts["tokens"])
     assert loss == pytest.approx(float(_expected(name)["loss"]), rel=1e-5, abs=1e-5)
@@ -94,7 +101,9 @@ def test_logits_cli_from_the_hf_dir_and_from_the_checkpoint_both_match_transform
     np.save(tmp_path / "ids.npy", expected["input_ids"])
     for source in (["--hf-dir", str(FIXTURES / name)], ["--checkpoint", str(converted[name])]):
         out = tmp_path / f"logits{source[0]}.npy"
-        assert convert.main(["logits", *source, "--input-ids", str(tmp_path / "ids.npy"), "--output", str(out)]) == 0
+        assert (
+            convert.main(["logits", *source, "--input-ids", str(tmp_path / "ids.npy"), "--output", str(out)]) == 0
+        )
         logits = np.load(out)
         assert logits.dtype == np.float32
         assert np.abs(logits - expected["logits"]).max() <= LOGITS_ATOL
@@ -103,9 +112,15 @@ def test_logits_cli_from_the_hf_dir_and_from_the_checkpoint_both_match_transform
 def test_decode_cli_with_prompt_ids_prints_transformers_greedy_tokens(converted, capsys):
     ckpt = converted["moe"]
     expected = _expected("moe")
-    code = decode_main(["base.yml", f"model={ckpt / 'model.yml'}", f"load_parameters_path={ckpt}",
-                        f"prompt_ids={expected['prompt_ids'].tolist()}",
-                        f"max_decode_length={len(expected['greedy_ids'])}"])
+    code = decode_main(
+        [
+            "base.yml",
+            f"model={ckpt / 'model.yml'}",
+            f"load_parameters_path={ckpt}",
+            f"prompt_ids={expected['prompt_ids'].tolist()}",
+            f"max_decode_length={len(expected['greedy_ids'])}",
+        ]
+    )
     assert code == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == f"output_ids: {expected['greedy_ids'].tolist()}"
 
@@ -118,9 +133,11 @@ def decode_main(argv):
 
 # --- round trips and layouts -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", NAMES)
 def test_export_reproduces_every_transformers_tensor_and_export_import_export_is_bitwise_identical(
-        converted, name, tmp_path):
+    converted, name, tmp_path
+):
     first = convert.trainer_to_hf(converted[name], tmp_path / "e1")
     assert _tensors(first / "model.safetensors").keys() == _tensors(FIXTURES / name / "model.safetensors").keys()
     for key, value in _tensors(FIXTURES / name / "model.safetensors").items():
@@ -204,21 +221,26 @@ def _flat(params):
 
 # --- derived config ----------------------------------------------------------------------------------
 
+
 def test_model_yml_next_to_the_checkpoint_loads_as_model_and_equals_the_derived_config(converted):
     ckpt = converted["moe"]
     cfg = load_config("base.yml", [f"model={ckpt / 'model.yml'}"])
-    derived = convert.model_config_from_hf(json.loads((FIXTURES / "moe" / "config.json").read_text()),
-                                           dtype="float32", weight_dtype="float32")
+    derived = convert.model_config_from_hf(
+        json.loads((FIXTURES / "moe" / "config.json").read_text()), dtype="float32", weight_dtype="float32"
+    )
     assert {**vars(cfg.model), "model": ""} == {**vars(derived), "model": ""}
     # dropless routing, as HF: capacity factor = experts / top_k
     assert cfg.model.moe_capacity_factor == 4 / 2
 
 
-@pytest.mark.parametrize("variant", [
-    {"rope_theta": 5e5},                                                   # transformers 4.x spelling
-    {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},      # transformers 5.x
-    {"rope_scaling": {"rope_type": "default", "rope_theta": 5e5}},
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"rope_theta": 5e5},  # transformers 4.x spelling
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},  # transformers 5.x
+        {"rope_scaling": {"rope_type": "default", "rope_theta": 5e5}},
+    ],
+)
 def test_rope_theta_is_read_at_top_level_or_under_rope_parameters(variant):
     hf = json.loads((FIXTURES / "dense_tied" / "config.json").read_text())
     hf.pop("rope_parameters", None)
@@ -233,14 +255,17 @@ def test_expert_count_is_read_under_either_name(spelling):
     assert model_keys_from_hf({**hf, spelling: 6})["num_experts"] == 6
 
 
-@pytest.mark.parametrize("name,edit,fragment", [
-    ("dense_tied", {"hidden_size": 48.5}, "hidden_size=48.5 must be a positive integer"),
-    ("dense_tied", {"num_hidden_layers": "2"}, "num_hidden_layers='2' must be a positive integer"),
-    ("dense_tied", {"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide num_attention_heads=4"),
-    ("dense_tied", {"rms_norm_eps": "small"}, "rms_norm_eps='small' must be a number"),
-    ("dense_tied", {"rope_parameters": "default"}, "rope_parameters='default' must be an object"),
-    ("moe", {"num_experts_per_tok": 9}, "num_experts_per_tok=9 exceeds num_local_experts=4"),
-])
+@pytest.mark.parametrize(
+    "name,edit,fragment",
+    [
+        ("dense_tied", {"hidden_size": 48.5}, "hidden_size=48.5 must be a positive integer"),
+        ("dense_tied", {"num_hidden_layers": "2"}, "num_hidden_layers='2' must be a positive integer"),
+        ("dense_tied", {"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide num_attention_heads=4"),
+        ("dense_tied", {"rms_norm_eps": "small"}, "rms_norm_eps='small' must be a number"),
+        ("dense_tied", {"rope_parameters": "default"}, "rope_parameters='default' must be an object"),
+        ("moe", {"num_experts_per_tok": 9}, "num_experts_per_tok=9 exceeds num_local_experts=4"),
+    ],
+)
 def test_config_json_values_of_the_wrong_type_are_named_with_the_file(name, edit, fragment):
     """int() would have truncated 48.5 or parsed "2"; a bad value is named instead, with the file."""
     hf = {**json.loads((FIXTURES / name / "config.json").read_text()), **edit}
@@ -263,27 +288,50 @@ def test_tokenizer_json_is_copied_and_text_decoding_uses_it(tmp_path, capsys):
     assert cfg.data.tokenizer_type == "huggingface" and Path(cfg.data.tokenizer_path) == ckpt / "tokenizer.json"
 
     prompt = "w5 w9 w33 w7"
-    code = decode_main(["base.yml", f"model={ckpt / 'model.yml'}", f"load_parameters_path={ckpt}",
-                        f"prompt={prompt}", "max_decode_length=6"])
+    code = decode_main(
+        [
+            "base.yml",
+            f"model={ckpt / 'model.yml'}",
+            f"load_parameters_path={ckpt}",
+            f"prompt={prompt}",
+            "max_decode_length=6",
+        ]
+    )
     assert code == 0
     _, params = _checkpoint({"x": ckpt}, "x")
     want = decode.generate(params, cfg.model, [5, 9, 33, 7], 6, eos_id=0)[0].tolist()
-    want = want[:want.index(0) + 1] if 0 in want else want
+    want = want[: want.index(0) + 1] if 0 in want else want
     assert capsys.readouterr().out.strip().splitlines()[-1] == f"output_ids: {want}"
 
 
 # --- training from, and exporting, a converted checkpoint ---------------------------------------------
 
-def test_training_starts_from_the_converted_checkpoint_and_its_step_dir_exports_the_same_model(converted, tmp_path):
+
+def test_training_starts_from_the_converted_checkpoint_and_its_step_dir_exports_the_same_model(
+    converted, tmp_path
+):
     """With learning_rate=0 a run started from load_parameters_path=O saves exactly the imported weights,
     so exporting the run's checkpoint step dir (config read from its metadata) equals exporting O."""
     from cli_harness import cli_env
 
     ckpt = converted["dense_untied_kv1"]
-    cmd = [sys.executable, "-m", "trainer.train", "base.yml", f"model={ckpt / 'model.yml'}",
-           f"load_parameters_path={ckpt}", "learning_rate=0", "steps=1", "max_target_length=16",
-           "per_device_batch_size=1", "enable_tensorboard=false", "async_checkpointing=false",
-           f"base_output_directory={tmp_path}", "run_name=ft", "jax_cache_dir="]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.train",
+        "base.yml",
+        f"model={ckpt / 'model.yml'}",
+        f"load_parameters_path={ckpt}",
+        "learning_rate=0",
+        "steps=1",
+        "max_target_length=16",
+        "per_device_batch_size=1",
+        "enable_tensorboard=false",
+        "async_checkpointing=false",
+        f"base_output_directory={tmp_path}",
+        "run_name=ft",
+        "jax_cache_dir=",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cli_env(1))
     assert proc.returncode == 0, proc.stderr[-3000:]
     step_dir = tmp_path / "ft" / "checkpoints" / "1"
@@ -294,6 +342,7 @@ def test_training_starts_from_the_converted_checkpoint_and_its_step_dir_exports_
 
 
 # --- errors ------------------------------------------------------------------------------------------
+
 
 def _broken_copy(tmp_path: Path, name: str, edit_tensors=None, edit_config=None) -> Path:
     hf_dir = tmp_path / "broken"
@@ -332,19 +381,25 @@ def test_shape_mismatch_is_named_and_nothing_is_written(tmp_path):
 
 
 def test_unexpected_tensor_is_named(tmp_path):
-    hf_dir = _broken_copy(tmp_path, "dense_tied", edit_tensors=lambda t: t.update(
-        {"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}))
+    hf_dir = _broken_copy(
+        tmp_path,
+        "dense_tied",
+        edit_tensors=lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}),
+    )
     _assert_fails_cleanly(tmp_path, hf_dir, "model.layers.0.self_attn.q_proj.bias")
 
 
-@pytest.mark.parametrize("name,edit,fragment", [
-    ("dense_tied", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "LlamaForCausalLM"),
-    ("dense_tied", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "yarn"),
-    ("dense_tied", {"attention_bias": True}, "attention_bias"),
-    ("dense_tied", {"use_sliding_window": True}, "use_sliding_window"),
-    ("moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
-    ("moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
-])
+@pytest.mark.parametrize(
+    "name,edit,fragment",
+    [
+        ("dense_tied", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "LlamaForCausalLM"),
+        ("dense_tied", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "yarn"),
+        ("dense_tied", {"attention_bias": True}, "attention_bias"),
+        ("dense_tied", {"use_sliding_window": True}, "use_sliding_window"),
+        ("moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+        ("moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ],
+)
 def test_unsupported_architecture_or_config_is_named_and_nothing_is_written(tmp_path, name, edit, fragment):
     hf_dir = _broken_copy(tmp_path, name, edit_config=lambda c: c.update(edit))
     _assert_fails_cleanly(tmp_path, hf_dir, fragment)
@@ -406,12 +461,14 @@ def test_pickle_checkpoints_are_never_read(tmp_path):
 
 # --- memory ------------------------------------------------------------------------------------------
 
+
 def test_import_and_export_hold_the_params_once_plus_about_one_tensor(converted):
     """Host-memory peaks measured with tracemalloc (numpy allocations): reading builds each param leaf
     once; writing produces one HF tensor at a time. Orbax's own buffers are not counted here."""
     src = FIXTURES / "moe"
-    cfg = convert.model_config_from_hf(json.loads((src / "config.json").read_text()), dtype="float32",
-                                       weight_dtype="float32")
+    cfg = convert.model_config_from_hf(
+        json.loads((src / "config.json").read_text()), dtype="float32", weight_dtype="float32"
+    )
     plan = tensor_plan(cfg)
     reader = convert.SafetensorsDir(src)
     params_bytes = sum(int(np.prod(leaf.shape)) * 4 for leaf in plan)

@@ -1,15 +1,20 @@
 """Append-only logs survive a process killed mid-write: a torn last line never stops a resume or a reader."""
+
 import json
 import random
 import subprocess
 import sys
 
 import pytest
+from cli_harness import cli_env, command
 
-from cli_harness import command, cli_env
 from trainer.io.jsonl import open_append, parse_lines, read_jsonl, repair_tail
 
-RECORDS = [{"step": 1, "loss": 2.5, "note": "é"}, {"step": 2, "loss": 2.25}, {"event": "x", "nested": {"a": [1, 2]}}]
+RECORDS = [
+    {"step": 1, "loss": 2.5, "note": "é"},
+    {"step": 2, "loss": 2.25},
+    {"event": "x", "nested": {"a": [1, 2]}},
+]
 
 
 def _text() -> bytes:
@@ -43,21 +48,35 @@ def test_repair_leaves_a_clean_file_alone(tmp_path):
 @pytest.mark.slow
 def test_a_resume_and_the_report_work_after_the_logs_were_cut_at_random_offsets(tmp_path):
     rng = random.Random(7)
-    first = subprocess.run(command(tmp_path, "torn", "steps=2"), capture_output=True, text=True, env=cli_env(1),
-                           timeout=300)
+    first = subprocess.run(
+        command(tmp_path, "torn", "steps=2"), capture_output=True, text=True, env=cli_env(1), timeout=300
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = tmp_path / "torn"
     for name in ("metrics.jsonl", "events.jsonl"):
         data = (run_dir / name).read_bytes()
         last = data.rstrip(b"\n").rfind(b"\n") + 1
-        (run_dir / name).write_bytes(data[:rng.randrange(last + 1, len(data) - 1)])
+        (run_dir / name).write_bytes(data[: rng.randrange(last + 1, len(data) - 1)])
     for steps in (3, 4):
-        resumed = subprocess.run(command(tmp_path, "torn", f"steps={steps}"), capture_output=True, text=True,
-                                 env=cli_env(1), timeout=300)
-        assert resumed.returncode == 0 and f"STATUS: finished step={steps}" in resumed.stdout, resumed.stderr[-3000:]
+        resumed = subprocess.run(
+            command(tmp_path, "torn", f"steps={steps}"),
+            capture_output=True,
+            text=True,
+            env=cli_env(1),
+            timeout=300,
+        )
+        assert resumed.returncode == 0 and f"STATUS: finished step={steps}" in resumed.stdout, resumed.stderr[
+            -3000:
+        ]
     steps_seen = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
-    assert steps_seen[-2:] == [3, 4] and all(json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines())
+    assert steps_seen[-2:] == [3, 4] and all(
+        json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()
+    )
     assert [e["event"] for e in read_jsonl(run_dir / "events.jsonl")].count("finish") >= 2
-    report = subprocess.run([sys.executable, "-m", "trainer.report", str(run_dir), "-o", str(tmp_path / "r.png")],
-                            capture_output=True, text=True, timeout=300)
+    report = subprocess.run(
+        [sys.executable, "-m", "trainer.report", str(run_dir), "-o", str(tmp_path / "r.png")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert report.returncode == 0, report.stderr[-3000:]

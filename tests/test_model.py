@@ -1,5 +1,6 @@
 """The Qwen3 model: the facade's shapes and dtypes, layout/remat equivalences, attention masking, GQA,
 MoE routing against a dense reference, and float32 RMSNorm. Tiny shapes throughout (fast on 2 cores)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,11 +17,28 @@ from trainer.config.schema import ModelConfig
 from trainer.model.layers import grouped_attention, rms_norm
 from trainer.model.moe import MoeMlp, _dispatch_plan, expert_capacity
 
-TINY = ModelConfig(base_num_decoder_layers=2, base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2,
-                   head_dim=16, base_mlp_dim=64, vocab_size=97, rope_max_timescale=10_000.0, dtype="float32",
-                   weight_dtype="float32", scan_layers=True, remat_policy="none")
-TINY_MOE = dataclasses.replace(TINY, num_experts=4, num_experts_per_tok=2, base_moe_mlp_dim=24,
-                               load_balance_loss_weight=0.01, remat_policy="full")
+TINY = ModelConfig(
+    base_num_decoder_layers=2,
+    base_emb_dim=32,
+    base_num_query_heads=4,
+    base_num_kv_heads=2,
+    head_dim=16,
+    base_mlp_dim=64,
+    vocab_size=97,
+    rope_max_timescale=10_000.0,
+    dtype="float32",
+    weight_dtype="float32",
+    scan_layers=True,
+    remat_policy="none",
+)
+TINY_MOE = dataclasses.replace(
+    TINY,
+    num_experts=4,
+    num_experts_per_tok=2,
+    base_moe_mlp_dim=24,
+    load_balance_loss_weight=0.01,
+    remat_policy="full",
+)
 B, T = 2, 12
 
 
@@ -48,18 +66,20 @@ def _unstack_layers(params):
     """Scanned layout (leading layer dim) -> python-loop layout (layers/"0", layers/"1", ...)."""
     stacked = params["layers"]
     n = jax.tree.leaves(stacked)[0].shape[0]
-    return {**params, "layers": {str(i): jax.tree.map(lambda x: x[i], stacked) for i in range(n)}}
+    return {**params, "layers": {str(i): jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)}}
 
 
 # --- the facade --------------------------------------------------------------------------------------
+
 
 def test_forward_gives_hidden_in_activation_dtype_aux_zero_and_float32_logits():
     cfg = dataclasses.replace(TINY, dtype="bfloat16", weight_dtype="float32")
     params = _init(cfg)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
     tokens, positions, segments = _inputs(cfg.vocab_size)
-    hidden, aux = jax.jit(partial(qwen3.forward, cfg=cfg))(params, inputs=tokens, positions=positions,
-                                                          segment_ids=segments)
+    hidden, aux = jax.jit(partial(qwen3.forward, cfg=cfg))(
+        params, inputs=tokens, positions=positions, segment_ids=segments
+    )
     assert hidden.shape == (B, T, cfg.base_emb_dim) and hidden.dtype == jnp.bfloat16
     assert aux.shape == () and aux.dtype == jnp.float32 and float(aux) == 0.0
     logits = qwen3.logits_from_hidden(params, cfg, hidden[0, :5])
@@ -72,8 +92,11 @@ def test_params_follow_weight_dtype():
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
 
 
-@pytest.mark.parametrize("cfg", [TINY, dataclasses.replace(TINY, scan_layers=False, logits_via_embedding=False),
-                                 TINY_MOE], ids=["scan-tied", "loop-untied", "moe"])
+@pytest.mark.parametrize(
+    "cfg",
+    [TINY, dataclasses.replace(TINY, scan_layers=False, logits_via_embedding=False), TINY_MOE],
+    ids=["scan-tied", "loop-untied", "moe"],
+)
 def test_abstract_params_and_logical_axes_describe_init_params_exactly(cfg):
     params = jax.eval_shape(partial(qwen3.init_params, cfg), jax.random.key(0))
     abstract = qwen3.abstract_params(cfg)
@@ -104,9 +127,15 @@ def test_logical_axes_name_stacked_layers_and_experts():
 
 # --- numerics against an independent NumPy Qwen3 (HF semantics) ----------------------------------------
 
+
 def _reference_hidden(params, cfg: ModelConfig, tokens, positions, segment_ids):
     """Straight-line float64 NumPy Qwen3 decoder, written from the HF modelling code's description."""
-    eps, hd, nh, nkv = cfg.normalization_layer_epsilon, cfg.head_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads
+    eps, hd, nh, nkv = (
+        cfg.normalization_layer_epsilon,
+        cfg.head_dim,
+        cfg.base_num_query_heads,
+        cfg.base_num_kv_heads,
+    )
     p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
 
     def norm(x, w):
@@ -115,7 +144,7 @@ def _reference_hidden(params, cfg: ModelConfig, tokens, positions, segment_ids):
     def rope(x, pos):  # x [T, H, hd]
         inv = 1.0 / cfg.rope_max_timescale ** (np.arange(0, hd, 2) / hd)
         ang = np.concatenate([pos[:, None] * inv] * 2, -1)[:, None, :]
-        rot = np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1)
+        rot = np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
         return x * np.cos(ang) + rot * np.sin(ang)
 
     out = []
@@ -124,7 +153,7 @@ def _reference_hidden(params, cfg: ModelConfig, tokens, positions, segment_ids):
         t = len(row)
         allowed = (np.arange(t)[:, None] >= np.arange(t)[None, :]) & (seg[:, None] == seg[None, :])
         for i in range(cfg.base_num_decoder_layers):
-            lp = jax.tree.map(lambda a: a[i], p["layers"])
+            lp = jax.tree.map(lambda a, i=i: a[i], p["layers"])
             a = lp["self_attn"]
             h = norm(x, lp["input_layernorm"])
             q = rope(norm(np.einsum("td,dnh->tnh", h, a["q_proj"]), a["q_norm"]), pos)
@@ -156,14 +185,16 @@ def test_forward_matches_an_independent_numpy_qwen3_with_packed_segments(tiny_pa
 
 # --- equivalences --------------------------------------------------------------------------------------
 
+
 def test_scan_and_python_loop_layouts_give_the_same_logits(tiny_params):
     loop_cfg = dataclasses.replace(TINY, scan_layers=False)
     tokens, positions, segments = _inputs(TINY.vocab_size)
     scanned = qwen3.logits_from_hidden(tiny_params, TINY, _hidden(tiny_params, TINY, tokens, positions, segments))
     loop_params = _unstack_layers(tiny_params)
     assert jax.tree.structure(loop_params) == jax.tree.structure(qwen3.abstract_params(loop_cfg))
-    looped = qwen3.logits_from_hidden(loop_params, loop_cfg,
-                                      _hidden(loop_params, loop_cfg, tokens, positions, segments))
+    looped = qwen3.logits_from_hidden(
+        loop_params, loop_cfg, _hidden(loop_params, loop_cfg, tokens, positions, segments)
+    )
     np.testing.assert_allclose(np.asarray(scanned), np.asarray(looped), rtol=1e-5, atol=1e-5)
 
 
@@ -187,6 +218,7 @@ def test_remat_policies_give_the_same_gradients(tiny_params):
 
 
 # --- attention masking ---------------------------------------------------------------------------------
+
 
 def test_second_packed_document_equals_the_same_document_alone(tiny_params):
     tokens, _, _ = _inputs(TINY.vocab_size, b=1)
@@ -238,6 +270,7 @@ def test_model_with_a_single_kv_head_runs_and_has_one_kv_head_of_params():
 
 # --- MoE -----------------------------------------------------------------------------------------------
 
+
 def test_moe_forward_and_backward_run_with_a_finite_positive_aux_loss():
     params = _init(TINY_MOE)
     tokens, positions, segments = _inputs(TINY_MOE.vocab_size)
@@ -257,8 +290,9 @@ def test_moe_forward_and_backward_run_with_a_finite_positive_aux_loss():
 
 def _dense_moe_reference(moe: MoeMlp, x, norm_topk_prob: bool):
     """Every expert on every token, combined with the top-k router weights (test-only, O(E) compute)."""
-    router, wg, wu, wd = (np.asarray(p[...], np.float64) for p in (moe.router, moe.gate_proj, moe.up_proj,
-                                                                  moe.down_proj))
+    router, wg, wu, wd = (
+        np.asarray(p[...], np.float64) for p in (moe.router, moe.gate_proj, moe.up_proj, moe.down_proj)
+    )
     x = np.asarray(x, np.float64)
     logits = x @ router
     probs = np.exp(logits - logits.max(-1, keepdims=True))
@@ -268,7 +302,7 @@ def _dense_moe_reference(moe: MoeMlp, x, norm_topk_prob: bool):
     out = np.zeros_like(x)
     for b in range(x.shape[0]):
         for t in range(x.shape[1]):
-            top = np.argsort(-probs[b, t])[:moe.top_k]
+            top = np.argsort(-probs[b, t])[: moe.top_k]
             w = probs[b, t, top] / (probs[b, t, top].sum() if norm_topk_prob else 1.0)
             out[b, t] = np.einsum("k,kd->d", w, every[b, t, top])
     return out
@@ -277,8 +311,17 @@ def _dense_moe_reference(moe: MoeMlp, x, norm_topk_prob: bool):
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_moe_dispatch_matches_dense_top_k_reference_when_nothing_drops(norm_topk_prob):
     experts, top_k = 4, 2
-    moe = MoeMlp(emb_dim=16, moe_mlp_dim=8, num_experts=experts, top_k=top_k, norm_topk_prob=norm_topk_prob,
-                 capacity_factor=experts / top_k, dtype="float32", weight_dtype="float32", rngs=nnx.Rngs(5))
+    moe = MoeMlp(
+        emb_dim=16,
+        moe_mlp_dim=8,
+        num_experts=experts,
+        top_k=top_k,
+        norm_topk_prob=norm_topk_prob,
+        capacity_factor=experts / top_k,
+        dtype="float32",
+        weight_dtype="float32",
+        rngs=nnx.Rngs(5),
+    )
     moe.router[...] = moe.router[...] * 50  # sharp routing, so the top-k choice is unambiguous
     x = jax.random.normal(jax.random.key(6), (2, 6, 16))
     out, _ = nnx.jit(lambda m, x: m(x, jnp.ones((2, 6), bool)))(moe, x)
@@ -301,13 +344,14 @@ def test_expert_overflow_drops_lower_choices_and_later_tokens_first_and_padding_
 
 # --- RMSNorm -------------------------------------------------------------------------------------------
 
+
 def test_rms_norm_of_bfloat16_activations_is_computed_in_float32():
     x = (jax.random.normal(jax.random.key(7), (4, 256)) * 30 + 5).astype(jnp.bfloat16)
     weight = jnp.linspace(0.5, 1.5, 256, dtype=jnp.float32)
     out = rms_norm(x, weight, 1e-6)
     assert out.dtype == jnp.bfloat16
     x32 = np.asarray(x, np.float32)
-    normed = (x32 / np.sqrt(np.mean(x32 ** 2, -1, keepdims=True) + 1e-6)).astype(jnp.bfloat16)
+    normed = (x32 / np.sqrt(np.mean(x32**2, -1, keepdims=True) + 1e-6)).astype(jnp.bfloat16)
     expected = normed * np.asarray(weight).astype(jnp.bfloat16)  # HF order: cast back, then scale
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
     bf16_stats = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * weight.astype(jnp.bfloat16)

@@ -15,6 +15,7 @@ run them. The oracle is an uninterrupted 3-process run of the same config:
 Every run has a wall-clock bound (the launcher's process group is killed on expiry) and the fast
 membership/settings logic is unit-tested at the end without starting processes.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,12 +36,12 @@ from trainer.data.synthetic import SyntheticIterator  # noqa: E402
 from trainer.distributed.init import resolve_settings, xla_flags_with_timeout  # noqa: E402
 
 STEPS = 120
-KILL_AT = 4          # process 1's metrics show this step when it is killed (no save in flight then)
+KILL_AT = 4  # process 1's metrics show this step when it is killed (no save in flight then)
 RESTART_DELAY = 4.0  # the replacement pod's scheduling delay; the rejoin test accepts either re-forming order
-SEQ_LEN = 128        # the demo's rows (scripts/multiprocess_demo.py TINY)
-RUN_TIMEOUT = 480    # seconds per launcher run: only catches a hang (a run takes 2-3 minutes on 2 shared cores)
+SEQ_LEN = 128  # the demo's rows (scripts/multiprocess_demo.py TINY)
+RUN_TIMEOUT = 480  # seconds per launcher run: only catches a hang (a run takes 2-3 minutes on 2 shared cores)
 PARAM_ATOL = 1e-5
-GLOBAL_BATCH = 6     # per_device_batch_size=2 x 3 processes
+GLOBAL_BATCH = 6  # per_device_batch_size=2 x 3 processes
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,7 @@ def cache_dir(tmp_path_factory):
 
 
 def _args(root: Path, name: str, cache_dir: Path, *, min_slices: int = 2) -> list[str]:
-    return trainer_args(root, name, steps=STEPS, min_slices=min_slices,
-                        extra=(f"jax_cache_dir={cache_dir}",))
+    return trainer_args(root, name, steps=STEPS, min_slices=min_slices, extra=(f"jax_cache_dir={cache_dir}",))
 
 
 def _run(job: Job) -> int:
@@ -82,8 +82,9 @@ def final_params(run_dir: Path, step: int | None = None) -> dict[str, np.ndarray
     with ocp.PyTreeCheckpointer() as ckptr:
         meta = ckptr.metadata(item)
         tree = getattr(getattr(meta, "item_metadata", None), "tree", None) or meta
-        tree = ckptr.restore(item, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
-                                                              tree))
+        tree = ckptr.restore(
+            item, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        )
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree["params"])}
 
 
@@ -116,7 +117,7 @@ def assert_data_order_is_the_uninterrupted_one(run_dir: Path) -> dict[int, int]:
         k = recs[0]["devices"]
         batch = stream.batch_at(step - 1)
         rows = GLOBAL_BATCH // k
-        blocks = {fingerprint({key: v[j * rows:(j + 1) * rows] for key, v in batch.items()}) for j in range(k)}
+        blocks = {fingerprint({key: v[j * rows : (j + 1) * rows] for key, v in batch.items()}) for j in range(k)}
         seen = [r["batch_fingerprint"] for r in recs]
         # Metrics are written one step late, so a killed process's last completed step has no record.
         assert len(seen) >= k - 1 and len(set(seen)) == len(seen), f"step {step}: {len(seen)} records, k={k}"
@@ -139,7 +140,9 @@ def _events(run_dir: Path, process: int) -> list[dict]:
 
 
 def _launcher(job: Job, name: str, **match) -> list[dict]:
-    return [e for e in job.launcher_events() if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
+    return [
+        e for e in job.launcher_events() if e["event"] == name and all(e.get(k) == v for k, v in match.items())
+    ]
 
 
 def test_uninterrupted_run_follows_the_global_data_order_and_moves_params_well_past_the_tolerance(baseline):
@@ -152,9 +155,12 @@ def test_uninterrupted_run_follows_the_global_data_order_and_moves_params_well_p
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
-def test_killed_process_is_replaced_rejoins_and_the_run_matches_an_uninterrupted_one(baseline, tmp_path, cache_dir):
-    job = Job(tmp_path, "rejoin", _args(tmp_path, "rejoin", cache_dir), restart_delay=RESTART_DELAY,
-              max_restarts=1)
+def test_killed_process_is_replaced_rejoins_and_the_run_matches_an_uninterrupted_one(
+    baseline, tmp_path, cache_dir
+):
+    job = Job(
+        tmp_path, "rejoin", _args(tmp_path, "rejoin", cache_dir), restart_delay=RESTART_DELAY, max_restarts=1
+    )
     try:
         kill = kill_at_step(job, 1, KILL_AT, timeout=RUN_TIMEOUT)
         rc = job.wait(timeout=RUN_TIMEOUT)
@@ -188,8 +194,10 @@ def test_killed_process_is_replaced_rejoins_and_the_run_matches_an_uninterrupted
     # The replacement started from exactly the survivors' step and state (their snapshot, sent to it).
     rejoined = [e for e in _events(run, 1) if e.get("pid") == respawn["pid"]]
     first = [e for e in rejoined if e["event"] == "attempt_start"][0]
-    assert first["start_step"] == grown["start_step"] and first["source"] == grown["source"] == \
-        f"snapshot:{grown['start_step']}"
+    assert (
+        first["start_step"] == grown["start_step"]
+        and first["source"] == grown["source"] == f"snapshot:{grown['start_step']}"
+    )
     assert any(e["event"] == "snapshot_shared" for e in rejoined)
     per_step = assert_data_order_is_the_uninterrupted_one(run)
     assert per_step[STEPS] == 3 and (2 in per_step.values()) == (len(starts) == 3)
@@ -227,15 +235,19 @@ def test_survivors_finish_the_run_when_the_replacement_never_arrives(baseline, t
         detected = names.index("slice_down_detected")
         assert names.index("attempt_start", detected) < names.index("finish")
     t = timeline(run, kill, job.launcher_events())
-    assert all(s["detected"] is not None and s["continued_slices"] is not None and len(s["continued_slices"]) == 2
-               for s in t["survivors"].values()), t["survivors"]
+    assert all(
+        s["detected"] is not None and s["continued_slices"] is not None and len(s["continued_slices"]) == 2
+        for s in t["survivors"].values()
+    ), t["survivors"]
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
 def test_killing_process_0_ends_the_job_and_the_restarted_job_resumes_from_the_newest_checkpoint(
-        baseline, tmp_path, cache_dir):
-    job = Job(tmp_path, "p0", _args(tmp_path, "p0", cache_dir), max_restarts=0, max_job_restarts=1,
-              restart_delay=1.0)
+    baseline, tmp_path, cache_dir
+):
+    job = Job(
+        tmp_path, "p0", _args(tmp_path, "p0", cache_dir), max_restarts=0, max_job_restarts=1, restart_delay=1.0
+    )
     try:
         kill = kill_at_step(job, 0, 14, timeout=RUN_TIMEOUT)  # checkpoint 10 is committed by then
         rc = job.wait(timeout=2 * RUN_TIMEOUT)
@@ -247,8 +259,11 @@ def test_killing_process_0_ends_the_job_and_the_restarted_job_resumes_from_the_n
     assert all(e["rc"] != 0 for e in first_job), "every process of the job ends with process 0"
     assert len(_launcher(job, "job_restart")) == 1
     # The restarted job (fresh processes) resumed from the newest checkpoint committed before the kill.
-    committed = [e for e in _events(job.run_dir, 0) if e["event"] == "checkpoint_save_committed"
-                 and e["time"] < kill["time"]]
+    committed = [
+        e
+        for e in _events(job.run_dir, 0)
+        if e["event"] == "checkpoint_save_committed" and e["time"] < kill["time"]
+    ]
     restarted = [e for e in _events(job.run_dir, 0) if e["event"] == "attempt_start" and e["time"] > kill["time"]]
     assert restarted[0]["source"] == f"checkpoint:{committed[-1]['step']}"
     assert_data_order_is_the_uninterrupted_one(job.run_dir)
@@ -258,16 +273,26 @@ def test_killing_process_0_ends_the_job_and_the_restarted_job_resumes_from_the_n
 
 # ---- fast checks of the pieces (no processes started) -------------------------------------------------
 
+
 def test_settings_come_from_config_else_from_the_jobset_or_slurm_environment():
-    env = {"JAX_COORDINATOR_ADDRESS": "h0:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3",
-           "NODES_PER_SLICE": "2", "JAX_HEARTBEAT_TIMEOUT_SECONDS": "30"}
+    env = {
+        "JAX_COORDINATOR_ADDRESS": "h0:1234",
+        "JAX_NUM_PROCESSES": "4",
+        "JAX_PROCESS_ID": "3",
+        "NODES_PER_SLICE": "2",
+        "JAX_HEARTBEAT_TIMEOUT_SECONDS": "30",
+    }
     s = resolve_settings(DistributedConfig(), env)
     assert (s.coordinator_address, s.num_processes, s.process_id, s.processes_per_slice) == ("h0:1234", 4, 3, 2)
     assert s.heartbeat_timeout_seconds == 30 and s.num_slices == 2 and s.collective_timeout_seconds == 60
-    slurm = resolve_settings(DistributedConfig(coordinator_address="n1:99"), {"SLURM_NTASKS": "2", "SLURM_PROCID": "1"})
+    slurm = resolve_settings(
+        DistributedConfig(coordinator_address="n1:99"), {"SLURM_NTASKS": "2", "SLURM_PROCID": "1"}
+    )
     assert (slurm.num_processes, slurm.process_id, slurm.processes_per_slice) == (2, 1, 1)
     cfg = DistributedConfig(num_processes=2, process_id=0, heartbeat_timeout_seconds=5)
-    assert resolve_settings(cfg, env).num_processes == 2 and resolve_settings(cfg, env).heartbeat_timeout_seconds == 5
+    assert (
+        resolve_settings(cfg, env).num_processes == 2 and resolve_settings(cfg, env).heartbeat_timeout_seconds == 5
+    )
     assert not resolve_settings(DistributedConfig(), {}).multi_process
 
 

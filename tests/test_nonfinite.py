@@ -1,7 +1,10 @@
 """nan_policy: a non-finite step never poisons the state; stop / skip_step / rollback act as documented."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from cli_harness import events, final_by_step, metrics, run_cli
+from helpers import micro_config, synthetic_batch
 
 from trainer import model as qwen3
 from trainer.attempt import init_state, state_shardings
@@ -9,17 +12,17 @@ from trainer.optim import learning_rate_schedule, make_optimizer
 from trainer.parallel.mesh import build_mesh
 from trainer.step import make_train_step
 
-from cli_harness import events, final_by_step, metrics, run_cli
-from helpers import micro_config, synthetic_batch
-
 COMMON = ["steps=8", "checkpoint_period=2", "num_slices=1"]
 
 
 def test_a_non_finite_update_is_never_applied():
     cfg = micro_config()
     mesh = build_mesh(cfg.mesh, [jax.devices()[:1]])
-    opt = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model),
-                         schedule=learning_rate_schedule(cfg.optim, steps=cfg.train.steps))
+    opt = make_optimizer(
+        cfg.optim,
+        qwen3.param_logical_axes(cfg.model),
+        schedule=learning_rate_schedule(cfg.optim, steps=cfg.train.steps),
+    )
     shardings, _ = state_shardings(cfg, mesh, opt)
     state = init_state(cfg, opt, shardings)
     emb = state["params"]
@@ -70,13 +73,28 @@ def test_rollback_restores_and_skips_the_offending_batch(tmp_path):
 
 
 def test_profiler_traces_the_window_and_survives_a_slice_failure(tmp_path):
-    proc = run_cli(tmp_path, "prof", "steps=10", "num_slices=3", "elastic_enabled=true", "profiler=xplane",
-                   "skip_first_n_steps_for_profiler=2", "profiler_steps=4", "elastic_poll_interval_seconds=0.05",
-                   "fault_schedule=step=4,slice=1", "snapshot_period=1", devices=3)
+    proc = run_cli(
+        tmp_path,
+        "prof",
+        "steps=10",
+        "num_slices=3",
+        "elastic_enabled=true",
+        "profiler=xplane",
+        "skip_first_n_steps_for_profiler=2",
+        "profiler_steps=4",
+        "elastic_poll_interval_seconds=0.05",
+        "fault_schedule=step=4,slice=1",
+        "snapshot_period=1",
+        devices=3,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     evs = events(tmp_path / "prof")
     prof = [(e["event"], e.get("complete")) for e in evs if e["event"].startswith("profiler_")]
-    assert prof == [("profiler_start", None), ("profiler_stop", False), ("profiler_start", None),
-                    ("profiler_stop", True)]
+    assert prof == [
+        ("profiler_start", None),
+        ("profiler_stop", False),
+        ("profiler_start", None),
+        ("profiler_stop", True),
+    ]
     traces = list((tmp_path / "prof" / "profile").rglob("*.xplane.pb"))
     assert len(traces) >= 2

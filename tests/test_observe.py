@@ -1,4 +1,5 @@
 """Metrics records, sinks and the MFU peak table."""
+
 import json
 import logging
 
@@ -32,13 +33,21 @@ def test_event_log_appends_json_lines_with_time_and_pid(tmp_path):
 
 def test_read_events_skips_a_torn_last_line(tmp_path):
     path = tmp_path / "events.jsonl"
-    path.write_text(json.dumps({"event": "start", "time": 1}) + "\n{\"event\": \"fin")
+    path.write_text(json.dumps({"event": "start", "time": 1}) + '\n{"event": "fin')
     assert [e["event"] for e in read_events(path)] == ["start"]
 
 
 def test_log_sink_prints_every_period_and_the_last_step(caplog):
-    record = {"step": 3, "loss": 1.0, "learning_rate": 1e-3, "grad_norm": 0.5, "step_time_s": 0.1,
-              "tokens_per_s": 10.0, "tflops_per_device": 0.01, "mfu": None}
+    record = {
+        "step": 3,
+        "loss": 1.0,
+        "learning_rate": 1e-3,
+        "grad_norm": 0.5,
+        "step_time_s": 0.1,
+        "tokens_per_s": 10.0,
+        "tflops_per_device": 0.01,
+        "mfu": None,
+    }
     sink = LogSink(period=5)
     with caplog.at_level(logging.INFO, logger="trainer.metrics"):
         sink.write(record)
@@ -68,8 +77,11 @@ def test_remote_run_directory_mirrors_logs_and_sends_checkpoints_to_the_store(tm
     assert str(paths.checkpoints) == "gs://bucket/runs/r1/checkpoints"
     assert paths.local == tmp_path / "local" / "trainer_runs" / "gs_bucket_runs_r1"
     # The copy itself, with a local directory standing in for the object store:
-    mirror = RunPaths(local=tmp_path / "run", checkpoints=epath.Path(tmp_path / "store" / "checkpoints"),
-                      remote=epath.Path(tmp_path / "store"))
+    mirror = RunPaths(
+        local=tmp_path / "run",
+        checkpoints=epath.Path(tmp_path / "store" / "checkpoints"),
+        remote=epath.Path(tmp_path / "store"),
+    )
     (mirror.local / "tensorboard").mkdir(parents=True)
     (mirror.local / "metrics.jsonl").write_text('{"step": 1}\n')
     (mirror.local / "tensorboard" / "events.out").write_bytes(b"tb")
@@ -92,9 +104,12 @@ def test_local_run_directory_is_used_as_is(tmp_path):
 def test_goodput_counts_a_save_as_badput_only_beyond_waiting_for_the_step_it_saves():
     from trainer.observe.goodput import account
 
-    events = [{"event": "start", "time": 0.0}, {"event": "attempt_start", "time": 1.0},
-              {"event": "checkpoint_save_blocked", "time": 3.5, "step": 2, "seconds": 0.5, "waited_for_step_s": 0.4},
-              {"event": "finish", "time": 5.0}]
+    events = [
+        {"event": "start", "time": 0.0},
+        {"event": "attempt_start", "time": 1.0},
+        {"event": "checkpoint_save_blocked", "time": 3.5, "step": 2, "seconds": 0.5, "waited_for_step_s": 0.4},
+        {"event": "finish", "time": 5.0},
+    ]
     steps = [{"step": s, "step_time_s": t, "time": 1.0 + s} for s, t in ((1, 1.0), (2, 1.0), (3, 1.5), (4, 0.5))]
     out = account(events, steps)
     # 4 s of steps; only the 0.1 s the save itself held the loop is not productive.

@@ -1,4 +1,5 @@
 """Parameter counts of every shipped preset: analytic, without allocating a single weight."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -53,6 +54,7 @@ def test_count_params_equals_the_elements_of_abstract_params(name):
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-tiny-moe"])
 def test_count_params_equals_the_elements_of_abstract_params_without_scan(name):
     import dataclasses
+
     cfg = dataclasses.replace(_model_cfg(name), scan_layers=False)
     assert qwen3.count_params(cfg)[0] == _abstract_size(cfg)
 

@@ -1,4 +1,5 @@
 """Data preparation: converting inputs to ArrayRecord, tokenizer training, the function-calling generator."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -34,26 +35,41 @@ def load_script(name: str):
 
 def test_prepare_data_round_trips_text_chats_and_plain_text_and_counts_bad_records(tmp_path, capsys):
     jsonl = tmp_path / "mixed.jsonl"
-    jsonl.write_text("\n".join([
-        json.dumps({"text": "first document"}),
-        json.dumps({"messages": CHAT}),
-        "{not json",
-        json.dumps({"body": "wrong field"}),
-        json.dumps({"text": "   "}),
-        json.dumps({"messages": [{"role": "user", "content": 3}]}),
-        json.dumps(["a", "list"]),
-        json.dumps({"text": "second document"}),
-    ]) + "\n")
+    jsonl.write_text(
+        "\n".join(
+            [
+                json.dumps({"text": "first document"}),
+                json.dumps({"messages": CHAT}),
+                "{not json",
+                json.dumps({"body": "wrong field"}),
+                json.dumps({"text": "   "}),
+                json.dumps({"messages": [{"role": "user", "content": 3}]}),
+                json.dumps(["a", "list"]),
+                json.dumps({"text": "second document"}),
+            ]
+        )
+        + "\n"
+    )
     txt = tmp_path / "book.txt"
     txt.write_text("Paragraph one,\nstill one.\n\nParagraph two.\n\n\n")
-    code = prepare_main(["--input", str(jsonl), "--input", str(txt), "--output-dir", str(tmp_path / "out"),
-                         "--num-shards", "2"])
+    code = prepare_main(
+        ["--input", str(jsonl), "--input", str(txt), "--output-dir", str(tmp_path / "out"), "--num-shards", "2"]
+    )
     out = capsys.readouterr().out
     assert code == 0
     records = shard_records(tmp_path / "out")
-    assert sorted(map(json.dumps, records)) == sorted(map(json.dumps, [
-        {"text": "first document"}, {"messages": CHAT}, {"text": "second document"},
-        {"text": "Paragraph one,\nstill one."}, {"text": "Paragraph two."}]))
+    assert sorted(map(json.dumps, records)) == sorted(
+        map(
+            json.dumps,
+            [
+                {"text": "first document"},
+                {"messages": CHAT},
+                {"text": "second document"},
+                {"text": "Paragraph one,\nstill one."},
+                {"text": "Paragraph two."},
+            ],
+        )
+    )
     assert "5 written, 5 bad" in out
     assert "invalid JSON" in out and "missing field 'text' or 'messages'" in out and "mixed.jsonl:3" in out
     info = json.loads((tmp_path / "out" / "dataset_info.json").read_text())
@@ -83,8 +99,10 @@ def test_prepare_data_cli_exits_2_on_a_glob_matching_nothing_or_no_usable_record
 
 def results(path: Path, **kw) -> list[tuple[str, object]]:
     """read_records as (line, record dict or 'bad: <reason>') with the file name dropped."""
-    return [(where.rsplit(":", 1)[-1], f"bad: {r}" if isinstance(r, RecordError) else r)
-            for where, r in read_records(str(path), **kw)]
+    return [
+        (where.rsplit(":", 1)[-1], f"bad: {r}" if isinstance(r, RecordError) else r)
+        for where, r in read_records(str(path), **kw)
+    ]
 
 
 def test_json_files_hold_an_array_an_object_or_json_lines_with_errors_at_their_line(tmp_path):
@@ -95,17 +113,28 @@ def test_json_files_hold_an_array_an_object_or_json_lines_with_errors_at_their_l
     assert got[1][0] == "3" and got[1][1].startswith("bad: not UTF-8 text (byte 0xe9 at line 3")
     broken = tmp_path / "b.json"
     broken.write_text('[{"text": "kept"},\n {"text": "cut" \n {"text": "lost"}]')
-    assert results(broken) == [("1", {"text": "kept"}),
-                               ("3", "bad: invalid JSON (Expecting ',' delimiter); the rest of the array is unreadable")]
+    assert results(broken) == [
+        ("1", {"text": "kept"}),
+        ("3", "bad: invalid JSON (Expecting ',' delimiter); the rest of the array is unreadable"),
+    ]
     broken.write_text('[{"text": "kept"}\n {"text": "lost"}]')
-    assert results(broken) == [("1", {"text": "kept"}),
-                               ("2", ("bad: invalid JSON (expected ',' or ']' after an array element); the rest of the "
-                                      "array is unreadable"))]
+    assert results(broken) == [
+        ("1", {"text": "kept"}),
+        (
+            "2",
+            (
+                "bad: invalid JSON (expected ',' or ']' after an array element); the rest of the "
+                "array is unreadable"
+            ),
+        ),
+    ]
     (tmp_path / "c.json").write_text('{\n  "text": "pretty"\n}\n')
     assert results(tmp_path / "c.json") == [("1", {"text": "pretty"})]
     (tmp_path / "d.json").write_text('{"text": "line one"}\n{broken\n')
     assert results(tmp_path / "d.json") == [
-        ("1", {"text": "line one"}), ("2", "bad: invalid JSON (Expecting property name enclosed in double quotes)")]
+        ("1", {"text": "line one"}),
+        ("2", "bad: invalid JSON (Expecting property name enclosed in double quotes)"),
+    ]
     (tmp_path / "e.json").write_text("[]")
     assert results(tmp_path / "e.json") == []
 
@@ -124,8 +153,11 @@ def test_unreadable_inputs_fail_before_any_work(tmp_path):
     (tmp_path / "x.jsonl.gz").write_bytes(b"not gzip")
     (tmp_path / "y.parquet.gz").write_bytes(b"")
     (tmp_path / "z.bin").write_bytes(b"\x00\x01")
-    for name, why in (("x.jsonl.gz", "not a readable gzip file"), ("y.parquet.gz", "decompress it first"),
-                      ("z.bin", "binary data")):
+    for name, why in (
+        ("x.jsonl.gz", "not a readable gzip file"),
+        ("y.parquet.gz", "decompress it first"),
+        ("z.bin", "binary data"),
+    ):
         with pytest.raises(DataError, match=why):
             check_inputs([str(tmp_path / name)])
 
@@ -165,17 +197,27 @@ def test_pretokenized_shards_give_the_same_batches_as_raw_ones(tmp_path):
     assert "input_ids" in shard_records(tmp_path / "pre")[0]
 
     def run(directory):
-        cfg = DataConfig(dataset_type="arrayrecord", grain_train_files=f"{directory}/*.arrayrecord",
-                         tokenizer_path=str(BUNDLED_TOKENIZER), max_target_length=24, grain_worker_count=0)
+        cfg = DataConfig(
+            dataset_type="arrayrecord",
+            grain_train_files=f"{directory}/*.arrayrecord",
+            tokenizer_path=str(BUNDLED_TOKENIZER),
+            max_target_length=24,
+            grain_worker_count=0,
+        )
         it = make_arrayrecord_iterator(cfg, vocab_size=32768, global_batch_size=2)
         return [fingerprint(next(it)) for _ in range(4)]
 
     assert run(tmp_path / "raw") == run(tmp_path / "pre")
 
-    other = train_sentencepiece(["some other text for another tokenizer"] * 50, tmp_path / "other.model",
-                                vocab_size=300)
-    cfg = DataConfig(dataset_type="arrayrecord", grain_train_files=f"{tmp_path}/pre/*.arrayrecord",
-                     tokenizer_path=str(other), grain_worker_count=0)
+    other = train_sentencepiece(
+        ["some other text for another tokenizer"] * 50, tmp_path / "other.model", vocab_size=300
+    )
+    cfg = DataConfig(
+        dataset_type="arrayrecord",
+        grain_train_files=f"{tmp_path}/pre/*.arrayrecord",
+        tokenizer_path=str(other),
+        grain_worker_count=0,
+    )
     with pytest.raises(DataError, match="pre-tokenized with another tokenizer"):
         make_arrayrecord_iterator(cfg, vocab_size=32768, global_batch_size=2)
 
@@ -185,7 +227,9 @@ def test_tokenizer_training_reserves_the_chat_special_tokens(tmp_path, capsys):
     (tmp_path / "fc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fc.generate(150, seed=3)))
     trainer = load_script("train_tokenizer")
     model = tmp_path / "tok.model"
-    assert trainer.main(["--input", str(tmp_path / "fc.jsonl"), "--output", str(model), "--vocab-size", "600"]) == 0
+    assert (
+        trainer.main(["--input", str(tmp_path / "fc.jsonl"), "--output", str(model), "--vocab-size", "600"]) == 0
+    )
     tok = Tokenizer(model)
     assert tok.vocab_size == 600
     assert [tok.token_id(t) for t in CHAT_TOKENS] == [3, 4, 2, 0]
@@ -213,8 +257,10 @@ def test_function_calling_generator_is_deterministic_varied_and_consistent():
     called, users = set(), set()
     for record in data:
         messages = record["messages"]
-        declared = {json.loads(line)["name"]: json.loads(line)["parameters"]
-                    for line in messages[0]["content"].split("<tools>\n")[1].split("\n</tools>")[0].splitlines()}
+        declared = {
+            json.loads(line)["name"]: json.loads(line)["parameters"]
+            for line in messages[0]["content"].split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
+        }
         for m in messages:
             if m["role"] == "user":
                 users.add(m["content"])

@@ -1,5 +1,6 @@
 """Pieces of in-process recovery, without the CLI: when a fault takes effect, which restore source
 wins, and what a retry on slices seen before reuses."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,10 +77,23 @@ def test_the_snapshot_is_restored_unless_a_checkpoint_is_newer(state_on_one_devi
 
 
 def test_a_retry_on_slices_seen_before_reuses_their_layout_and_builds_fresh_state(tmp_path):
-    cfg = load_config("base.yml", ["model=qwen3-tiny", "base_num_decoder_layers=1", "base_emb_dim=32",
-                                   "base_num_query_heads=2", "base_num_kv_heads=1", "head_dim=16", "base_mlp_dim=64",
-                                   "vocab_size=128", "max_target_length=16", "num_slices=2",
-                                   "enable_checkpointing=false", f"base_output_directory={tmp_path}"])
+    cfg = load_config(
+        "base.yml",
+        [
+            "model=qwen3-tiny",
+            "base_num_decoder_layers=1",
+            "base_emb_dim=32",
+            "base_num_query_heads=2",
+            "base_num_kv_heads=1",
+            "head_dim=16",
+            "base_mlp_dim=64",
+            "vocab_size=128",
+            "max_target_length=16",
+            "num_slices=2",
+            "enable_checkpointing=false",
+            f"base_output_directory={tmp_path}",
+        ],
+    )
     slices = group_into_slices(jax.devices()[:4], 2)
     log, cache = [], {}
     kwargs = dict(checkpoint_dir=tmp_path / "ckpt", events=_Events(log), total_slices=2, layout_cache=cache)
@@ -97,7 +111,8 @@ def test_a_retry_on_slices_seen_before_reuses_their_layout_and_builds_fresh_stat
 
 
 def test_a_snapshot_copies_each_distinct_shard_once_and_reassembles_the_global_arrays():
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from trainer.elastic.snapshot import _distinct_shards
 

@@ -4,6 +4,7 @@ Most tests read a run directory written by hand: 10 steps on 2 slices, slice 1 k
 a rewind to the snapshot of step 4 (2 steps lost), then steps 5..10 again. One test makes a real
 failing run through the training CLI (~15 s on CPU) and reports it.
 """
+
 import io
 import json
 import os
@@ -20,8 +21,13 @@ from trainer.observe.plots import render_report
 from trainer.observe.runlog import load_run, summarize
 from trainer.observe.sinks import LogSink, ProgressSink
 
-PANELS = {"Loss and learning rate", "Step time and throughput", "Progress over wall clock, with elastic phases",
-          "Recovery timeline per failure", "Goodput and badput by cause"}
+PANELS = {
+    "Loss and learning rate",
+    "Step time and throughput",
+    "Progress over wall clock, with elastic phases",
+    "Recovery timeline per failure",
+    "Goodput and badput by cause",
+}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -30,38 +36,76 @@ def _event(name, time, **fields):
 
 
 def _step(step, time, loss):
-    return {"step": step, "loss": loss, "learning_rate": 1e-3, "grad_norm": 1.0, "step_time_s": 1.0,
-            "tokens_per_s": 100.0, "tflops_per_device": 0.01, "mfu": None, "global_batch_size": 2, "pid": 7,
-            "time": time, "batch_fingerprint": f"b{step}", "loss_tokens": 30, "z_loss": 0.0, "aux_loss": 0.0,
-            "devices": 2}
+    return {
+        "step": step,
+        "loss": loss,
+        "learning_rate": 1e-3,
+        "grad_norm": 1.0,
+        "step_time_s": 1.0,
+        "tokens_per_s": 100.0,
+        "tflops_per_device": 0.01,
+        "mfu": None,
+        "global_batch_size": 2,
+        "pid": 7,
+        "time": time,
+        "batch_fingerprint": f"b{step}",
+        "loss_tokens": 30,
+        "z_loss": 0.0,
+        "aux_loss": 0.0,
+        "devices": 2,
+    }
 
 
 def write_run(run_dir: Path, *, finished: bool = True) -> Path:
     """A run with one failure at step 7 and a rewind to step 4; `finished=False` stops it mid-way with
     torn last lines in both files, as a killed or still-running trainer leaves them."""
     run_dir.mkdir(parents=True)
-    events = [_event("start", 1000.0, steps=10), _event("wait_start", 1000.5), _event("wait_end", 1001.0, active=[0, 1]),
-              _event("compile_done", 1004.0, seconds=3.0), _event("restore_start", 1004.0),
-              _event("restore_end", 1005.0, source="init", seconds=1.0, bytes=10),
-              _event("attempt_start", 1005.0, attempt=1, slices=[0, 1], start_step=0, source="init", steps_rewound=0),
-              _event("snapshot_taken", 1009.1, step=4),
-              _event("slice_killed", 1011.5, slice=1, down_s=1.0, cause="fault_schedule step=7"),
-              _event("slice_down_detected", 1012.0, attempt=1, last_step=6, slices=[0, 1], error="DATA_LOSS", failures=1),
-              _event("wait_start", 1012.1), _event("wait_end", 1013.0, active=[0, 1], seconds=0.9),
-              _event("compile_cached", 1013.05), _event("restore_start", 1013.1),
-              _event("restore_end", 1013.6, source="snapshot:4", seconds=0.5, bytes=10),
-              _event("attempt_start", 1013.7, attempt=2, slices=[0, 1], start_step=4, source="snapshot:4",
-                     steps_rewound=2),
-              _event("first_step_after_recovery", 1013.8, step=5, seconds_since_detection=1.8, slices=[0, 1])]
-    metrics = [_step(s, 1005.0 + s, 10.0 - 0.5 * s) for s in range(1, 7)]          # attempt 1: steps 1..6
+    events = [
+        _event("start", 1000.0, steps=10),
+        _event("wait_start", 1000.5),
+        _event("wait_end", 1001.0, active=[0, 1]),
+        _event("compile_done", 1004.0, seconds=3.0),
+        _event("restore_start", 1004.0),
+        _event("restore_end", 1005.0, source="init", seconds=1.0, bytes=10),
+        _event("attempt_start", 1005.0, attempt=1, slices=[0, 1], start_step=0, source="init", steps_rewound=0),
+        _event("snapshot_taken", 1009.1, step=4),
+        _event("slice_killed", 1011.5, slice=1, down_s=1.0, cause="fault_schedule step=7"),
+        _event(
+            "slice_down_detected", 1012.0, attempt=1, last_step=6, slices=[0, 1], error="DATA_LOSS", failures=1
+        ),
+        _event("wait_start", 1012.1),
+        _event("wait_end", 1013.0, active=[0, 1], seconds=0.9),
+        _event("compile_cached", 1013.05),
+        _event("restore_start", 1013.1),
+        _event("restore_end", 1013.6, source="snapshot:4", seconds=0.5, bytes=10),
+        _event(
+            "attempt_start", 1013.7, attempt=2, slices=[0, 1], start_step=4, source="snapshot:4", steps_rewound=2
+        ),
+        _event("first_step_after_recovery", 1013.8, step=5, seconds_since_detection=1.8, slices=[0, 1]),
+    ]
+    metrics = [_step(s, 1005.0 + s, 10.0 - 0.5 * s) for s in range(1, 7)]  # attempt 1: steps 1..6
     metrics += [_step(s, 1010.0 + s, 10.0 - 0.5 * s - 0.01) for s in range(5, 11)]  # attempt 2: steps 5..10
     metrics[-1]["last"] = True
     # The trainer's own tallies: 10 surviving steps of 1 s in 21 s of wall time.
-    events += [_event("elastic_summary", 1020.9, failures=1, steps_lost=2, downtime_s=1.8),
-               _event("goodput", 1021.0, goodput=0.4762, wall_s=21.0, productive_s=10.0,
-                      badput_s={"startup_compile": 5.0, "checkpoint_save": 0.0, "restore": 0.5,
-                                "wasted_progress": 2.0, "waiting_for_slices": 0.9, "other": 2.6}),
-               _event("finish", 1021.0, status="finished", step=10)]
+    events += [
+        _event("elastic_summary", 1020.9, failures=1, steps_lost=2, downtime_s=1.8),
+        _event(
+            "goodput",
+            1021.0,
+            goodput=0.4762,
+            wall_s=21.0,
+            productive_s=10.0,
+            badput_s={
+                "startup_compile": 5.0,
+                "checkpoint_save": 0.0,
+                "restore": 0.5,
+                "wasted_progress": 2.0,
+                "waiting_for_slices": 0.9,
+                "other": 2.6,
+            },
+        ),
+        _event("finish", 1021.0, status="finished", step=10),
+    ]
     ev_lines = [json.dumps(e) for e in events]
     m_lines = [json.dumps(m) for m in metrics]
     if not finished:  # cut both files mid-line: metrics inside step 8's record, events after the recovery
@@ -101,8 +145,13 @@ def test_report_figure_has_every_panel_with_the_elastic_phases_and_the_rewind_ma
     fig = render_report([load_run(write_run(tmp_path / "failing"))])
     assert _titles(fig) == PANELS
     progress = _axes(fig, "Progress over wall clock")
-    assert {"down → detected", "waiting for slices", "restoring", "restored → first step",
-            "startup + compile"} <= _legend_texts(progress)
+    assert {
+        "down → detected",
+        "waiting for slices",
+        "restoring",
+        "restored → first step",
+        "startup + compile",
+    } <= _legend_texts(progress)
     assert any("−2 steps" in t.get_text() for t in progress.texts)
     loss = _axes(fig, "Loss and learning rate")
     assert "steps rewound" in _legend_texts(loss) and any(t.get_text() == "−2" for t in loss.texts)
@@ -115,8 +164,10 @@ def test_summary_numbers_match_the_runs_own_elastic_summary_and_goodput_events(t
     run = load_run(write_run(tmp_path / "failing"))
     recorded = {e["event"]: e for e in run.events}
     s = summarize(run)
-    assert (s.failures, s.steps_lost) == (recorded["elastic_summary"]["failures"],
-                                          recorded["elastic_summary"]["steps_lost"])
+    assert (s.failures, s.steps_lost) == (
+        recorded["elastic_summary"]["failures"],
+        recorded["elastic_summary"]["steps_lost"],
+    )
     assert s.downtime_s == pytest.approx(recorded["elastic_summary"]["downtime_s"])
     assert s.goodput["goodput"] == pytest.approx(recorded["goodput"]["goodput"], abs=1e-3)
     assert (s.steps_done, s.steps_planned, s.final_loss) == (10, 10, pytest.approx(4.99))
@@ -141,12 +192,22 @@ def test_compare_overlays_both_runs_and_shows_both_goodput_bars(tmp_path, capsys
     failing = write_run(tmp_path / "failing")
     clean = tmp_path / "clean"
     clean.mkdir()
-    (clean / "events.jsonl").write_text("\n".join(json.dumps(e) for e in [
-        _event("start", 0.0, steps=10),
-        _event("attempt_start", 4.0, attempt=1, slices=[0, 1], start_step=0, source="init", steps_rewound=0),
-        _event("finish", 15.0, status="finished", step=10)]) + "\n")
-    (clean / "metrics.jsonl").write_text("\n".join(json.dumps(_step(s, 4.0 + s, 10.0 - 0.5 * s))
-                                                   for s in range(1, 11)) + "\n")
+    (clean / "events.jsonl").write_text(
+        "\n".join(
+            json.dumps(e)
+            for e in [
+                _event("start", 0.0, steps=10),
+                _event(
+                    "attempt_start", 4.0, attempt=1, slices=[0, 1], start_step=0, source="init", steps_rewound=0
+                ),
+                _event("finish", 15.0, status="finished", step=10),
+            ]
+        )
+        + "\n"
+    )
+    (clean / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(_step(s, 4.0 + s, 10.0 - 0.5 * s)) for s in range(1, 11)) + "\n"
+    )
     out_png = tmp_path / "compare.png"
     assert report.main([str(failing), "--compare", str(clean), "--output", str(out_png)]) == 0
     assert out_png.read_bytes()[:8] == PNG_MAGIC
@@ -184,16 +245,45 @@ def test_a_real_failing_run_is_reported_with_its_failure_and_rewind(tmp_path):
     """The training CLI with a fault at step 7 and snapshots every 4 steps: steps 5 and 6 are redone."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     train = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "base.yml", "model=qwen3-tiny", "base_num_decoder_layers=2",
-         "base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=16", "base_mlp_dim=128",
-         "vocab_size=256", "max_target_length=16", "per_device_batch_size=1", "remat_policy=none",
-         "enable_tensorboard=false", "steps=10", "num_slices=2", "elastic_enabled=true", "snapshot_period=4",
-         "checkpoint_period=100", "elastic_poll_interval_seconds=0.05", "fault_schedule=step=7,slice=1,down_s=0",
-         f"base_output_directory={tmp_path}", "run_name=real"],
-        capture_output=True, text=True, timeout=180, env=env)
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            "base.yml",
+            "model=qwen3-tiny",
+            "base_num_decoder_layers=2",
+            "base_emb_dim=64",
+            "base_num_query_heads=4",
+            "base_num_kv_heads=2",
+            "head_dim=16",
+            "base_mlp_dim=128",
+            "vocab_size=256",
+            "max_target_length=16",
+            "per_device_batch_size=1",
+            "remat_policy=none",
+            "enable_tensorboard=false",
+            "steps=10",
+            "num_slices=2",
+            "elastic_enabled=true",
+            "snapshot_period=4",
+            "checkpoint_period=100",
+            "elastic_poll_interval_seconds=0.05",
+            "fault_schedule=step=7,slice=1,down_s=0",
+            f"base_output_directory={tmp_path}",
+            "run_name=real",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert train.returncode == 0, train.stderr[-3000:]
-    proc = subprocess.run([sys.executable, "-m", "trainer.report", str(tmp_path / "real")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.report", str(tmp_path / "real")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _printed(proc.stdout, "failures") == "1" and _printed(proc.stdout, "steps lost") == "2"
     assert "state restored from snapshot:4" in proc.stdout
@@ -232,6 +322,7 @@ def test_progress_sink_blanks_what_a_longer_previous_line_left_behind():
 
 def test_make_sinks_uses_the_progress_line_on_a_terminal_and_log_lines_otherwise(tmp_path):
     from helpers import micro_config
+
     from trainer.run import make_sinks
 
     cfg = micro_config("enable_tensorboard=false", "steps=7")
@@ -247,11 +338,12 @@ def test_make_sinks_uses_the_progress_line_on_a_terminal_and_log_lines_otherwise
 
 # --- torn tails and where the figure goes ---------------------------------------------------------------
 
+
 def _cut_last_line(data: bytes, keep: int) -> bytes:
     """The file's bytes with only the first `keep` bytes of its last record (and no newline): what a
     writer killed mid-write leaves."""
     data = data.rstrip(b"\n")
-    return data[:data.rfind(b"\n") + 1 + keep]
+    return data[: data.rfind(b"\n") + 1 + keep]
 
 
 def _last_line_length(data: bytes) -> int:
@@ -298,8 +390,14 @@ def test_a_cut_inside_a_multibyte_character_or_a_record_missing_its_fields_is_sk
 
 
 def _report_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.report", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.report", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_output_without_a_suffix_is_a_directory_and_the_printed_path_is_the_file_written(tmp_path):
@@ -314,12 +412,15 @@ def test_output_without_a_suffix_is_a_directory_and_the_printed_path_is_the_file
     assert not (tmp_path / "DIR.png").exists() and not (tmp_path / "runs" / "failing" / "report.png").exists()
 
 
-@pytest.mark.parametrize("output,written,magic", [
-    ("existing", "existing/report.png", PNG_MAGIC),   # an existing directory
-    ("new/", "new/report.png", PNG_MAGIC),            # a trailing slash
-    ("figs/run.png", "figs/run.png", PNG_MAGIC),      # parents created
-    ("run.pdf", "run.pdf", b"%PDF"),                  # another format matplotlib writes
-])
+@pytest.mark.parametrize(
+    "output,written,magic",
+    [
+        ("existing", "existing/report.png", PNG_MAGIC),  # an existing directory
+        ("new/", "new/report.png", PNG_MAGIC),  # a trailing slash
+        ("figs/run.png", "figs/run.png", PNG_MAGIC),  # parents created
+        ("run.pdf", "run.pdf", b"%PDF"),  # another format matplotlib writes
+    ],
+)
 def test_output_rules_name_the_file_actually_written(tmp_path, monkeypatch, capsys, output, written, magic):
     run_dir = write_run(tmp_path / "failing")
     (tmp_path / "existing").mkdir()
@@ -343,9 +444,13 @@ def test_an_output_suffix_matplotlib_cannot_write_is_refused_before_rendering(tm
 def test_report_errors_are_one_line_with_exit_2_and_no_traceback(tmp_path):
     (tmp_path / "notes").write_text("a file")
     write_run(tmp_path / "failing")
-    for args, fragment in [(["nowhere"], f"{tmp_path / 'nowhere'} does not exist"),
-                           (["failing", "-o", "notes/r.png"], f"{tmp_path / 'notes'} is a file")]:
+    for args, fragment in [
+        (["nowhere"], f"{tmp_path / 'nowhere'} does not exist"),
+        (["failing", "-o", "notes/r.png"], f"{tmp_path / 'notes'} is a file"),
+    ]:
         proc = _report_cli(tmp_path, *args)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith("python -m trainer.report: error: ") and fragment in lines[0]
+        assert (
+            len(lines) == 1 and lines[0].startswith("python -m trainer.report: error: ") and fragment in lines[0]
+        )

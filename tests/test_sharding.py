@@ -1,7 +1,9 @@
 """The same global batch gives the same loss and gradients on every mesh layout."""
+
 import jax
 import numpy as np
 import pytest
+from helpers import micro_config, replace, synthetic_batch
 from jax.sharding import NamedSharding, PartitionSpec
 
 from trainer import model as qwen3
@@ -10,8 +12,6 @@ from trainer.parallel.context import activation_sharding
 from trainer.parallel.mesh import build_mesh, group_into_slices, resolve_ici
 from trainer.parallel.rules import logical_to_spec, tree_shardings
 from trainer.step import loss_sums
-
-from helpers import micro_config, replace, synthetic_batch
 
 LAYOUTS = {  # name: (devices, ici data, fsdp, tensor)
     "1 device": (1, 1, 1, 1),
@@ -44,13 +44,18 @@ def test_same_batch_same_loss_and_gradients_on_every_mesh(layout):
     n, data, fsdp, tensor = LAYOUTS[layout]
     base = micro_config()
     ref_loss, ref_grads, _, _ = _loss_and_grads(base, jax.devices()[:1])
-    cfg = replace(base, "mesh", ici_data_parallelism=data, ici_fsdp_parallelism=fsdp, ici_tensor_parallelism=tensor)
+    cfg = replace(
+        base, "mesh", ici_data_parallelism=data, ici_fsdp_parallelism=fsdp, ici_tensor_parallelism=tensor
+    )
     loss, grads, params, batch = _loss_and_grads(cfg, jax.devices()[:n])
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
     # The layout is real: the batch is split over data/fsdp, some parameter over fsdp/tensor.
-    split = lambda x: not x.sharding.is_fully_replicated
+
+    def split(x):
+        return not x.sharding.is_fully_replicated
+
     assert split(batch["inputs"]) == (data * fsdp > 1)
     assert any(split(x) for x in jax.tree.leaves(params)) == (fsdp * tensor > 1)
 
@@ -59,8 +64,12 @@ def test_logical_rules_skip_axes_that_do_not_divide_the_dim():
     cfg = micro_config("ici_fsdp_parallelism=1", "ici_tensor_parallelism=4")
     mesh = build_mesh(cfg.mesh, [jax.devices()[:4]])
     rules = cfg.mesh.logical_axis_rules
-    assert logical_to_spec(("embed", "kv_heads", "head_dim"), (64, 2, 16), mesh, rules) == PartitionSpec(None, None, None)
-    assert logical_to_spec(("embed", "heads", "head_dim"), (64, 4, 16), mesh, rules) == PartitionSpec(None, "tensor", None)
+    assert logical_to_spec(("embed", "kv_heads", "head_dim"), (64, 2, 16), mesh, rules) == PartitionSpec(
+        None, None, None
+    )
+    assert logical_to_spec(("embed", "heads", "head_dim"), (64, 4, 16), mesh, rules) == PartitionSpec(
+        None, "tensor", None
+    )
 
 
 def test_unknown_logical_axis_names_the_missing_rule():

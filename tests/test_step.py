@@ -1,8 +1,10 @@
 """The train step: accumulation equals a bigger batch, determinism, loss masking, LR schedule."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import micro_config, replace, synthetic_batch
 
 from trainer import model as qwen3
 from trainer.attempt import BatchPlan, init_state, plan_batch, state_shardings
@@ -10,17 +12,19 @@ from trainer.optim import learning_rate_schedule, make_optimizer
 from trainer.parallel.mesh import build_mesh
 from trainer.step import LOSS_CHUNK_TOKENS, make_train_step, token_losses
 
-from helpers import micro_config, replace, synthetic_batch
-
 
 def _one_step(cfg, micro_steps, batch):
     mesh = build_mesh(cfg.mesh, [jax.devices()[:1]])
-    opt = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model),
-                         schedule=learning_rate_schedule(cfg.optim, steps=cfg.train.steps))
+    opt = make_optimizer(
+        cfg.optim,
+        qwen3.param_logical_axes(cfg.model),
+        schedule=learning_rate_schedule(cfg.optim, steps=cfg.train.steps),
+    )
     shardings, _ = state_shardings(cfg, mesh, opt)
     state = init_state(cfg, opt, shardings)
-    step = jax.jit(make_train_step(cfg.model, opt, z_loss_multiplier=cfg.optim.z_loss_multiplier,
-                                   micro_steps=micro_steps))
+    step = jax.jit(
+        make_train_step(cfg.model, opt, z_loss_multiplier=cfg.optim.z_loss_multiplier, micro_steps=micro_steps)
+    )
     return jax.device_get(step(state, batch))
 
 
@@ -69,8 +73,9 @@ def test_chunked_loss_equals_full_logits_loss(monkeypatch):
 
 
 def test_learning_rate_warms_up_then_decays_to_the_final_fraction():
-    cfg = micro_config("learning_rate=1e-3", "warmup_steps_fraction=0.1", "steps=100",
-                       "cosine_learning_rate_final_fraction=0.1")
+    cfg = micro_config(
+        "learning_rate=1e-3", "warmup_steps_fraction=0.1", "steps=100", "cosine_learning_rate_final_fraction=0.1"
+    )
     lr = learning_rate_schedule(cfg.optim, steps=cfg.train.steps)
     assert float(lr(0)) == 0.0
     assert float(lr(10)) == pytest.approx(1e-3)
@@ -91,8 +96,12 @@ def test_keep_global_uses_more_micro_steps_on_fewer_slices_and_scale_shrinks_bat
     full = plan_batch(cfg, devices_per_slice=1, active_slices=3, batch_shards=3)
     kept = plan_batch(cfg, devices_per_slice=1, active_slices=2, batch_shards=2)
     assert full == BatchPlan(6, 1, 1.0) and kept.global_batch_size == 6 and kept.lr_scale == 1.0
-    scaled = plan_batch(replace(cfg, "elastic", elastic_resize_batch_policy="scale"),
-                        devices_per_slice=1, active_slices=2, batch_shards=2)
+    scaled = plan_batch(
+        replace(cfg, "elastic", elastic_resize_batch_policy="scale"),
+        devices_per_slice=1,
+        active_slices=2,
+        batch_shards=2,
+    )
     assert scaled.global_batch_size == 4 and scaled.lr_scale == pytest.approx(2 / 3)
     odd = plan_batch(cfg, devices_per_slice=4, active_slices=1, batch_shards=4)
     assert odd.global_batch_size == 24 and odd.rows_per_micro % 4 == 0

@@ -1,4 +1,5 @@
 """The synthetic stream: deterministic, different every step, shardable, resumable, well-formed."""
+
 import numpy as np
 
 from trainer.data.batch import check_batch, fingerprint

@@ -1,4 +1,5 @@
 """End to end: the real CLI in a subprocess trains the tiny preset and leaves a complete run directory."""
+
 import json
 import subprocess
 import sys
@@ -8,13 +9,33 @@ import pytest
 
 from trainer.config import load_config, load_resolved
 
-REQUIRED = {"step", "loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_s", "tflops_per_device",
-            "mfu", "global_batch_size", "pid", "time", "batch_fingerprint"}
+REQUIRED = {
+    "step",
+    "loss",
+    "learning_rate",
+    "grad_norm",
+    "step_time_s",
+    "tokens_per_s",
+    "tflops_per_device",
+    "mfu",
+    "global_batch_size",
+    "pid",
+    "time",
+    "batch_fingerprint",
+}
 
 
 def run_cli(tmp_path: Path, *overrides: str, env=None, timeout=300):
-    cmd = [sys.executable, "-m", "trainer.train", "base.yml", "model=qwen3-tiny", f"base_output_directory={tmp_path}",
-           "run_name=e2e", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.train",
+        "base.yml",
+        "model=qwen3-tiny",
+        f"base_output_directory={tmp_path}",
+        "run_name=e2e",
+        *overrides,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -53,9 +74,18 @@ def test_metrics_jsonl_has_one_complete_record_per_step(finished_run):
 def test_run_directory_holds_config_events_and_tensorboard(finished_run):
     _, run_dir = finished_run
     cfg = load_resolved(run_dir / "config.yml")
-    assert cfg == load_config("base.yml", ["model=qwen3-tiny", f"base_output_directory={run_dir.parent}",
-                                           "run_name=e2e", "steps=20", "max_target_length=64", "log_period=5",
-                                           "enable_checkpointing=false"])
+    assert cfg == load_config(
+        "base.yml",
+        [
+            "model=qwen3-tiny",
+            f"base_output_directory={run_dir.parent}",
+            "run_name=e2e",
+            "steps=20",
+            "max_target_length=64",
+            "log_period=5",
+            "enable_checkpointing=false",
+        ],
+    )
     events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
     names = [e["event"] for e in events]
     assert names[0] == "start" and "compile_done" in names and names[-1] == "finish"
@@ -65,8 +95,14 @@ def test_run_directory_holds_config_events_and_tensorboard(finished_run):
 
 def test_same_seed_same_losses_and_data_order(finished_run, tmp_path):
     _, run_dir = finished_run
-    proc = run_cli(tmp_path, "steps=5", "max_target_length=64", "enable_checkpointing=false",
-                   "enable_tensorboard=false", "learning_rate_schedule_steps=20")
+    proc = run_cli(
+        tmp_path,
+        "steps=5",
+        "max_target_length=64",
+        "enable_checkpointing=false",
+        "enable_tensorboard=false",
+        "learning_rate_schedule_steps=20",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     again = [json.loads(l) for l in (tmp_path / "e2e" / "metrics.jsonl").read_text().splitlines()]
     first = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()][:5]
@@ -82,5 +118,7 @@ def test_recorded_learning_rate_is_the_schedule_value_each_update_used(finished_
     schedule = learning_rate_schedule(cfg.optim, steps=cfg.train.steps)
     records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # optax counts updates from 0: step s's update used the schedule at s - 1 (0 during the first).
-    assert [r["learning_rate"] for r in records] == pytest.approx([float(schedule(r["step"] - 1)) for r in records])
+    assert [r["learning_rate"] for r in records] == pytest.approx(
+        [float(schedule(r["step"] - 1)) for r in records]
+    )
     assert records[0]["learning_rate"] == 0.0 and max(r["learning_rate"] for r in records) > 0

@@ -3,6 +3,7 @@
 gs:// is served by tests/objstore/fake_gcs.py (fsspec's gs protocol over a local directory, loaded in
 the CLI subprocess through sitecustomize), so the object-store code under test is the trainer's own.
 """
+
 import json
 import os
 import shutil
@@ -11,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cli_harness import MICRO, cli_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,8 +25,14 @@ pytestmark = pytest.mark.slow
 def train(cwd: Path, *args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     run_env = cli_env(1)
     run_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "trainer.train", "base.yml", *MICRO, *args],
-                          capture_output=True, text=True, cwd=cwd, env=run_env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.train", "base.yml", *MICRO, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=run_env,
+        timeout=timeout,
+    )
 
 
 def status(proc) -> str:
@@ -40,8 +46,9 @@ def records(path: Path) -> list[dict]:
 
 def test_a_fresh_directory_trains_with_relative_defaults_and_the_same_command_resumes(tmp_path):
     first = train(tmp_path, "steps=3")
-    assert status(first) == f"STATUS: finished step=3 run_dir={tmp_path / 'runs' / 'qwen3-tiny-synthetic'}", \
+    assert status(first) == f"STATUS: finished step=3 run_dir={tmp_path / 'runs' / 'qwen3-tiny-synthetic'}", (
         first.stderr[-3000:]
+    )
     run_dir = tmp_path / "runs" / "qwen3-tiny-synthetic"
     assert (run_dir / "checkpoints" / "3" / "commit_success.txt").exists()
     assert "(new run;" in first.stdout
@@ -61,8 +68,13 @@ def test_output_under_home_and_a_relative_load_path(tmp_path):
     ckpt = home / "exp" / "qwen3-tiny-synthetic" / "checkpoints" / "2"
     assert (ckpt / "commit_success.txt").exists()
     os.symlink(home / "exp", tmp_path / "exp")
-    tuned = train(tmp_path, "steps=2", "run_name=tuned", "load_parameters_path=exp/qwen3-tiny-synthetic/checkpoints/2",
-                  "base_output_directory=out")
+    tuned = train(
+        tmp_path,
+        "steps=2",
+        "run_name=tuned",
+        "load_parameters_path=exp/qwen3-tiny-synthetic/checkpoints/2",
+        "base_output_directory=out",
+    )
     assert status(tuned).startswith("STATUS: finished step=2"), tuned.stderr[-3000:]
     starts = [e for e in records(tmp_path / "out" / "tuned" / "events.jsonl") if e["event"] == "attempt_start"]
     assert [e["source"] for e in starts] == ["load_parameters_path"]
@@ -82,8 +94,9 @@ def test_a_load_path_of_another_model_shape_exits_2(tmp_path):
     base = train(tmp_path, "steps=1", "run_name=small")
     assert status(base).startswith("STATUS: finished"), base.stderr[-3000:]
     proc = train(tmp_path, "run_name=big", "base_emb_dim=128", "load_parameters_path=runs/small/checkpoints/1")
-    assert proc.returncode == 2 and "does not match the model config: embed_tokens is [512, 64]" in proc.stderr, \
+    assert proc.returncode == 2 and "does not match the model config: embed_tokens is [512, 64]" in proc.stderr, (
         proc.stderr[-2000:]
+    )
     assert not (tmp_path / "runs" / "big").exists()
 
 
@@ -101,11 +114,13 @@ def test_relative_data_and_tokenizer_paths_a_glob_over_a_prepared_directory_and_
     (tmp_path / "tok").mkdir()
     shutil.copy(REPO / "data" / "tokenizer" / "fc_sp8k.model", tmp_path / "tok")
     proc = train(tmp_path, "steps=2", *DATA, "grain_train_files=mydata/*", "tokenizer_path=tok/fc_sp8k.model")
-    assert status(proc) == f"STATUS: finished step=2 run_dir={tmp_path / 'runs' / 'qwen3-tiny-mydata'}", \
+    assert status(proc) == f"STATUS: finished step=2 run_dir={tmp_path / 'runs' / 'qwen3-tiny-mydata'}", (
         proc.stderr[-3000:]
+    )
     proc = train(tmp_path, "steps=3", *DATA, "grain_train_files=mydata", "tokenizer_path=tok/fc_sp8k.model")
-    assert status(proc) == f"STATUS: finished step=3 run_dir={tmp_path / 'runs' / 'qwen3-tiny-mydata'}", \
+    assert status(proc) == f"STATUS: finished step=3 run_dir={tmp_path / 'runs' / 'qwen3-tiny-mydata'}", (
         proc.stderr[-3000:]
+    )
 
 
 def test_data_that_matches_nothing_exits_2_and_leaves_no_run_directory(tmp_path):
@@ -116,9 +131,12 @@ def test_data_that_matches_nothing_exits_2_and_leaves_no_run_directory(tmp_path)
 
 def _bucket_env(tmp_path: Path, pod: str) -> dict:
     """A pod: the fake store, and a local mirror of its own (a fresh node has an empty one)."""
-    return {"PYTHONPATH": os.pathsep.join([str(OBJSTORE), os.environ.get("PYTHONPATH", "")]),
-            "FAKE_GCS_ROOT": str(tmp_path / "bucket-root"), "TRAINER_LOCAL_RUN_ROOT": str(tmp_path / pod),
-            "TRAINER_CACHE_DIR": str(tmp_path / pod / "cache")}
+    return {
+        "PYTHONPATH": os.pathsep.join([str(OBJSTORE), os.environ.get("PYTHONPATH", "")]),
+        "FAKE_GCS_ROOT": str(tmp_path / "bucket-root"),
+        "TRAINER_LOCAL_RUN_ROOT": str(tmp_path / pod),
+        "TRAINER_CACHE_DIR": str(tmp_path / pod / "cache"),
+    }
 
 
 def test_data_tokenizer_and_logs_on_an_object_store_and_a_restarted_pod_continues_the_logs(tmp_path):
@@ -126,20 +144,30 @@ def test_data_tokenizer_and_logs_on_an_object_store_and_a_restarted_pod_continue
     shutil.copytree(REPO / "data" / "fc_sample", bucket / "data")
     (bucket / "tok").mkdir()
     shutil.copy(REPO / "data" / "tokenizer" / "fc_sp8k.model", bucket / "tok")
-    args = ["steps=2", *DATA, "grain_train_files=gs://bkt/data/*", "tokenizer_path=gs://bkt/tok/fc_sp8k.model",
-            "base_output_directory=gs://bkt/runs", "enable_checkpointing=false"]
+    args = [
+        "steps=2",
+        *DATA,
+        "grain_train_files=gs://bkt/data/*",
+        "tokenizer_path=gs://bkt/tok/fc_sp8k.model",
+        "base_output_directory=gs://bkt/runs",
+        "enable_checkpointing=false",
+    ]
     first = train(tmp_path, *args, env=_bucket_env(tmp_path, "pod-a"))
     assert status(first) == "STATUS: finished step=2 run_dir=gs://bkt/runs/qwen3-tiny-data", first.stderr[-3000:]
     remote = bucket / "runs" / "qwen3-tiny-data"
     assert [r["step"] for r in records(remote / "metrics.jsonl")] == [1, 2]
     second = train(tmp_path, *args, env=_bucket_env(tmp_path, "pod-b"))
     assert status(second).startswith("STATUS: finished step=2"), second.stderr[-3000:]
-    assert [r["step"] for r in records(remote / "metrics.jsonl")] == [1, 2, 1, 2], "the second pod replaced the logs"
+    assert [r["step"] for r in records(remote / "metrics.jsonl")] == [1, 2, 1, 2], (
+        "the second pod replaced the logs"
+    )
     events = records(remote / "events.jsonl")
     assert [e["event"] for e in events].count("start") == 2
     assert len({e["pid"] for e in events if e["event"] == "start"}) == 2
 
 
 def test_a_missing_object_store_load_path_exits_2(tmp_path):
-    proc = train(tmp_path, "load_parameters_path=gs://bkt/ckpt/none", env=_bucket_env(tmp_path, "pod"), timeout=120)
+    proc = train(
+        tmp_path, "load_parameters_path=gs://bkt/ckpt/none", env=_bucket_env(tmp_path, "pod"), timeout=120
+    )
     assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr[-2000:]

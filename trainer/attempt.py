@@ -5,14 +5,16 @@ failure starts from clean objects (no threads, arrays of a dead mesh or stale ca
 The only things passed in are the config, the active slices and long-lived services (event log,
 executable cache) that the caller owns.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -118,8 +120,9 @@ def state_shardings(cfg: RunConfig, mesh: Mesh, optimizer) -> tuple[Any, Any]:
     param_sh = tree_shardings(logical, abstract_params, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, param_sh,
-                                   transform_non_params=lambda _: replicated)
+    opt_sh = optax.tree_map_params(
+        optimizer, lambda _, s: s, abstract_opt, param_sh, transform_non_params=lambda _: replicated
+    )
     shardings = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
     abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract_params, "opt_state": abstract_opt}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
@@ -136,7 +139,7 @@ def init_state(cfg: RunConfig, optimizer, shardings) -> dict:
     return jax.jit(init, out_shardings=shardings)(jax.random.key(cfg.train.init_weights_seed))
 
 
-def compile_step(cfg: RunConfig, layout: "Layout"):
+def compile_step(cfg: RunConfig, layout: Layout):
     """AOT-compile the train step for this layout's mesh and batch plan; returns (executable, seconds)."""
     mesh, plan, batch_sharding, shardings = layout.mesh, layout.plan, layout.batch_sharding, layout.shardings
     rules = cfg.mesh.logical_axis_rules
@@ -145,20 +148,31 @@ def compile_step(cfg: RunConfig, layout: "Layout"):
     def constrain_micro(micro):
         return {k: jax.lax.with_sharding_constraint(v, micro_spec) for k, v in micro.items()}
 
-    step = make_train_step(cfg.model, layout.optimizer, z_loss_multiplier=cfg.optim.z_loss_multiplier,
-                           micro_steps=plan.micro_steps, constrain_micro=constrain_micro,
-                           learning_rate=layout.lr_schedule)
+    step = make_train_step(
+        cfg.model,
+        layout.optimizer,
+        z_loss_multiplier=cfg.optim.z_loss_multiplier,
+        micro_steps=plan.micro_steps,
+        constrain_micro=constrain_micro,
+        learning_rate=layout.lr_schedule,
+    )
 
     def traced(state, batch):
         with activation_sharding(mesh, rules):
             return step(state, batch)
 
     replicated = NamedSharding(mesh, PartitionSpec())
-    jitted = jax.jit(traced, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated),
-                     donate_argnums=(0,))
+    jitted = jax.jit(
+        traced,
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, replicated),
+        donate_argnums=(0,),
+    )
     length = cfg.data.max_target_length
-    abstract_batch = {k: jax.ShapeDtypeStruct((plan.global_batch_size, length), jnp.int32, sharding=batch_sharding)
-                      for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+    abstract_batch = {
+        k: jax.ShapeDtypeStruct((plan.global_batch_size, length), jnp.int32, sharding=batch_sharding)
+        for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+    }
     t0 = time.perf_counter()
     compiled = jitted.lower(layout.abstract_state, abstract_batch).compile()
     return compiled, time.perf_counter() - t0
@@ -194,7 +208,7 @@ class Layout:
     step_fn: Callable | None = None  # set by `compiled`
     compile_s: float = 0.0
 
-    def compiled(self, cfg: RunConfig) -> "Layout":
+    def compiled(self, cfg: RunConfig) -> Layout:
         step_fn, seconds = compile_step(cfg, self)
         return dataclasses.replace(self, step_fn=step_fn, compile_s=seconds)
 
@@ -214,13 +228,23 @@ def describe_layout(cfg: RunConfig, slices: list[list]) -> Layout:
     schedule = learning_rate_schedule(cfg.optim, steps=cfg.train.steps, lr_scale=plan.lr_scale)
     optimizer = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model), schedule=schedule)
     shardings, abstract_state = state_shardings(cfg, mesh, optimizer)
-    return Layout(mesh, plan, batch_sharding, loader_index, loader_count, schedule, optimizer, shardings,
-                  abstract_state)
+    return Layout(
+        mesh, plan, batch_sharding, loader_index, loader_count, schedule, optimizer, shardings, abstract_state
+    )
 
 
-def build_attempt(cfg: RunConfig, slices: list[list], *, checkpoint_dir, events, total_slices: int,
-                  layout_cache: dict | None = None, restore_source: Callable | None = None,
-                  wrap_step: Callable | None = None, checkpoint_multiprocessing=None) -> Attempt:
+def build_attempt(
+    cfg: RunConfig,
+    slices: list[list],
+    *,
+    checkpoint_dir,
+    events,
+    total_slices: int,
+    layout_cache: dict | None = None,
+    restore_source: Callable | None = None,
+    wrap_step: Callable | None = None,
+    checkpoint_multiprocessing=None,
+) -> Attempt:
     """Everything one attempt needs, on the mesh over `slices` (the active ones).
 
     `layout_cache` (slice set -> Layout) is owned by the caller and outlives attempts; everything
@@ -239,16 +263,21 @@ def build_attempt(cfg: RunConfig, slices: list[list], *, checkpoint_dir, events,
             layout = describe_layout(cfg, slices)
         mesh, plan = layout.mesh, layout.plan
         # Data first: a bad dataset or tokenizer must stop the run before any compile or device work.
-        iterator = make_train_iterator(cfg.data, vocab_size=cfg.model.vocab_size,
-                                       global_batch_size=plan.global_batch_size,
-                                       process_index=layout.loader_index, process_count=layout.loader_count)
+        iterator = make_train_iterator(
+            cfg.data,
+            vocab_size=cfg.model.vocab_size,
+            global_batch_size=plan.global_batch_size,
+            process_index=layout.loader_index,
+            process_count=layout.loader_count,
+        )
         stack.callback(iterator.close)
         if fresh:
             layout = layout.compiled(cfg)
             if layout_cache is not None:
                 layout_cache[key] = layout
-            events.emit("compile_done", seconds=round(layout.compile_s, 3), devices=mesh.size,
-                        micro_steps=plan.micro_steps)
+            events.emit(
+                "compile_done", seconds=round(layout.compile_s, 3), devices=mesh.size, micro_steps=plan.micro_steps
+            )
         else:
             events.emit("compile_cached", devices=mesh.size, micro_steps=plan.micro_steps)
         optimizer, shardings, abstract_state = layout.optimizer, layout.shardings, layout.abstract_state
@@ -257,33 +286,66 @@ def build_attempt(cfg: RunConfig, slices: list[list], *, checkpoint_dir, events,
         if cfg.checkpoint.enable_checkpointing:
             from trainer.checkpoint import Checkpointer
 
-            checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, on_event=events,
-                                        multiprocessing=checkpoint_multiprocessing)
+            checkpointer = Checkpointer(
+                checkpoint_dir, cfg.checkpoint, on_event=events, multiprocessing=checkpoint_multiprocessing
+            )
             # A normal finish has already waited for its saves; after a failure, settle an in-flight save
             # for a bounded time (Orbax finishes or fails it in the background; it never counts until
             # committed).
-            stack.callback(partial(checkpointer.close, timeout_s=CLOSE_TIMEOUT_S if checkpoint_multiprocessing is None
-                                   else MULTIPROCESS_CLOSE_TIMEOUT_S))
+            stack.callback(
+                partial(
+                    checkpointer.close,
+                    timeout_s=CLOSE_TIMEOUT_S
+                    if checkpoint_multiprocessing is None
+                    else MULTIPROCESS_CLOSE_TIMEOUT_S,
+                )
+            )
         t0 = time.perf_counter()
         events.emit("restore_start")
-        state, data_state, source = _initial_state(cfg, optimizer, shardings, abstract_state, checkpointer,
-                                                   restore_source)
+        state, data_state, source = _initial_state(
+            cfg, optimizer, shardings, abstract_state, checkpointer, restore_source
+        )
         jax.block_until_ready(state)
-        events.emit("restore_end", source=source, seconds=round(time.perf_counter() - t0, 4),
-                    bytes=int(sum(x.nbytes for x in jax.tree.leaves(state))))
+        events.emit(
+            "restore_end",
+            source=source,
+            seconds=round(time.perf_counter() - t0, 4),
+            bytes=int(sum(x.nbytes for x in jax.tree.leaves(state))),
+        )
         if data_state is not None:
             iterator.set_state(data_state)
         start_step = int(jax.device_get(state["step"]))
-        flops = qwen3.training_flops_per_token(cfg.model, cfg.data.max_target_length) * \
-            plan.global_batch_size * cfg.data.max_target_length
-        log.info("attempt ready: mesh=%s global_batch=%d micro_steps=%d lr_scale=%.3f start_step=%d source=%s "
-                 "loader_shard=%d/%d", dict(mesh.shape), plan.global_batch_size, plan.micro_steps, plan.lr_scale,
-                 start_step, source, layout.loader_index, layout.loader_count)
-        return Attempt(cfg=cfg, mesh=mesh, plan=plan, state=state, start_step=start_step, restored_from=source,
-                       step_fn=layout.step_fn if wrap_step is None else wrap_step(layout.step_fn),
-                       batch_sharding=layout.batch_sharding, iterator=iterator,
-                       checkpointer=checkpointer,
-                       flops_per_step=flops, stack=stack)
+        flops = (
+            qwen3.training_flops_per_token(cfg.model, cfg.data.max_target_length)
+            * plan.global_batch_size
+            * cfg.data.max_target_length
+        )
+        log.info(
+            "attempt ready: mesh=%s global_batch=%d micro_steps=%d lr_scale=%.3f start_step=%d source=%s "
+            "loader_shard=%d/%d",
+            dict(mesh.shape),
+            plan.global_batch_size,
+            plan.micro_steps,
+            plan.lr_scale,
+            start_step,
+            source,
+            layout.loader_index,
+            layout.loader_count,
+        )
+        return Attempt(
+            cfg=cfg,
+            mesh=mesh,
+            plan=plan,
+            state=state,
+            start_step=start_step,
+            restored_from=source,
+            step_fn=layout.step_fn if wrap_step is None else wrap_step(layout.step_fn),
+            batch_sharding=layout.batch_sharding,
+            iterator=iterator,
+            checkpointer=checkpointer,
+            flops_per_step=flops,
+            stack=stack,
+        )
     except BaseException:
         stack.close()
         raise

@@ -16,6 +16,7 @@ Only a live run is accepted, so a request cannot wait in the directory for a lat
   between this check and its next step, is ignored by every later (resumed) run of the directory.
   The pid alone would not do: a container restarts its trainer with the same pid.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,12 @@ def attempt_of(start: dict[str, Any]) -> dict[str, Any]:
 def names_attempt(request: dict[str, Any], attempt: dict[str, Any] | None) -> bool:
     """True when the request's `target` is `attempt` (both pid and start time)."""
     target = request.get("target")
-    return (isinstance(target, dict) and attempt is not None and target.get("pid") == attempt["pid"]
-            and target.get("started") == attempt["started"])
+    return (
+        isinstance(target, dict)
+        and attempt is not None
+        and target.get("pid") == attempt["pid"]
+        and target.get("started") == attempt["started"]
+    )
 
 
 def request_kill(run_dir: Path, slice_index: int, down_s: float, target: dict[str, Any]) -> Path:
@@ -53,8 +58,9 @@ def request_kill(run_dir: Path, slice_index: int, down_s: float, target: dict[st
     chaos.mkdir(parents=True, exist_ok=True)
     name = f"{time.time_ns()}-kill-slice-{slice_index}"
     tmp = chaos / f"{name}.tmp"
-    tmp.write_text(json.dumps({"slice": slice_index, "down_s": down_s, "requested_at": time.time(),
-                               "target": target}))
+    tmp.write_text(
+        json.dumps({"slice": slice_index, "down_s": down_s, "requested_at": time.time(), "target": target})
+    )
     final = chaos / f"{name}.json"
     os.replace(tmp, final)  # atomic: the trainer never reads a half-written request
     return final
@@ -62,10 +68,13 @@ def request_kill(run_dir: Path, slice_index: int, down_s: float, target: dict[st
 
 # ---- validation: every check names the bad input and what to do instead ---------------------------------
 
+
 def check_down_s(down_s: float) -> None:
     if not (math.isfinite(down_s) and down_s >= 0):
-        raise UserInputError(f"--down-s {down_s}: the seconds the slice stays down must be a finite number >= 0 "
-                             f"(0 = it is healthy again at once, after failing one step)")
+        raise UserInputError(
+            f"--down-s {down_s}: the seconds the slice stays down must be a finite number >= 0 "
+            f"(0 = it is healthy again at once, after failing one step)"
+        )
 
 
 def local_run_dir(text: str) -> Path:
@@ -80,15 +89,20 @@ def local_run_dir(text: str) -> Path:
 
 
 def check_run_dir(run_dir: Path, given: str) -> None:
-    where = f"--run-dir {given}" + ("" if str(run_dir) == os.path.abspath(os.path.expanduser(given))
-                                    else f" (local mirror {run_dir})")
+    where = f"--run-dir {given}" + (
+        "" if str(run_dir) == os.path.abspath(os.path.expanduser(given)) else f" (local mirror {run_dir})"
+    )
     if not run_dir.is_dir():
-        raise UserInputError(f"{where}: no such directory on this host; give <base_output_directory>/<run_name> "
-                             f"of a trainer running here")
+        raise UserInputError(
+            f"{where}: no such directory on this host; give <base_output_directory>/<run_name> "
+            f"of a trainer running here"
+        )
     missing = [n for n in (EVENTS_FILE, CONFIG_FILE) if not (run_dir / n).is_file()]
     if missing:
-        raise UserInputError(f"{where}: not a run directory (no {' or '.join(missing)}); give "
-                             f"<base_output_directory>/<run_name> of a trainer running here")
+        raise UserInputError(
+            f"{where}: not a run directory (no {' or '.join(missing)}); give "
+            f"<base_output_directory>/<run_name> of a trainer running here"
+        )
 
 
 def num_slices(run_dir: Path) -> int:
@@ -97,19 +111,26 @@ def num_slices(run_dir: Path) -> int:
 
     cfg = load_resolved(run_dir / CONFIG_FILE)
     if cfg.mesh.enable_single_controller:
-        raise UserInputError(f"--run-dir {run_dir}: the run uses enable_single_controller=true (Pathways), whose "
-                             f"slices are real; delete a worker pod instead")
+        raise UserInputError(
+            f"--run-dir {run_dir}: the run uses enable_single_controller=true (Pathways), whose "
+            f"slices are real; delete a worker pod instead"
+        )
     if any(run_dir.glob("process_*/" + EVENTS_FILE)):
-        raise UserInputError(f"--run-dir {run_dir}: a multi-process job, whose slices are processes; kill one "
-                             f"(kill -9 PID; scripts/launch_local.py starts a replacement)")
+        raise UserInputError(
+            f"--run-dir {run_dir}: a multi-process job, whose slices are processes; kill one "
+            f"(kill -9 PID; scripts/launch_local.py starts a replacement)"
+        )
     return cfg.mesh.num_slices
 
 
 def check_slice(slice_index: int, slices: int | None) -> None:
     """`slices` None: only the lower bound (before the run's config is read)."""
     if slice_index < 0 or (slices is not None and slice_index >= slices):
-        bound = f"this run has num_slices={slices}: give an index in [0, {slices})" if slices is not None else \
-            "give an index in [0, num_slices) of the run's config.yml"
+        bound = (
+            f"this run has num_slices={slices}: give an index in [0, {slices})"
+            if slices is not None
+            else "give an index in [0, num_slices) of the run's config.yml"
+        )
         raise UserInputError(f"--slice {slice_index}: {bound}")
 
 
@@ -136,19 +157,25 @@ def live_attempt(run_dir: Path) -> dict[str, Any]:
     events = read_jsonl(run_dir / EVENTS_FILE)
     starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
     if not starts:
-        raise UserInputError(f"--run-dir {run_dir}: no trainer has started in it yet (no start event in "
-                             f"{EVENTS_FILE}); request the kill once it trains")
+        raise UserInputError(
+            f"--run-dir {run_dir}: no trainer has started in it yet (no start event in "
+            f"{EVENTS_FILE}); request the kill once it trains"
+        )
     start = events[starts[-1]]
-    finish = [e for e in events[starts[-1] + 1:] if e.get("event") == "finish"]
+    finish = [e for e in events[starts[-1] + 1 :] if e.get("event") == "finish"]
     if finish:
-        raise UserInputError(f"--run-dir {run_dir}: the run has ended (status {finish[-1].get('status', '?')}); "
-                             f"kill-slice acts on a running trainer: resume the run (the same training command) "
-                             f"and request the kill while it trains")
+        raise UserInputError(
+            f"--run-dir {run_dir}: the run has ended (status {finish[-1].get('status', '?')}); "
+            f"kill-slice acts on a running trainer: resume the run (the same training command) "
+            f"and request the kill while it trains"
+        )
     pid = start.get("pid")
     if not pid_running(pid):
-        raise UserInputError(f"--run-dir {run_dir}: the run is not running: its trainer (pid {pid}) wrote no "
-                             f"finish event but no such process runs on this host (it was killed, or runs on "
-                             f"another machine, which kill-slice cannot reach); resume the run first")
+        raise UserInputError(
+            f"--run-dir {run_dir}: the run is not running: its trainer (pid {pid}) wrote no "
+            f"finish event but no such process runs on this host (it was killed, or runs on "
+            f"another machine, which kill-slice cannot reach); resume the run first"
+        )
     return attempt_of(start)
 
 
@@ -163,20 +190,40 @@ def kill_slice(run_dir_arg: str, slice_index: int, down_s: float) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    kill = sub.add_parser("kill-slice", help="take a virtual slice of a running trainer down",
-                          description="Take a virtual slice of a running trainer (on this host) down: its next "
-                                      "step fails with the slice-down error. Refused, with exit 2, for a run "
-                                      "that is not running or an index or duration out of range.")
-    kill.add_argument("--run-dir", required=True, type=str, metavar="DIR",
-                      help="the running trainer's <base_output_directory>/<run_name> (for a gs:// run, the "
-                           "trainer's local mirror of it is used)")
-    kill.add_argument("--slice", required=True, type=int, metavar="INDEX",
-                      help="index of the slice to kill, in [0, num_slices) of the run's config.yml")
-    kill.add_argument("--down-s", type=float, default=0.0, metavar="SECONDS",
-                      help="seconds the slice stays unhealthy, a finite number >= 0 (default 0: it fails one "
-                           "step and is healthy again at once)")
+    kill = sub.add_parser(
+        "kill-slice",
+        help="take a virtual slice of a running trainer down",
+        description="Take a virtual slice of a running trainer (on this host) down: its next "
+        "step fails with the slice-down error. Refused, with exit 2, for a run "
+        "that is not running or an index or duration out of range.",
+    )
+    kill.add_argument(
+        "--run-dir",
+        required=True,
+        type=str,
+        metavar="DIR",
+        help="the running trainer's <base_output_directory>/<run_name> (for a gs:// run, the "
+        "trainer's local mirror of it is used)",
+    )
+    kill.add_argument(
+        "--slice",
+        required=True,
+        type=int,
+        metavar="INDEX",
+        help="index of the slice to kill, in [0, num_slices) of the run's config.yml",
+    )
+    kill.add_argument(
+        "--down-s",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds the slice stays unhealthy, a finite number >= 0 (default 0: it fails one "
+        "step and is healthy again at once)",
+    )
     return p
 
 

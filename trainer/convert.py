@@ -38,6 +38,7 @@ Measured peak RSS for a 468M-param model (1.87 GB float32, 0.94 GB bf16 source; 
 hf-to-trainer 2.97 GB (4.6 GB with a default Orbax save); trainer-to-hf --dtype bfloat16 3.08 GB.
 The tracemalloc bounds are asserted in tests/test_hf_interop.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,8 @@ import re
 import shutil
 import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import ml_dtypes
 import numpy as np
@@ -105,8 +106,9 @@ class SafetensorsDir:
         else:
             files = sorted(self.dir.glob("*.safetensors"), key=str)
         if not files:
-            raise MissingInput(f"no *.safetensors in {self.dir} (only safetensors are read, never "
-                               f"pickled .bin/.pt files)")
+            raise MissingInput(
+                f"no *.safetensors in {self.dir} (only safetensors are read, never pickled .bin/.pt files)"
+            )
         self._handles, self._where, self._meta = [], {}, {}
         for f in files:
             if not f.is_file():
@@ -139,9 +141,11 @@ def _index_weight_map(index) -> dict[str, str]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (ValueError, KeyError, TypeError) as e:
-        raise _hf_error(f"{index} is not a valid safetensors index (JSON with a 'weight_map' object): "
-                            f"{_why(e)}; download it again, or delete it if the directory holds a single "
-                            f"model.safetensors") from None
+        raise _hf_error(
+            f"{index} is not a valid safetensors index (JSON with a 'weight_map' object): "
+            f"{_why(e)}; download it again, or delete it if the directory holds a single "
+            f"model.safetensors"
+        ) from None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise _hf_error(f"{index}: 'weight_map' must map tensor names to file names")
     return weight_map
@@ -153,8 +157,10 @@ def _open_safetensors(path):
     try:
         return safe_open(str(local_copy(path)), framework="numpy")
     except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError (not an OSError) for a bad header
-        raise _hf_error(f"{path} is not a readable safetensors file ({_why(e)}); it may be truncated "
-                            f"(an interrupted download or copy): download it again") from None
+        raise _hf_error(
+            f"{path} is not a readable safetensors file ({_why(e)}); it may be truncated "
+            f"(an interrupted download or copy): download it again"
+        ) from None
 
 
 def _why(e: BaseException) -> str:
@@ -186,8 +192,15 @@ def read_hf_config(hf_dir) -> dict:
     return hf
 
 
-def model_config_from_hf(hf: dict, *, dtype: str, weight_dtype: str, scan_layers: bool = True,
-                         moe_capacity_factor: float | None = None, source: str = "config.json"):
+def model_config_from_hf(
+    hf: dict,
+    *,
+    dtype: str,
+    weight_dtype: str,
+    scan_layers: bool = True,
+    moe_capacity_factor: float | None = None,
+    source: str = "config.json",
+):
     """ModelConfig of a config.json; MoE capacity dropless (HF semantics) unless given."""
     from trainer.config.schema import ModelConfig
     from trainer.model.hf import dropless_capacity_factor, model_keys_from_hf
@@ -195,7 +208,8 @@ def model_config_from_hf(hf: dict, *, dtype: str, weight_dtype: str, scan_layers
     keys = model_keys_from_hf(hf, source)
     if keys.get("num_experts", 1) > 1:
         keys["moe_capacity_factor"] = moe_capacity_factor or dropless_capacity_factor(
-            keys["num_experts"], keys["num_experts_per_tok"])
+            keys["num_experts"], keys["num_experts_per_tok"]
+        )
     return ModelConfig(**keys, dtype=dtype, weight_dtype=weight_dtype, scan_layers=scan_layers)
 
 
@@ -204,19 +218,29 @@ def check_tensors(reader: SafetensorsDir, plan, tied: bool) -> None:
     expected = {p.hf_name: p.hf_shape(leaf.piece_shape(p)) for leaf in plan for p in leaf.pieces}
     for name, shape in expected.items():
         if name not in reader:
-            raise _hf_error(f"tensor {name!r} is missing from {reader.dir} (config.json implies shape "
-                                f"{list(shape)})")
+            raise _hf_error(
+                f"tensor {name!r} is missing from {reader.dir} (config.json implies shape {list(shape)})"
+            )
         if reader.shape(name) != shape:
-            raise _hf_error(f"tensor {name!r} has shape {list(reader.shape(name))} in {reader.dir}, but "
-                                f"config.json implies {list(shape)}")
+            raise _hf_error(
+                f"tensor {name!r} has shape {list(reader.shape(name))} in {reader.dir}, but "
+                f"config.json implies {list(shape)}"
+            )
         if reader.dtype(name) not in _TORCH_DTYPES:
-            raise _hf_error(f"tensor {name!r} has dtype {reader.dtype(name)}; only floating-point "
-                                f"F32/BF16/F16/F64 tensors are read")
-    extra = [n for n in reader.names() if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
-             and not (tied and n == "lm_head.weight")]  # tied: HF ignores a stored head too
+            raise _hf_error(
+                f"tensor {name!r} has dtype {reader.dtype(name)}; only floating-point "
+                f"F32/BF16/F16/F64 tensors are read"
+            )
+    extra = [
+        n
+        for n in reader.names()
+        if n not in expected and not n.endswith(_IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")
+    ]  # tied: HF ignores a stored head too
     if extra:
-        raise _hf_error(f"{len(extra)} tensor(s) in {reader.dir} are not part of the model config.json "
-                            f"describes, e.g. {extra[:4]}")
+        raise _hf_error(
+            f"{len(extra)} tensor(s) in {reader.dir} are not part of the model config.json "
+            f"describes, e.g. {extra[:4]}"
+        )
 
 
 def read_hf_params(reader: SafetensorsDir, plan, weight_dtype: str) -> dict:
@@ -233,29 +257,45 @@ def read_hf_params(reader: SafetensorsDir, plan, weight_dtype: str) -> dict:
     return params
 
 
-def open_hf(hf_dir, *, dtype: str | None, weight_dtype: str, scan_layers: bool = True,
-            moe_capacity_factor: float | None = None):
+def open_hf(
+    hf_dir,
+    *,
+    dtype: str | None,
+    weight_dtype: str,
+    scan_layers: bool = True,
+    moe_capacity_factor: float | None = None,
+):
     """(ModelConfig, reader, plan) of a Hugging Face directory: config.json and every safetensors header
     checked against each other, no tensor read yet, so every format error comes before the heavy work.
     dtype None: the activation dtype config.json records."""
     from trainer.model.hf import tensor_plan
 
     hf = read_hf_config(hf_dir)
-    cfg = model_config_from_hf(hf, dtype=dtype or _activation_dtype(hf), weight_dtype=weight_dtype,
-                               scan_layers=scan_layers, moe_capacity_factor=moe_capacity_factor,
-                               source=str(hf_dir / "config.json" if isinstance(hf_dir, epath.Path)
-                                          else Path(hf_dir) / "config.json"))
+    cfg = model_config_from_hf(
+        hf,
+        dtype=dtype or _activation_dtype(hf),
+        weight_dtype=weight_dtype,
+        scan_layers=scan_layers,
+        moe_capacity_factor=moe_capacity_factor,
+        source=str(hf_dir / "config.json" if isinstance(hf_dir, epath.Path) else Path(hf_dir) / "config.json"),
+    )
     reader = SafetensorsDir(hf_dir)
     plan = tensor_plan(cfg)
     check_tensors(reader, plan, tied=cfg.logits_via_embedding)
     return cfg, reader, plan
 
 
-def load_hf(hf_dir, *, dtype: str, weight_dtype: str, scan_layers: bool = True,
-            moe_capacity_factor: float | None = None):
+def load_hf(
+    hf_dir, *, dtype: str, weight_dtype: str, scan_layers: bool = True, moe_capacity_factor: float | None = None
+):
     """(ModelConfig, numpy params) of a Hugging Face directory, checked against its config.json."""
-    cfg, reader, plan = open_hf(hf_dir, dtype=dtype, weight_dtype=weight_dtype, scan_layers=scan_layers,
-                                moe_capacity_factor=moe_capacity_factor)
+    cfg, reader, plan = open_hf(
+        hf_dir,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        scan_layers=scan_layers,
+        moe_capacity_factor=moe_capacity_factor,
+    )
     return cfg, read_hf_params(reader, plan, weight_dtype)
 
 
@@ -279,8 +319,11 @@ def write_safetensors(path: Path, tensors: list[OutTensor], metadata: dict[str, 
     """A safetensors file written header first, then each tensor as it is produced (one in memory)."""
     header, offset = {}, 0
     for t in tensors:
-        header[t.name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
-                          "data_offsets": [offset, offset + t.nbytes]}
+        header[t.name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     header["__metadata__"] = metadata or {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -322,6 +365,7 @@ def hf_tensors(params: dict, plan, dtype: str) -> list[OutTensor]:
     out = []
     for leaf in plan:
         for piece in leaf.pieces:
+
             def produce(leaf=leaf, piece=piece):
                 return piece.to_hf(np.asarray(get_leaf(params, leaf.path)[piece.index]))
 
@@ -347,13 +391,17 @@ def checkpoint_model_config(ckpt, model: str | None = None):
             return build(json.loads(meta.read_text())["config"]).model
         except (ValueError, KeyError, TypeError) as e:  # ConfigError is a ValueError
             kind = "ConfigError" if isinstance(e, ConfigError) else "unreadable"
-            raise UserInputError(f"{meta}: the run config recorded in the checkpoint does not load "
-                                 f"({kind}: {_why(e)}); pass --model PRESET_OR_YAML of the model it was "
-                                 f"trained with") from None
+            raise UserInputError(
+                f"{meta}: the run config recorded in the checkpoint does not load "
+                f"({kind}: {_why(e)}); pass --model PRESET_OR_YAML of the model it was "
+                f"trained with"
+            ) from None
     if (ckpt / "model.yml").is_file():
         return load_config("base.yml", [f"model={ckpt / 'model.yml'}"]).model
-    raise UserInputError(f"cannot tell the model config of {ckpt}: it has no metadata/metadata (a training "
-                         f"checkpoint step dir) and no model.yml (hf-to-trainer); pass --model PRESET_OR_YAML")
+    raise UserInputError(
+        f"cannot tell the model config of {ckpt}: it has no metadata/metadata (a training "
+        f"checkpoint step dir) and no model.yml (hf-to-trainer); pass --model PRESET_OR_YAML"
+    )
 
 
 def load_checkpoint_params(ckpt, cfg) -> dict:
@@ -371,9 +419,11 @@ def load_checkpoint_params(ckpt, cfg) -> dict:
         found = re.search(r"Requested shape: (\(.*?\)) is not compatible with the stored shape: (\(.*?\))", str(e))
         if not found:
             raise
-        raise UserInputError(f"{resolve(ckpt)} does not match the model config: a tensor is stored as "
-                             f"{found.group(2)} but the model config needs {found.group(1)}; the model config "
-                             f"must be the one the checkpoint was trained with") from None
+        raise UserInputError(
+            f"{resolve(ckpt)} does not match the model config: a tensor is stored as "
+            f"{found.group(2)} but the model config needs {found.group(1)}; the model config "
+            f"must be the one the checkpoint was trained with"
+        ) from None
 
 
 def check_output(path, *, overwrite: bool, flag: str, inputs=()) -> Path:
@@ -381,8 +431,10 @@ def check_output(path, *, overwrite: bool, flag: str, inputs=()) -> Path:
     (without --overwrite), it would replace one of `inputs`, it is remote, or its nearest existing
     ancestor is a file or not writable. staged_dir / staged_file write it later (aside, then swapped)."""
     if is_remote(path):
-        raise UserInputError(f"{flag} {path}: outputs are written to local disk; write them locally, then copy "
-                             f"them up (e.g. `gcloud storage cp -r`)")
+        raise UserInputError(
+            f"{flag} {path}: outputs are written to local disk; write them locally, then copy "
+            f"them up (e.g. `gcloud storage cp -r`)"
+        )
     dest = Path(os.fspath(resolve(path)))
     for src in inputs:
         if src is not None and not is_remote(src):
@@ -411,17 +463,29 @@ def _save_params(staging: Path, params) -> None:
 # Commands
 
 
-def hf_to_trainer(hf_dir, output_dir, *, dtype: str | None = None, weight_dtype: str = "float32",
-                  scan_layers: bool = True, moe_capacity_factor: float | None = None,
-                  overwrite: bool = False) -> Path:
+def hf_to_trainer(
+    hf_dir,
+    output_dir,
+    *,
+    dtype: str | None = None,
+    weight_dtype: str = "float32",
+    scan_layers: bool = True,
+    moe_capacity_factor: float | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write the params-only checkpoint + model.yml of a Hugging Face directory; returns output_dir.
 
     Order: output writable, config.json and every safetensors header checked, then the tensors read and
     written aside; the output appears (or replaces the old one, with overwrite) only when complete."""
     hf_dir = resolve(hf_dir)
     output_dir = check_output(output_dir, overwrite=overwrite, flag="--output-dir", inputs=[hf_dir])
-    cfg, reader, plan = open_hf(hf_dir, dtype=dtype, weight_dtype=weight_dtype, scan_layers=scan_layers,
-                                moe_capacity_factor=moe_capacity_factor)
+    cfg, reader, plan = open_hf(
+        hf_dir,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        scan_layers=scan_layers,
+        moe_capacity_factor=moe_capacity_factor,
+    )
     params = read_hf_params(reader, plan, weight_dtype)
     with staged_dir(output_dir, overwrite=overwrite) as staging:
         _save_params(staging, params)
@@ -444,32 +508,65 @@ def _activation_dtype(hf: dict) -> str:
 def model_yaml(cfg, *, source, output_dir: Path, tokenizer: Path | None) -> str:
     import yaml
 
-    arch = ["base_num_decoder_layers", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
-            "base_mlp_dim", "vocab_size", "rope_max_timescale", "normalization_layer_epsilon", "use_qk_norm",
-            "logits_via_embedding"]
+    arch = [
+        "base_num_decoder_layers",
+        "base_emb_dim",
+        "base_num_query_heads",
+        "base_num_kv_heads",
+        "head_dim",
+        "base_mlp_dim",
+        "vocab_size",
+        "rope_max_timescale",
+        "normalization_layer_epsilon",
+        "use_qk_norm",
+        "logits_via_embedding",
+    ]
     if cfg.num_experts > 1:
-        arch += ["num_experts", "num_experts_per_tok", "base_moe_mlp_dim", "norm_topk_prob",
-                 "load_balance_loss_weight"]
-    dump = lambda keys: yaml.safe_dump({k: getattr(cfg, k) for k in keys}, sort_keys=False).rstrip()
-    lines = [f"# Model config derived from {resolve(source) / 'config.json'}",
-             "# by `python -m trainer.convert hf-to-trainer`. Train or decode from the converted weights with",
-             f"#   model={output_dir / 'model.yml'} load_parameters_path={output_dir}", dump(arch),
-             "# dtype: activations (from config.json); weight_dtype: the params as stored in this checkpoint;",
-             "# scan_layers: the layer layout the params are stored in (stacked or not): keep it.",
-             dump(["dtype", "weight_dtype", "scan_layers"])]
+        arch += [
+            "num_experts",
+            "num_experts_per_tok",
+            "base_moe_mlp_dim",
+            "norm_topk_prob",
+            "load_balance_loss_weight",
+        ]
+
+    def dump(keys):
+        return yaml.safe_dump({k: getattr(cfg, k) for k in keys}, sort_keys=False).rstrip()
+
+    lines = [
+        f"# Model config derived from {resolve(source) / 'config.json'}",
+        "# by `python -m trainer.convert hf-to-trainer`. Train or decode from the converted weights with",
+        f"#   model={output_dir / 'model.yml'} load_parameters_path={output_dir}",
+        dump(arch),
+        "# dtype: activations (from config.json); weight_dtype: the params as stored in this checkpoint;",
+        "# scan_layers: the layer layout the params are stored in (stacked or not): keep it.",
+        dump(["dtype", "weight_dtype", "scan_layers"]),
+    ]
     if cfg.num_experts > 1:
-        lines += ["# Dropless, as in Hugging Face (experts / top_k): the first losses match HF exactly. Lower",
-                  "# it to save memory and time; routed tokens past an expert's capacity are then dropped.",
-                  dump(["moe_capacity_factor"])]
+        lines += [
+            "# Dropless, as in Hugging Face (experts / top_k): the first losses match HF exactly. Lower",
+            "# it to save memory and time; routed tokens past an expert's capacity are then dropped.",
+            dump(["moe_capacity_factor"]),
+        ]
     if tokenizer is not None:
-        lines += ["# The checkpoint's own tokenizer (copied from the source directory).",
-                  yaml.safe_dump({"tokenizer_path": str(tokenizer), "tokenizer_type": "huggingface"},
-                                 sort_keys=False).rstrip()]
+        lines += [
+            "# The checkpoint's own tokenizer (copied from the source directory).",
+            yaml.safe_dump(
+                {"tokenizer_path": str(tokenizer), "tokenizer_type": "huggingface"}, sort_keys=False
+            ).rstrip(),
+        ]
     return "\n".join(lines) + "\n"
 
 
-def trainer_to_hf(ckpt, output_dir, *, model: str | None = None, dtype: str | None = None,
-                  max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> Path:
+def trainer_to_hf(
+    ckpt,
+    output_dir,
+    *,
+    model: str | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
+) -> Path:
     """Write config.json + safetensors of a checkpoint; returns output_dir.
 
     Everything that can be checked without reading an array is, first: the checkpoint directory, the
@@ -492,8 +589,10 @@ def trainer_to_hf(ckpt, output_dir, *, model: str | None = None, dtype: str | No
     return output_dir
 
 
-_MODEL_FIX = ("--model must be the model the checkpoint was trained with (omit --model to use the config "
-              "the checkpoint records)")
+_MODEL_FIX = (
+    "--model must be the model the checkpoint was trained with (omit --model to use the config "
+    "the checkpoint records)"
+)
 _RECORDED_FIX = "the config recorded with the checkpoint does not describe its params; pass --model explicitly"
 
 
@@ -503,31 +602,42 @@ def read_input_ids(path) -> np.ndarray:
     format is told by the content (a .npy starts with its magic bytes), not the name. Never unpickles."""
     path = resolve(path)
     if not path.is_file():
-        raise MissingInput(f"--input-ids {path} does not exist" if not path.exists() else
-                           f"--input-ids {path} is a directory; give a .npy or text file of token ids")
+        raise MissingInput(
+            f"--input-ids {path} does not exist"
+            if not path.exists()
+            else f"--input-ids {path} is a directory; give a .npy or text file of token ids"
+        )
     data = path.read_bytes()
     if data.startswith(_NPY_MAGIC):
         try:
             ids = np.load(io.BytesIO(data), allow_pickle=False)
         except (ValueError, OSError, EOFError) as e:
-            raise InputError(f"--input-ids {path} is not a readable .npy array ({_why(e)}); save the ids "
-                             f"with np.save(path, np.asarray(ids, np.int32))") from None
+            raise InputError(
+                f"--input-ids {path} is not a readable .npy array ({_why(e)}); save the ids "
+                f"with np.save(path, np.asarray(ids, np.int32))"
+            ) from None
     elif path.suffix == ".npy":
-        raise InputError(f"--input-ids {path} is not a .npy file (no NumPy header); save it with np.save, "
-                         f"or give a text file of integer ids")
+        raise InputError(
+            f"--input-ids {path} is not a .npy file (no NumPy header); save it with np.save, "
+            f"or give a text file of integer ids"
+        )
     else:
         ids = _text_ids(data, path)
     if ids.ndim not in (1, 2) or not np.issubdtype(ids.dtype, np.integer):
-        raise InputError(f"--input-ids {path}: token ids must be integers [batch, seq] or [seq], got "
-                         f"{ids.dtype} {list(ids.shape)}")
+        raise InputError(
+            f"--input-ids {path}: token ids must be integers [batch, seq] or [seq], got "
+            f"{ids.dtype} {list(ids.shape)}"
+        )
     if ids.size == 0:
         raise InputError(f"--input-ids {path} is empty: no token ids (shape {list(ids.shape)}); give at least one")
     return (ids[None] if ids.ndim == 1 else ids).astype(np.int64)
 
 
 def _text_ids(data: bytes, path) -> np.ndarray:
-    expected = ("expected a .npy integer array, or text with integer ids separated by spaces or commas, "
-                "one sequence per line")
+    expected = (
+        "expected a .npy integer array, or text with integer ids separated by spaces or commas, "
+        "one sequence per line"
+    )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
@@ -541,10 +651,14 @@ def _text_ids(data: bytes, path) -> np.ndarray:
             row = [int(t) for t in tokens]
         except ValueError:
             bad = next(t for t in tokens if not re.fullmatch(r"[+-]?\d+", t))
-            raise InputError(f"--input-ids {path} line {n}: {bad!r} is not an integer token id; {expected}") from None
+            raise InputError(
+                f"--input-ids {path} line {n}: {bad!r} is not an integer token id; {expected}"
+            ) from None
         if rows and len(row) != len(rows[0][1]):
-            raise InputError(f"--input-ids {path} line {n} has {len(row)} ids but line {rows[0][0]} has "
-                             f"{len(rows[0][1])}: the sequences form one batch, so they must be the same length")
+            raise InputError(
+                f"--input-ids {path} line {n} has {len(row)} ids but line {rows[0][0]} has "
+                f"{len(rows[0][1])}: the sequences form one batch, so they must be the same length"
+            )
         rows.append((n, row))
     if not rows:
         raise InputError(f"--input-ids {path} is empty: no token ids; {expected}")
@@ -561,8 +675,9 @@ def check_ids(ids: np.ndarray, vocab_size: int, source: str = "input ids") -> No
     if ids.size == 0:
         raise InputError(f"{source} are empty (shape {list(ids.shape)}); give at least one token id")
     if ids.min() < 0 or ids.max() >= vocab_size:
-        raise InputError(f"{source} must be in [0, {vocab_size}) (the model's vocab_size), got "
-                         f"[{ids.min()}, {ids.max()}]")
+        raise InputError(
+            f"{source} must be in [0, {vocab_size}) (the model's vocab_size), got [{ids.min()}, {ids.max()}]"
+        )
 
 
 def compute_logits(params: dict, cfg, input_ids: np.ndarray) -> np.ndarray:
@@ -588,8 +703,9 @@ def compute_logits(params: dict, cfg, input_ids: np.ndarray) -> np.ndarray:
     return np.asarray(run(params, ids), np.float32)
 
 
-def logits_command(*, ckpt=None, hf_dir=None, model: str | None = None, input_ids, output,
-                   overwrite: bool = False) -> Path:
+def logits_command(
+    *, ckpt=None, hf_dir=None, model: str | None = None, input_ids, output, overwrite: bool = False
+) -> Path:
     """Write the float32 logits of the ids in `input_ids` to the .npy `output`; returns its path. The ids,
     the output and the model source are checked before any weight is read."""
     output = check_output(output, overwrite=overwrite, flag="--output", inputs=[input_ids, ckpt, hf_dir])
@@ -615,21 +731,33 @@ def logits_command(*, ckpt=None, hf_dir=None, model: str | None = None, input_id
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     sub = p.add_subparsers(dest="command", required=True)
     overwrite = {"action": "store_true", "help": "replace an existing output (only once the new one is complete)"}
     a = sub.add_parser("hf-to-trainer", help="Hugging Face directory -> params-only checkpoint + model.yml")
     a.add_argument("--hf-dir", required=True)
     a.add_argument("--output-dir", required=True)
     a.add_argument("--overwrite", **overwrite)
-    a.add_argument("--dtype", choices=sorted(_ST_DTYPES), help="activation dtype in model.yml "
-                   "(default: config.json's dtype)")
+    a.add_argument(
+        "--dtype", choices=sorted(_ST_DTYPES), help="activation dtype in model.yml (default: config.json's dtype)"
+    )
     a.add_argument("--weight-dtype", choices=sorted(_ST_DTYPES), default="float32", help="stored params dtype")
-    a.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
-                   help="stacked layer layout (scan_layers=true) or layers/0, layers/1, ...")
-    a.add_argument("--moe-capacity-factor", type=float, help="MoE capacity factor in model.yml "
-                   "(default: experts / top_k, dropless like HF)")
+    a.add_argument(
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stacked layer layout (scan_layers=true) or layers/0, layers/1, ...",
+    )
+    a.add_argument(
+        "--moe-capacity-factor",
+        type=float,
+        help="MoE capacity factor in model.yml (default: experts / top_k, dropless like HF)",
+    )
     b = sub.add_parser("trainer-to-hf", help="checkpoint -> config.json + safetensors for transformers")
     b.add_argument("--checkpoint", required=True, help="<run>/checkpoints/<step>, or an hf-to-trainer output")
     b.add_argument("--output-dir", required=True)
@@ -642,8 +770,12 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--checkpoint")
     src.add_argument("--hf-dir")
     c.add_argument("--model", help="model preset or YAML, if the checkpoint does not record its config")
-    c.add_argument("--input-ids", required=True, help="int ids [batch, seq] or [seq]: a .npy file, or text with "
-                   "ids separated by spaces or commas, one sequence per line")
+    c.add_argument(
+        "--input-ids",
+        required=True,
+        help="int ids [batch, seq] or [seq]: a .npy file, or text with "
+        "ids separated by spaces or commas, one sequence per line",
+    )
     c.add_argument("--output", required=True, help=".npy to write float32 [batch, seq, vocab]")
     c.add_argument("--overwrite", **overwrite)
     return p
@@ -651,19 +783,37 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args) -> int:
     if args.command == "hf-to-trainer":
-        out = hf_to_trainer(args.hf_dir, args.output_dir, dtype=args.dtype, weight_dtype=args.weight_dtype,
-                            scan_layers=args.scan_layers, moe_capacity_factor=args.moe_capacity_factor,
-                            overwrite=args.overwrite)
+        out = hf_to_trainer(
+            args.hf_dir,
+            args.output_dir,
+            dtype=args.dtype,
+            weight_dtype=args.weight_dtype,
+            scan_layers=args.scan_layers,
+            moe_capacity_factor=args.moe_capacity_factor,
+            overwrite=args.overwrite,
+        )
         print(f"wrote {out}: train or decode with model={out / 'model.yml'} load_parameters_path={out}")
     elif args.command == "trainer-to-hf":
         if not args.max_shard_gb > 0:
             raise UserInputError(f"--max-shard-gb {args.max_shard_gb} must be > 0")
-        out = trainer_to_hf(args.checkpoint, args.output_dir, model=args.model, dtype=args.dtype,
-                            max_shard_bytes=int(args.max_shard_gb * 2**30), overwrite=args.overwrite)
+        out = trainer_to_hf(
+            args.checkpoint,
+            args.output_dir,
+            model=args.model,
+            dtype=args.dtype,
+            max_shard_bytes=int(args.max_shard_gb * 2**30),
+            overwrite=args.overwrite,
+        )
         print(f"wrote {out}")
     else:
-        out = logits_command(ckpt=args.checkpoint, hf_dir=args.hf_dir, model=args.model, input_ids=args.input_ids,
-                             output=args.output, overwrite=args.overwrite)
+        out = logits_command(
+            ckpt=args.checkpoint,
+            hf_dir=args.hf_dir,
+            model=args.model,
+            input_ids=args.input_ids,
+            output=args.output,
+            overwrite=args.overwrite,
+        )
         print(f"wrote {out}")
     return 0
 

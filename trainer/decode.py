@@ -15,6 +15,7 @@ config or input, found before any compute and printed as one line `python -m tra
 ...` (a load_parameters_path that is missing, a run directory, or does not match `model`, included;
 relative paths are taken from the working directory), 1 any other failure (with its traceback).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,7 @@ def _request(cfg):
     if not cfg.checkpoint.load_parameters_path:
         raise ConfigError("decoding needs load_parameters_path=<checkpoint step dir or params-only checkpoint>")
     if bool(d.prompt) == bool(d.prompt_ids):
-        raise ConfigError("give exactly one of prompt=\"text\" and prompt_ids=[id, ...]")
+        raise ConfigError('give exactly one of prompt="text" and prompt_ids=[id, ...]')
     try:
         sampling = Sampling(temperature=d.temperature, top_k=d.top_k, top_p=d.top_p)
     except ValueError as e:
@@ -77,8 +78,9 @@ def _load_params(cfg):
     from trainer.model import abstract_params
 
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
-                          abstract_params(cfg.model))
+    target = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), abstract_params(cfg.model)
+    )
     return load_parameters(cfg.checkpoint.load_parameters_path, target)
 
 
@@ -88,10 +90,17 @@ def decode(cfg) -> tuple[list[int], str | None]:
 
     ids, tokenizer, sampling = _request(cfg)
     eos = tokenizer.eos_id if tokenizer is not None else None
-    out = generate(_load_params(cfg), cfg.model, ids, cfg.decode.max_decode_length, sampling,
-                   seed=cfg.decode.decode_seed, eos_id=eos)[0].tolist()
+    out = generate(
+        _load_params(cfg),
+        cfg.model,
+        ids,
+        cfg.decode.max_decode_length,
+        sampling,
+        seed=cfg.decode.decode_seed,
+        eos_id=eos,
+    )[0].tolist()
     if eos is not None and eos in out:
-        out = out[:out.index(eos) + 1]
+        out = out[: out.index(eos) + 1]
     text = None if tokenizer is None else tokenizer.decode([i for i in out if i != eos])
     return out, text
 
@@ -132,9 +141,13 @@ def _check_checkpoint(cfg) -> None:
     from trainer.checkpoint.checks import check_checkpoint_dir, check_params_match
 
     path = check_checkpoint_dir(cfg.checkpoint.load_parameters_path, flag="load_parameters_path")
-    check_params_match(path, cfg.model, flag="load_parameters_path",
-                       fix="model= must be the model the checkpoint was trained with (for an hf-to-trainer "
-                           "output: model=<its directory>/model.yml)")
+    check_params_match(
+        path,
+        cfg.model,
+        flag="load_parameters_path",
+        fix="model= must be the model the checkpoint was trained with (for an hf-to-trainer "
+        "output: model=<its directory>/model.yml)",
+    )
 
 
 if __name__ == "__main__":

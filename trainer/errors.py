@@ -5,10 +5,11 @@ data, a missing file, an existing output). `tool_main` is the one error path of 
 such an error prints `<prog>: error: <message>` and returns 2; anything else is a bug and keeps its
 traceback (exit 1).
 """
+
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 EXIT_BAD_INPUT = 2
 

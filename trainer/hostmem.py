@@ -14,12 +14,13 @@ environment. Nothing happens when the tunable is already set (the container imag
 glibc is older than 2.35 or absent, when the kernel's THP mode is `never`, or with
 TRAINER_HUGEPAGE_MALLOC=0.
 """
+
 from __future__ import annotations
 
 import os
 import re
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 TUNABLE = "glibc.malloc.hugetlb"
 OPT_OUT = "TRAINER_HUGEPAGE_MALLOC"
@@ -43,8 +44,9 @@ def _thp_mode() -> str | None:
     return found.group(1) if found else None
 
 
-def hugepage_environ(environ: Mapping[str, str], *, glibc: tuple[int, ...] | None,
-                     thp_mode: str | None) -> dict[str, str] | None:
+def hugepage_environ(
+    environ: Mapping[str, str], *, glibc: tuple[int, ...] | None, thp_mode: str | None
+) -> dict[str, str] | None:
     """The environment to re-execute with, or None when there is nothing to do (see the module doc)."""
     if environ.get(OPT_OUT, "1") == "0" or glibc is None or glibc < (2, 35) or thp_mode in (None, "never"):
         return None

@@ -1,17 +1,19 @@
 """The step loop of one attempt: batch -> compiled step -> metrics (one step late) -> maybe save."""
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
 from trainer.attempt import Attempt
-from trainer.nonfinite import NonFinitePolicy
 from trainer.data.batch import fingerprint
+from trainer.nonfinite import NonFinitePolicy
 from trainer.observe.peaks import peak_tflops
 from trainer.observe.sinks import Sinks
 
@@ -40,8 +42,14 @@ class MetricsReader:
     step s happens after step s+1 was dispatched, so the device is never idle waiting for logging.
     """
 
-    def __init__(self, attempt: Attempt, sinks: Sinks, nonfinite: NonFinitePolicy, *,
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        attempt: Attempt,
+        sinks: Sinks,
+        nonfinite: NonFinitePolicy,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.attempt, self.sinks, self.nonfinite, self.clock = attempt, sinks, nonfinite, clock
         self.last_ready = clock()
         cfg = attempt.cfg
@@ -55,15 +63,24 @@ class MetricsReader:
         devices = self.attempt.mesh.size
         tflops = self.attempt.flops_per_step / step_time / devices / 1e12
         record = {
-            "step": pending.step, "loss": float(m["loss"]),
+            "step": pending.step,
+            "loss": float(m["loss"]),
             "learning_rate": float(m["learning_rate"]),
-            "grad_norm": float(m["grad_norm"]), "step_time_s": step_time,
-            "tokens_per_s": self.tokens_per_step / step_time, "tflops_per_device": tflops,
+            "grad_norm": float(m["grad_norm"]),
+            "step_time_s": step_time,
+            "tokens_per_s": self.tokens_per_step / step_time,
+            "tflops_per_device": tflops,
             "mfu": None if self.peak is None else tflops / self.peak,
-            "global_batch_size": self.attempt.plan.global_batch_size, "pid": os.getpid(), "time": time.time(),
-            "batch_fingerprint": pending.fingerprint, "loss_tokens": int(m["tokens"]),
-            "z_loss": float(m["z_loss"]), "aux_loss": float(m["aux_loss"]), "devices": devices,
-            "finite": bool(m["finite"]), "skipped_steps": self.nonfinite.skipped_steps,
+            "global_batch_size": self.attempt.plan.global_batch_size,
+            "pid": os.getpid(),
+            "time": time.time(),
+            "batch_fingerprint": pending.fingerprint,
+            "loss_tokens": int(m["tokens"]),
+            "z_loss": float(m["z_loss"]),
+            "aux_loss": float(m["aux_loss"]),
+            "devices": devices,
+            "finite": bool(m["finite"]),
+            "skipped_steps": self.nonfinite.skipped_steps,
         }
         if last:
             record["last"] = True
@@ -72,11 +89,18 @@ class MetricsReader:
         return record
 
 
-def train_loop(attempt: Attempt, sinks: Sinks, events, *, steps: int, nonfinite: NonFinitePolicy,
-               stop_requested: Callable[[], bool] = lambda: False,
-               before_step: Callable[[int], None] = lambda step: None,
-               after_step: Callable[[int, Attempt], None] = lambda step, attempt: None,
-               skip_batches: frozenset[int] = frozenset()) -> LoopResult:
+def train_loop(
+    attempt: Attempt,
+    sinks: Sinks,
+    events,
+    *,
+    steps: int,
+    nonfinite: NonFinitePolicy,
+    stop_requested: Callable[[], bool] = lambda: False,
+    before_step: Callable[[int], None] = lambda step: None,
+    after_step: Callable[[int, Attempt], None] = lambda step, attempt: None,
+    skip_batches: frozenset[int] = frozenset(),
+) -> LoopResult:
     """Run steps start_step+1 .. `steps`. Returns early (preempted) when `stop_requested()` turns true.
 
     `skip_batches`: steps whose batch is discarded once (nan_policy=rollback), the next batch used instead.
@@ -104,8 +128,12 @@ def train_loop(attempt: Attempt, sinks: Sinks, events, *, steps: int, nonfinite:
                 jax.block_until_ready(state)  # the save copies it; timed apart from the save's own work
                 waited = time.perf_counter() - t0
                 if ckpt.save(step, state, attempt.iterator.get_state(), _metadata(attempt)):
-                    events.emit("checkpoint_save_blocked", step=step, seconds=round(time.perf_counter() - t0, 4),
-                                waited_for_step_s=round(waited, 4))
+                    events.emit(
+                        "checkpoint_save_blocked",
+                        step=step,
+                        seconds=round(time.perf_counter() - t0, 4),
+                        waited_for_step_s=round(waited, 4),
+                    )
             after_step(step, attempt)
             if stop_requested() and not final:
                 reader.read(pending, last=True)
@@ -138,5 +166,9 @@ def _flush_best_effort(reader: MetricsReader, pending: _Pending | None) -> None:
 def _metadata(attempt: Attempt) -> dict:
     from trainer.config.loader import to_flat_dict
 
-    return {"config": to_flat_dict(attempt.cfg), "mesh": dict(attempt.mesh.shape),
-            "global_batch_size": attempt.plan.global_batch_size, "micro_steps": attempt.plan.micro_steps}
+    return {
+        "config": to_flat_dict(attempt.cfg),
+        "mesh": dict(attempt.mesh.shape),
+        "global_batch_size": attempt.plan.global_batch_size,
+        "micro_steps": attempt.plan.micro_steps,
+    }

@@ -7,6 +7,7 @@ this only decides what happens next, on the host, when the step's metrics are re
   rollback   raise RollbackRequested: the run restores its newest snapshot or checkpoint and skips
              the offending batch (a second non-finite result at the same step stops the run)
 """
+
 from __future__ import annotations
 
 
@@ -32,13 +33,20 @@ class NonFinitePolicy:
         if record.get("finite", True):
             return
         step = record["step"]
-        self.events.emit("nonfinite_step", step=step, policy=self.policy, loss=str(record["loss"]),
-                         grad_norm=str(record["grad_norm"]))
+        self.events.emit(
+            "nonfinite_step",
+            step=step,
+            policy=self.policy,
+            loss=str(record["loss"]),
+            grad_norm=str(record["grad_norm"]),
+        )
         if self.policy == "skip_step":
             self.skipped_steps += 1
             return
         if self.policy == "rollback" and step not in self.already_skipped:
             raise RollbackRequested(step)
-        raise NonFiniteError(f"non-finite loss or gradients at step {step} (nan_policy={self.policy}); the update "
-                             f"was not applied and the newest committed checkpoint is intact. Lower the learning "
-                             f"rate, check the data, or use nan_policy=skip_step / rollback")
+        raise NonFiniteError(
+            f"non-finite loss or gradients at step {step} (nan_policy={self.policy}); the update "
+            f"was not applied and the newest committed checkpoint is intact. Lower the learning "
+            f"rate, check the data, or use nan_policy=skip_step / rollback"
+        )

@@ -6,6 +6,7 @@
   parameter shapes match the model.
 - `dataset_type=arrayrecord` needs shards that exist and a tokenizer that loads and fits the model.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,14 +20,26 @@ from trainer.config.schema import RunConfig
 
 log = logging.getLogger(__name__)
 # Model keys that change the shape or structure of the parameters (and so of a checkpoint).
-SHAPE_KEYS = ("base_num_decoder_layers", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
-              "base_mlp_dim", "vocab_size", "num_experts", "base_moe_mlp_dim", "logits_via_embedding",
-              "use_qk_norm", "scan_layers", "weight_dtype")
+SHAPE_KEYS = (
+    "base_num_decoder_layers",
+    "base_emb_dim",
+    "base_num_query_heads",
+    "base_num_kv_heads",
+    "head_dim",
+    "base_mlp_dim",
+    "vocab_size",
+    "num_experts",
+    "base_moe_mlp_dim",
+    "logits_via_embedding",
+    "use_qk_norm",
+    "scan_layers",
+    "weight_dtype",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Preflight:
-    resume_step: int | None   # newest committed step of this run, if it has one
+    resume_step: int | None  # newest committed step of this run, if it has one
 
 
 def _saved_model(step_dir: epath.Path) -> dict | None:
@@ -42,13 +55,18 @@ def resumed_shape_problems(cfg: RunConfig, step_dir: epath.Path) -> list[str]:
     if not saved:
         return []
     given = dataclasses.asdict(cfg.model)
-    diffs = [f"{k}: checkpoint {saved[k]!r}, config {given[k]!r}" for k in SHAPE_KEYS
-             if k in saved and saved[k] != given[k]]
+    diffs = [
+        f"{k}: checkpoint {saved[k]!r}, config {given[k]!r}"
+        for k in SHAPE_KEYS
+        if k in saved and saved[k] != given[k]
+    ]
     if not diffs:
         return []
-    return [f"the run directory {step_dir.parent.parent} holds a checkpoint (step {step_dir.name}) of another "
-            f"model shape ({'; '.join(diffs)}); to start a new run give it another run_name=..., or drop the "
-            "changed keys to resume it"]
+    return [
+        f"the run directory {step_dir.parent.parent} holds a checkpoint (step {step_dir.name}) of another "
+        f"model shape ({'; '.join(diffs)}); to start a new run give it another run_name=..., or drop the "
+        "changed keys to resume it"
+    ]
 
 
 def check_load_path(cfg: RunConfig) -> None:
@@ -60,8 +78,12 @@ def check_load_path(cfg: RunConfig) -> None:
         given = getattr(cfg.checkpoint, key)
         if given:
             path = check_checkpoint_dir(given, flag=key)
-            check_params_match(path, cfg.model, flag=key,
-                               fix="use the model it was saved with (a converted model: model=<dir>/model.yml)")
+            check_params_match(
+                path,
+                cfg.model,
+                flag=key,
+                fix="use the model it was saved with (a converted model: model=<dir>/model.yml)",
+            )
 
 
 def data_problems(cfg: RunConfig) -> None:

@@ -18,6 +18,7 @@ Paths may be relative to the working directory, start with ~, or be gs:// URIs.
 Exit codes: 0 report written; 2 (one line `python -m trainer.report: error: ...`) RUN_DIR or RUN_B
 holds no metrics/events, or --output cannot be written.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,13 @@ DEFAULT_NAME = "report.png"
 def _parse_args(argv):
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("run_dir", help="<base_output_directory>/<run_name> of the run to report")
-    p.add_argument("--output", "-o", default=None,
-                   help="image file (.png, .pdf, .svg, ...) or directory to write report.png into "
-                        "(default RUN_DIR/report.png)")
+    p.add_argument(
+        "--output",
+        "-o",
+        default=None,
+        help="image file (.png, .pdf, .svg, ...) or directory to write report.png into "
+        "(default RUN_DIR/report.png)",
+    )
     p.add_argument("--compare", default=None, metavar="RUN_B", help="a second run to overlay")
     return p.parse_args(argv)
 
@@ -81,9 +86,11 @@ def output_path(output: str | None, run_dir) -> tuple:
     if text.endswith(("/", os.sep)) or path.is_dir() or not suffix:
         path, suffix = path / DEFAULT_NAME, "png"
     elif suffix not in formats:
-        raise UserInputError(f"--output {path}: .{suffix} is not an image format matplotlib writes; name a "
-                             f".png file (or one of {', '.join('.' + f for f in sorted(formats))}) or a "
-                             f"directory to write {DEFAULT_NAME} into")
+        raise UserInputError(
+            f"--output {path}: .{suffix} is not an image format matplotlib writes; name a "
+            f".png file (or one of {', '.join('.' + f for f in sorted(formats))}) or a "
+            f"directory to write {DEFAULT_NAME} into"
+        )
     if not is_remote(path):
         check_writable(os.fspath(path), overwrite=True, name="--output")
     return path, suffix
@@ -106,22 +113,27 @@ def format_summary(s) -> str:
 
     g = s.goodput
     planned = f" of {s.steps_planned}" if s.steps_planned else ""
-    lines = [f"run {s.name}: {s.status}",
-             f"  steps done        {s.steps_done}{planned}",
-             f"  final loss        {_num(s.final_loss, '.4f')}",
-             f"  median step time  {_num(s.median_step_time_s, '.3f')} s",
-             f"  median tokens/s   {_num(s.median_tokens_per_s, ',.1f')}",
-             f"  failures          {s.failures}",
-             f"  steps lost        {s.steps_lost}",
-             f"  downtime          {s.downtime_s:.3f} s (failure detected -> first step, summed)",
-             f"  goodput           {_pct(g['goodput'])} of {g['wall_s']:.1f} s wall ({g['productive_s']:.1f} s productive)",
-             "  badput by cause"]
+    lines = [
+        f"run {s.name}: {s.status}",
+        f"  steps done        {s.steps_done}{planned}",
+        f"  final loss        {_num(s.final_loss, '.4f')}",
+        f"  median step time  {_num(s.median_step_time_s, '.3f')} s",
+        f"  median tokens/s   {_num(s.median_tokens_per_s, ',.1f')}",
+        f"  failures          {s.failures}",
+        f"  steps lost        {s.steps_lost}",
+        f"  downtime          {s.downtime_s:.3f} s (failure detected -> first step, summed)",
+        f"  goodput           {_pct(g['goodput'])} of {g['wall_s']:.1f} s wall "
+        f"({g['productive_s']:.1f} s productive)",
+        "  badput by cause",
+    ]
     wall = g["wall_s"] or 1e-9
     lines += [f"    {c:<20}{g['badput_s'][c]:9.3f} s  {g['badput_s'][c] / wall:6.1%}" for c in CAUSES]
     counted = g["productive_s"] + sum(g["badput_s"].values())
     if counted > 1.005 * wall:
-        lines.append(f"  note: productive + badput = {counted / wall:.1%} of wall time; some seconds are counted "
-                     f"under two headings (see trainer.observe.goodput)")
+        lines.append(
+            f"  note: productive + badput = {counted / wall:.1%} of wall time; some seconds are counted "
+            f"under two headings (see trainer.observe.goodput)"
+        )
     lines += _recorded_differences(s)
     for k, t in enumerate(s.timelines, 1):
         lines.append(f"  recovery {k} (attempt {t['attempt'] - 1} -> {t['attempt']}):")
@@ -135,11 +147,17 @@ def _recorded_differences(s) -> list[str]:
     out = []
     summary = s.recorded.get("elastic_summary")
     if summary and (summary.get("failures"), summary.get("steps_lost")) != (s.failures, s.steps_lost):
-        out.append(f"  note: the trainer's elastic_summary says failures={summary.get('failures')} "
-                   f"steps_lost={summary.get('steps_lost')} (its own process only)")
+        out.append(
+            f"  note: the trainer's elastic_summary says failures={summary.get('failures')} "
+            f"steps_lost={summary.get('steps_lost')} (its own process only)"
+        )
     recorded = s.recorded.get("goodput")
-    if recorded and recorded.get("goodput") is not None and s.goodput["goodput"] is not None \
-            and abs(recorded["goodput"] - s.goodput["goodput"]) > 0.005:
+    if (
+        recorded
+        and recorded.get("goodput") is not None
+        and s.goodput["goodput"] is not None
+        and abs(recorded["goodput"] - s.goodput["goodput"]) > 0.005
+    ):
         out.append(f"  note: the trainer recorded goodput {_pct(recorded['goodput'])} at its finish")
     return out
 

@@ -1,11 +1,13 @@
 """Run a resolved config: runtime setup -> devices grouped into slices -> the supervisor runs the attempts."""
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
 
 import jax
 
@@ -25,8 +27,7 @@ def make_sinks(cfg: RunConfig, run_dir: Path, *, stderr: TextIO | None = None) -
     """metrics.jsonl always; a live progress line when stderr is a terminal, else a log line every
     log_period steps; TensorBoard when enabled."""
     stderr = sys.stderr if stderr is None else stderr
-    console = (ProgressSink(cfg.train.steps, stream=stderr) if stderr.isatty()
-               else LogSink(cfg.observe.log_period))
+    console = ProgressSink(cfg.train.steps, stream=stderr) if stderr.isatty() else LogSink(cfg.observe.log_period)
     sinks = [JsonlSink(run_dir / "metrics.jsonl"), console]
     if cfg.observe.enable_tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
@@ -49,7 +50,9 @@ def setup_runtime(cfg: RunConfig) -> DistributedSettings:
     return settings
 
 
-def run(cfg: RunConfig, *, paths: RunPaths, events, stop_requested: Callable[[], bool] = lambda: False) -> LoopResult:
+def run(
+    cfg: RunConfig, *, paths: RunPaths, events, stop_requested: Callable[[], bool] = lambda: False
+) -> LoopResult:
     settings = setup_runtime(cfg)
     membership = None
     try:
@@ -58,8 +61,15 @@ def run(cfg: RunConfig, *, paths: RunPaths, events, stop_requested: Callable[[],
         else:
             slices = group_into_slices(jax.devices(), cfg.mesh.num_slices)
         with contextlib.closing(make_sinks(cfg, paths.local)) as sinks:
-            return run_supervised(cfg, slices, paths=paths, events=events, sinks=sinks,
-                                  stop_requested=stop_requested, membership=membership)
+            return run_supervised(
+                cfg,
+                slices,
+                paths=paths,
+                events=events,
+                sinks=sinks,
+                stop_requested=stop_requested,
+                membership=membership,
+            )
     finally:
         if settings.multi_process:
             leave(settings)  # process 0 last: its exit takes the coordination service down

@@ -3,10 +3,12 @@
 `train_step(state, batch) -> (state, metrics)`; state is {"step", "params", "opt_state"}; metrics are
 device arrays that the loop reads one step late. No logging, host syncs or globals in here.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -62,9 +64,15 @@ def _split_micro(batch: dict, n: int) -> dict:
     return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
 
-def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *, z_loss_multiplier: float,
-                    micro_steps: int, constrain_micro: Callable[[dict], dict] = lambda b: b,
-                    learning_rate: optax.Schedule | None = None):
+def make_train_step(
+    cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    *,
+    z_loss_multiplier: float,
+    micro_steps: int,
+    constrain_micro: Callable[[dict], dict] = lambda b: b,
+    learning_rate: optax.Schedule | None = None,
+):
     """Build `train_step(state, batch)`.
 
     The global batch is split into `micro_steps` equal parts run in a scan; gradients of the token-summed
@@ -91,6 +99,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
         if micro_steps == 1:
             grads, parts = micro_grads(params, batch)
         else:
+
             def body(acc, micro):
                 g, p = micro_grads(params, micro)
                 return jax.tree.map(jnp.add, acc, (g, p)), None
@@ -108,12 +117,24 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
         # A non-finite loss or gradient never reaches the state: the update is dropped here and the host
         # applies nan_policy when it reads `finite` (one step late), so no saved state is ever poisoned.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        metrics = {"loss": loss, "z_loss": parts["z_sum"] / denom, "aux_loss": parts["aux_loss"],
-                   "grad_norm": grad_norm, "tokens": parts["tokens"], "finite": finite}
+
+        def keep(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+        metrics = {
+            "loss": loss,
+            "z_loss": parts["z_sum"] / denom,
+            "aux_loss": parts["aux_loss"],
+            "grad_norm": grad_norm,
+            "tokens": parts["tokens"],
+            "finite": finite,
+        }
         if learning_rate is not None:
             metrics["learning_rate"] = learning_rate(state["step"])
-        return {"step": state["step"] + 1, "params": keep(new_params, params),
-                "opt_state": keep(opt_state, state["opt_state"])}, metrics
+        return {
+            "step": state["step"] + 1,
+            "params": keep(new_params, params),
+            "opt_state": keep(opt_state, state["opt_state"]),
+        }, metrics
 
     return train_step

@@ -4,6 +4,7 @@ CONFIG is a path, or a name inside configs/ (default base.yml). Exit codes: 0 fi
 after a final save), 2 bad config or data (before any compute), 3 elastic retries exhausted or
 timed out, 1 any other failure. The last line printed is one `STATUS:` line saying how it ended.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,13 +30,21 @@ always 'STATUS: ...'."""
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m trainer.train", description="Train a Qwen3-family model.",
-                                epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", nargs="?", default="base.yml", help="config file path or name in configs/ "
-                                                                 "(default base.yml)")
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.train",
+        description="Train a Qwen3-family model.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "config", nargs="?", default="base.yml", help="config file path or name in configs/ (default base.yml)"
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides, typed by the key (see configs/base.yml)")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the resolved config (marking which layer set each value) and exit")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (marking which layer set each value) and exit",
+    )
     args = p.parse_intermixed_args(argv)
     if "=" in args.config:  # `python -m trainer.train steps=10`: no config file given
         args.overrides.insert(0, args.config)
@@ -44,8 +53,9 @@ def _parse_args(argv):
 
 
 def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s] %(message)s",
-                        stream=sys.stderr, force=True)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s] %(message)s", stream=sys.stderr, force=True
+    )
     for noisy in ("absl", "jax._src", "orbax", "tensorstore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -106,22 +116,31 @@ def _prepare(cfg):
     from trainer import preflight
     from trainer.observe.rundir import resolve_run_name, run_paths
 
-    name, why = resolve_run_name(cfg.train.run_name, model=cfg.model.model, dataset_type=cfg.data.dataset_type,
-                                 grain_train_files=cfg.data.grain_train_files)
+    name, why = resolve_run_name(
+        cfg.train.run_name,
+        model=cfg.model.model,
+        dataset_type=cfg.data.dataset_type,
+        grain_train_files=cfg.data.grain_train_files,
+    )
     paths = _process_paths(run_paths(cfg.train.base_output_directory, name), cfg)
     checked = preflight.check(cfg, paths.checkpoints)
-    where = (f"resuming from step {checked.resume_step}" if checked.resume_step is not None else "new run")
-    logging.getLogger("trainer.train").info("event=run_dir run_dir=%s run_name=%s named_by=%s start=%s",
-                                            paths.run_dir, name, why, where.replace(" ", "_"))
+    where = f"resuming from step {checked.resume_step}" if checked.resume_step is not None else "new run"
+    logging.getLogger("trainer.train").info(
+        "event=run_dir run_dir=%s run_name=%s named_by=%s start=%s",
+        paths.run_dir,
+        name,
+        why,
+        where.replace(" ", "_"),
+    )
     print(f"run_dir={paths.run_dir} ({where}; run_name from {why})", flush=True)
     return paths, checked
 
 
 def _train(cfg, paths, checked, config_text: str) -> int:
     from trainer.elastic.errors import ElasticGiveUp
+    from trainer.errors import UserInputError
     from trainer.hostmem import hugepages_requested
     from trainer.observe.events import EventLog
-    from trainer.errors import UserInputError
     from trainer.run import run
 
     log = logging.getLogger("trainer.train")
@@ -130,16 +149,25 @@ def _train(cfg, paths, checked, config_text: str) -> int:
     paths.pull()
     (run_dir / "config.yml").write_text(config_text)
     events = EventLog(run_dir / "events.jsonl")
-    events.emit("start", run_name=paths.local.name if paths.remote is None else paths.remote.name,
-                model=cfg.model.model, steps=cfg.train.steps, resume_step=checked.resume_step,
-                argv=sys.argv[1:], host_hugepages=hugepages_requested())
+    events.emit(
+        "start",
+        run_name=paths.local.name if paths.remote is None else paths.remote.name,
+        model=cfg.model.model,
+        steps=cfg.train.steps,
+        resume_step=checked.resume_step,
+        argv=sys.argv[1:],
+        host_hugepages=hugepages_requested(),
+    )
     stop = _StopFlag()
     stop.install()
     try:
         outcome = run(cfg, paths=paths, events=events, stop_requested=stop)
         if outcome.preempted:
-            saved = ("checkpoint saved; rerun the same command to resume" if cfg.checkpoint.enable_checkpointing
-                     else "no checkpoint saved (enable_checkpointing=false): a rerun starts over")
+            saved = (
+                "checkpoint saved; rerun the same command to resume"
+                if cfg.checkpoint.enable_checkpointing
+                else "no checkpoint saved (enable_checkpointing=false): a rerun starts over"
+            )
             code, status, line = EXIT_OK, "preempted", f"preempted step={outcome.final_step}: {saved}"
         else:
             code, status, line = EXIT_OK, "finished", f"finished step={outcome.final_step} run_dir={paths.run_dir}"
@@ -191,9 +219,13 @@ def _emit_goodput(events, run_dir: Path) -> None:
 
     # The whole run, earlier processes and pods included (a resumed run appends to the same files).
     summary = account(read_jsonl(run_dir / "events.jsonl"), read_jsonl(run_dir / "metrics.jsonl"), now=time.time())
-    events.emit("goodput", goodput=None if summary["goodput"] is None else round(summary["goodput"], 4),
-                wall_s=round(summary["wall_s"], 3), productive_s=round(summary["productive_s"], 3),
-                badput_s=summary["badput_s"])
+    events.emit(
+        "goodput",
+        goodput=None if summary["goodput"] is None else round(summary["goodput"], 4),
+        wall_s=round(summary["wall_s"], 3),
+        productive_s=round(summary["productive_s"], 3),
+        badput_s=summary["badput_s"],
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ unchanged in every artefact. Keys after `--` are extra trainer overrides (e.g. s
 Templates live in scripts/deploy/templates/ and use `{{name}}` placeholders; a placeholder alone on
 its line may take a block of lines, indented like the placeholder.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,12 +25,14 @@ import json
 import re
 import shlex
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # `python scripts/deploy/render.py` as well as `python -m scripts.deploy.render`
+if (
+    str(REPO_ROOT) not in sys.path
+):  # `python scripts/deploy/render.py` as well as `python -m scripts.deploy.render`
     sys.path.insert(0, str(REPO_ROOT))
 
 from trainer.config import ConfigError, load_config  # noqa: E402
@@ -75,10 +78,10 @@ class DeployError(ValueError):
 # ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TpuSlice:
-    tpu_type: str          # xpk --tpu-type, e.g. v5litepod-16
+    tpu_type: str  # xpk --tpu-type, e.g. v5litepod-16
     pathways_version: str  # Pathways resource manager instance type prefix, e.g. tpuv5e
-    gke_accelerator: str   # node label cloud.google.com/gke-tpu-accelerator
-    topology: str          # node label cloud.google.com/gke-tpu-topology
+    gke_accelerator: str  # node label cloud.google.com/gke-tpu-accelerator
+    topology: str  # node label cloud.google.com/gke-tpu-topology
     chips_per_host: int = 4
 
     @property
@@ -129,38 +132,38 @@ class DeployParams:
     model: str = "qwen3-0.6b"
     config: str = "base.yml"
     overrides: tuple[str, ...] = ()
-    name: str = ""                     # Kubernetes / xpk / Slurm job name; "" = derived from run_name
+    name: str = ""  # Kubernetes / xpk / Slurm job name; "" = derived from run_name
     namespace: str = "default"
-    queue: str = ""                    # Kueue LocalQueue (adds the kueue.x-k8s.io/queue-name label)
-    service_account: str = "default"   # Kubernetes service account (Workload Identity for GCS)
-    max_restarts: int = 2              # whole-JobSet restarts (xpk --max-restarts)
+    queue: str = ""  # Kueue LocalQueue (adds the kueue.x-k8s.io/queue-name label)
+    service_account: str = "default"  # Kubernetes service account (Workload Identity for GCS)
+    max_restarts: int = 2  # whole-JobSet restarts (xpk --max-restarts)
     # Elasticity in the trainer.
     elastic: bool = True
-    min_slices: int = -1               # elastic_min_slice_count: -1 pause-and-resume, 1..slices-1 replica-resize
+    min_slices: int = -1  # elastic_min_slice_count: -1 pause-and-resume, 1..slices-1 replica-resize
     elastic_timeout_seconds: float = 300.0
     elastic_max_retries: int = 10
     checkpoint_period: int = 100
-    compile_cache: str | None = None   # jax_cache_dir; None = <output_dir>/jax_cache, "" = disabled
+    compile_cache: str | None = None  # jax_cache_dir; None = <output_dir>/jax_cache, "" = disabled
     # Pathways on GKE (xpk, jobset-pathways).
     tpu_type: str = "v5litepod-16"
     elastic_slices: int | None = None  # proxy --num_elastic_slices / xpk --elastic-slices; None = derived
-    max_slice_restarts: int = 5        # worker Job backoffLimit = hosts per slice x this
-    pathways_gcs_location: str = ""    # Pathways scratch; "" = <output_dir>/pathways
+    max_slice_restarts: int = 5  # worker Job backoffLimit = hosts per slice x this
+    pathways_gcs_location: str = ""  # Pathways scratch; "" = <output_dir>/pathways
     pathways_version: str = "latest"
-    server_image: str = ""             # "" = <PATHWAYS_IMAGE_REPO>/server:<pathways_version>
-    proxy_image: str = ""              # "" = <PATHWAYS_IMAGE_REPO>/proxy_server:<pathways_version>
+    server_image: str = ""  # "" = <PATHWAYS_IMAGE_REPO>/server:<pathways_version>
+    proxy_image: str = ""  # "" = <PATHWAYS_IMAGE_REPO>/proxy_server:<pathways_version>
     proxy_memory: str = "100G"
     proxy_cpu: str = "16"
     head_nodepool: str = "cpu-np"
     # Multi-process JAX (jobset-gpu, slurm).
-    platform: str = "gpu"              # gpu | cpu
+    platform: str = "gpu"  # gpu | cpu
     nodes_per_slice: int = 1
     gpus_per_node: int = 8
     gpu_accelerator: str = "nvidia-h100-80gb"
     coordinator_port: int = 8476
     heartbeat_timeout_seconds: int = 30
     collective_timeout_seconds: int = 120
-    max_task_restarts: int = 5         # Slurm: in-place restarts per task; JobSet: backoffLimit = nodes x this
+    max_task_restarts: int = 5  # Slurm: in-place restarts per task; JobSet: backoffLimit = nodes x this
     restart_backoff_seconds: int = 10
     extra_xla_flags: tuple[str, ...] = ()
 
@@ -179,7 +182,9 @@ class DeployParams:
         try:
             return TPU_TYPES[self.tpu_type]
         except KeyError:
-            raise DeployError(f"unknown --tpu-type {self.tpu_type!r}; known: {', '.join(sorted(TPU_TYPES))}") from None
+            raise DeployError(
+                f"unknown --tpu-type {self.tpu_type!r}; known: {', '.join(sorted(TPU_TYPES))}"
+            ) from None
 
     @property
     def cache_dir(self) -> str:
@@ -228,10 +233,15 @@ class DeployParams:
             problems.append("--output-dir is required")
         name = self.job_name
         if not _NAME_RE.match(name) or len(name) > MAX_NAME_LEN:
-            problems.append(f"job name {name!r} must be a DNS label ([a-z][-a-z0-9]*, at most {MAX_NAME_LEN} "
-                            "characters); pass --name")
-        for k, v in (("--max-restarts", self.max_restarts), ("--max-slice-restarts", self.max_slice_restarts),
-                     ("--max-task-restarts", self.max_task_restarts)):
+            problems.append(
+                f"job name {name!r} must be a DNS label ([a-z][-a-z0-9]*, at most {MAX_NAME_LEN} "
+                "characters); pass --name"
+            )
+        for k, v in (
+            ("--max-restarts", self.max_restarts),
+            ("--max-slice-restarts", self.max_slice_restarts),
+            ("--max-task-restarts", self.max_task_restarts),
+        ):
             if v < 0:
                 problems.append(f"{k} must be >= 0, got {v}")
         for o in self.overrides:
@@ -247,8 +257,10 @@ class DeployParams:
         tpu = self.tpu  # raises for an unknown type
         problems = []
         if not self.output_dir.startswith("gs://"):
-            problems.append(f"Pathways runs need --output-dir on Cloud Storage (gs://...), got {self.output_dir!r}: "
-                            "with ENABLE_PATHWAYS_PERSISTENCE the TPU hosts write checkpoint shards there directly")
+            problems.append(
+                f"Pathways runs need --output-dir on Cloud Storage (gs://...), got {self.output_dir!r}: "
+                "with ENABLE_PATHWAYS_PERSISTENCE the TPU hosts write checkpoint shards there directly"
+            )
         if not self.scratch.startswith("gs://"):
             problems.append(f"--pathways-gcs-location must be gs://..., got {self.scratch!r}")
         n = self.num_elastic_slices
@@ -257,11 +269,15 @@ class DeployParams:
         if problems:
             raise DeployError("; ".join(problems))
         if self.elastic and self.min_slices > 0 and n < self.slices - self.min_slices:
-            warnings.append(f"--elastic-slices={n} < slices - min_slices = {self.slices - self.min_slices}: losing more "
-                            f"than {n} slice(s) at once restarts the whole JobSet although the trainer could continue")
+            warnings.append(
+                f"--elastic-slices={n} < slices - min_slices = {self.slices - self.min_slices}: losing more "
+                f"than {n} slice(s) at once restarts the whole JobSet although the trainer could continue"
+            )
         if self.max_slice_restarts * tpu.hosts < 8:
-            warnings.append(f"worker backoffLimit = {tpu.hosts} host(s) x {self.max_slice_restarts} = "
-                            f"{tpu.hosts * self.max_slice_restarts} is low: a few pod failures will restart the JobSet")
+            warnings.append(
+                f"worker backoffLimit = {tpu.hosts} host(s) x {self.max_slice_restarts} = "
+                f"{tpu.hosts * self.max_slice_restarts} is low: a few pod failures will restart the JobSet"
+            )
         return warnings
 
     def check_multiprocess(self) -> list[str]:
@@ -274,8 +290,10 @@ class DeployParams:
         if self.platform == "gpu" and self.gpus_per_node < 1:
             problems.append(f"--gpus-per-node must be >= 1, got {self.gpus_per_node}")
         if not self.output_dir.startswith(("gs://", "/")):
-            problems.append(f"--output-dir {self.output_dir!r} must be storage every host sees (gs://... or an "
-                            "absolute path on a shared filesystem)")
+            problems.append(
+                f"--output-dir {self.output_dir!r} must be storage every host sees (gs://... or an "
+                "absolute path on a shared filesystem)"
+            )
         if self.heartbeat_timeout_seconds < 1 or self.collective_timeout_seconds < 1:
             problems.append("--heartbeat-timeout and --collective-timeout must be >= 1")
         if problems:
@@ -294,18 +312,25 @@ def _yaml_bool(b: bool) -> str:
 
 def trainer_argv(p: DeployParams, *, single_controller: bool) -> list[str]:
     """`python -m trainer.train CONFIG key=value ...` for this run, as an argv list."""
-    argv = [*TRAINER_ENTRY, p.config,
-            f"model={p.model}",
-            f"num_slices={p.slices}",
-            f"enable_single_controller={_yaml_bool(single_controller)}",
-            f"elastic_enabled={_yaml_bool(p.elastic)}"]
+    argv = [
+        *TRAINER_ENTRY,
+        p.config,
+        f"model={p.model}",
+        f"num_slices={p.slices}",
+        f"enable_single_controller={_yaml_bool(single_controller)}",
+        f"elastic_enabled={_yaml_bool(p.elastic)}",
+    ]
     if p.elastic:
-        argv += [f"elastic_min_slice_count={p.min_slices}",
-                 f"elastic_timeout_seconds={float(p.elastic_timeout_seconds)!r}",
-                 f"elastic_max_retries={p.elastic_max_retries}"]
-    argv += [f"checkpoint_period={p.checkpoint_period}",
-             f"base_output_directory={p.output_dir}",
-             f"run_name={p.run_name}"]
+        argv += [
+            f"elastic_min_slice_count={p.min_slices}",
+            f"elastic_timeout_seconds={float(p.elastic_timeout_seconds)!r}",
+            f"elastic_max_retries={p.elastic_max_retries}",
+        ]
+    argv += [
+        f"checkpoint_period={p.checkpoint_period}",
+        f"base_output_directory={p.output_dir}",
+        f"run_name={p.run_name}",
+    ]
     if p.cache_dir:
         argv.append(f"jax_cache_dir={p.cache_dir}")
     return argv + list(p.overrides)
@@ -314,13 +339,15 @@ def trainer_argv(p: DeployParams, *, single_controller: bool) -> list[str]:
 def check_trainer_argv(argv: Sequence[str], p: DeployParams | None = None):
     """Load the argv's config with the trainer's loader (raises ConfigError) and return the RunConfig."""
     argv = list(argv)
-    if argv[:len(TRAINER_ENTRY)] != TRAINER_ENTRY or len(argv) <= len(TRAINER_ENTRY):
+    if argv[: len(TRAINER_ENTRY)] != TRAINER_ENTRY or len(argv) <= len(TRAINER_ENTRY):
         raise DeployError(f"not a trainer command: {argv!r}")
-    cfg = load_config(argv[len(TRAINER_ENTRY)], argv[len(TRAINER_ENTRY) + 1:])
+    cfg = load_config(argv[len(TRAINER_ENTRY)], argv[len(TRAINER_ENTRY) + 1 :])
     if p is not None:  # every path and name must reach the trainer exactly as given
-        for key, want, got in (("run_name", p.run_name, cfg.train.run_name),
-                               ("base_output_directory", p.output_dir, cfg.train.base_output_directory),
-                               ("jax_cache_dir", p.cache_dir, cfg.train.jax_cache_dir)):
+        for key, want, got in (
+            ("run_name", p.run_name, cfg.train.run_name),
+            ("base_output_directory", p.output_dir, cfg.train.base_output_directory),
+            ("jax_cache_dir", p.cache_dir, cfg.train.jax_cache_dir),
+        ):
             if want != got:
                 raise DeployError(f"{key}={want!r} reads back as {got!r}; choose another value")
     return cfg
@@ -362,21 +389,25 @@ def xla_flags(p: DeployParams) -> list[str]:
     else:
         # gloo: without a bound a survivor waiting on a dead peer's recv hangs for 30 min (the default).
         # The in-process rendezvous terminate timeout (default 40 s) must stay above it.
-        flags = [f"--xla_cpu_collective_timeout_seconds={t}",
-                 f"--xla_cpu_collective_call_terminate_timeout_seconds={t + 60}"]
+        flags = [
+            f"--xla_cpu_collective_timeout_seconds={t}",
+            f"--xla_cpu_collective_call_terminate_timeout_seconds={t + 60}",
+        ]
     return flags + list(p.extra_xla_flags)
 
 
 def multiprocess_env(p: DeployParams) -> list[tuple[str, str]]:
     """Environment every process of a multi-process run gets (the per-process ids are set by the launcher)."""
-    env = [("JAX_NUM_PROCESSES", str(p.num_processes)),
-           ("NODES_PER_SLICE", str(p.nodes_per_slice)),
-           # Read by JAX when it is imported, so it is in effect before jax.distributed.initialize.
-           ("JAX_ENABLE_RECOVERABILITY", "true"),
-           # For the trainer's jax.distributed.initialize(heartbeat_timeout_seconds=...).
-           ("JAX_HEARTBEAT_TIMEOUT_SECONDS", str(p.heartbeat_timeout_seconds)),
-           ("JAX_PLATFORMS", "cuda" if p.platform == "gpu" else "cpu"),
-           ("XLA_FLAGS", " ".join(xla_flags(p)))]
+    env = [
+        ("JAX_NUM_PROCESSES", str(p.num_processes)),
+        ("NODES_PER_SLICE", str(p.nodes_per_slice)),
+        # Read by JAX when it is imported, so it is in effect before jax.distributed.initialize.
+        ("JAX_ENABLE_RECOVERABILITY", "true"),
+        # For the trainer's jax.distributed.initialize(heartbeat_timeout_seconds=...).
+        ("JAX_HEARTBEAT_TIMEOUT_SECONDS", str(p.heartbeat_timeout_seconds)),
+        ("JAX_PLATFORMS", "cuda" if p.platform == "gpu" else "cpu"),
+        ("XLA_FLAGS", " ".join(xla_flags(p))),
+    ]
     if p.platform == "gpu":
         env += list(GPU_FT_ENV)
     if p.cache_dir:
@@ -445,8 +476,10 @@ def y_env(pairs: Sequence[tuple[str, str]]) -> list[str]:
 
 
 def _header(target: str, p: DeployParams) -> list[str]:
-    return [f"# Rendered by scripts/deploy/render.py (target: {target}); re-render instead of editing.",
-            f"# slices={p.slices} image={p.image} run_name={p.run_name} output_dir={p.output_dir} model={p.model}"]
+    return [
+        f"# Rendered by scripts/deploy/render.py (target: {target}); re-render instead of editing.",
+        f"# slices={p.slices} image={p.image} run_name={p.run_name} output_dir={p.output_dir} model={p.model}",
+    ]
 
 
 def _labels(p: DeployParams) -> list[str]:
@@ -472,41 +505,76 @@ def render_jobset_pathways(p: DeployParams) -> Rendered:
     argv, warnings = _prepare(p, single_controller=True, check=p.check_pathways)
     tpu = p.tpu
     head = f"{p.job_name}-pathways-head-0-0.{p.job_name}"
-    rm_args = [f"--server_port={PATHWAYS_RM_PORT}", f"--gcs_scratch_location={p.scratch}",
-               "--node_type=resource_manager", f"--instance_count={p.slices}",
-               f"--instance_type={tpu.instance_type}"]
-    proxy_args = [f"--server_port={PATHWAYS_PROXY_PORT}", f"--resource_manager_address={head}:{PATHWAYS_RM_PORT}",
-                  f"--gcs_scratch_location={p.scratch}"]
+    rm_args = [
+        f"--server_port={PATHWAYS_RM_PORT}",
+        f"--gcs_scratch_location={p.scratch}",
+        "--node_type=resource_manager",
+        f"--instance_count={p.slices}",
+        f"--instance_type={tpu.instance_type}",
+    ]
+    proxy_args = [
+        f"--server_port={PATHWAYS_PROXY_PORT}",
+        f"--resource_manager_address={head}:{PATHWAYS_RM_PORT}",
+        f"--gcs_scratch_location={p.scratch}",
+    ]
     if p.num_elastic_slices:
         proxy_args.append(f"--num_elastic_slices={p.num_elastic_slices}")
-    worker_args = [f"--server_port={PATHWAYS_WORKER_PORT}", f"--resource_manager_address={head}:{PATHWAYS_RM_PORT}",
-                   f"--gcs_scratch_location={p.scratch}"]
-    trainer_env = [("JAX_PLATFORMS", "proxy"),
-                   ("JAX_BACKEND_TARGET", f"grpc://127.0.0.1:{PATHWAYS_PROXY_PORT}"),
-                   ("XCLOUD_ENVIRONMENT", "GCP"),
-                   # Hosts read and write their own checkpoint shards instead of funnelling them through
-                   # the proxy (large checkpoints otherwise exhaust the proxy's memory).
-                   ("ENABLE_PATHWAYS_PERSISTENCE", "1")]
+    worker_args = [
+        f"--server_port={PATHWAYS_WORKER_PORT}",
+        f"--resource_manager_address={head}:{PATHWAYS_RM_PORT}",
+        f"--gcs_scratch_location={p.scratch}",
+    ]
+    trainer_env = [
+        ("JAX_PLATFORMS", "proxy"),
+        ("JAX_BACKEND_TARGET", f"grpc://127.0.0.1:{PATHWAYS_PROXY_PORT}"),
+        ("XCLOUD_ENVIRONMENT", "GCP"),
+        # Hosts read and write their own checkpoint shards instead of funnelling them through
+        # the proxy (large checkpoints otherwise exhaust the proxy's memory).
+        ("ENABLE_PATHWAYS_PERSISTENCE", "1"),
+    ]
     if p.cache_dir:
         trainer_env.append(("JAX_COMPILATION_CACHE_DIR", p.cache_dir))
-    slice_index_ref = ["- name: MEGASCALE_SLICE_ID", "  valueFrom:", "    fieldRef:",
-                       "      fieldPath: metadata.labels['jobset.sigs.k8s.io/job-index']"]
-    worker_env = y_env([("TPU_MIN_LOG_LEVEL", "0"), ("TF_CPP_MIN_LOG_LEVEL", "0"), ("XCLOUD_ENVIRONMENT", "GCP"),
-                        ("MEGASCALE_NUM_SLICES", str(p.slices)), ("MEGASCALE_COORDINATOR_ADDRESS", head)])
+    slice_index_ref = [
+        "- name: MEGASCALE_SLICE_ID",
+        "  valueFrom:",
+        "    fieldRef:",
+        "      fieldPath: metadata.labels['jobset.sigs.k8s.io/job-index']",
+    ]
+    worker_env = y_env(
+        [
+            ("TPU_MIN_LOG_LEVEL", "0"),
+            ("TF_CPP_MIN_LOG_LEVEL", "0"),
+            ("XCLOUD_ENVIRONMENT", "GCP"),
+            ("MEGASCALE_NUM_SLICES", str(p.slices)),
+            ("MEGASCALE_COORDINATOR_ADDRESS", head),
+        ]
+    )
     values = {
         "header": _header("jobset-pathways", p),
-        "name": p.job_name, "namespace": y(p.namespace), "labels": _labels(p),
-        "max_restarts": str(p.max_restarts), "service_account": y(p.service_account),
+        "name": p.job_name,
+        "namespace": y(p.namespace),
+        "labels": _labels(p),
+        "max_restarts": str(p.max_restarts),
+        "service_account": y(p.service_account),
         "head_nodepool": y(p.head_nodepool),
-        "server_image": y(p.image_server), "proxy_image": y(p.image_proxy), "image": y(p.image),
-        "rm_args": y_list(rm_args), "proxy_args": y_list(proxy_args), "worker_args": y_list(worker_args),
-        "rm_port": str(PATHWAYS_RM_PORT), "proxy_port": str(PATHWAYS_PROXY_PORT),
+        "server_image": y(p.image_server),
+        "proxy_image": y(p.image_proxy),
+        "image": y(p.image),
+        "rm_args": y_list(rm_args),
+        "proxy_args": y_list(proxy_args),
+        "worker_args": y_list(worker_args),
+        "rm_port": str(PATHWAYS_RM_PORT),
+        "proxy_port": str(PATHWAYS_PROXY_PORT),
         "worker_port": str(PATHWAYS_WORKER_PORT),
-        "proxy_cpu": y(p.proxy_cpu), "proxy_memory": y(p.proxy_memory),
-        "trainer_command": y_list(argv), "trainer_env": y_env(trainer_env),
-        "slices": str(p.slices), "hosts_per_slice": str(tpu.hosts),
+        "proxy_cpu": y(p.proxy_cpu),
+        "proxy_memory": y(p.proxy_memory),
+        "trainer_command": y_list(argv),
+        "trainer_env": y_env(trainer_env),
+        "slices": str(p.slices),
+        "hosts_per_slice": str(tpu.hosts),
         "worker_backoff_limit": str(tpu.hosts * p.max_slice_restarts),
-        "gke_accelerator": y(tpu.gke_accelerator), "topology": y(tpu.topology),
+        "gke_accelerator": y(tpu.gke_accelerator),
+        "topology": y(tpu.topology),
         "chips_per_host": y(str(tpu.chips_per_host)),
         "worker_env": worker_env + slice_index_ref,
     }
@@ -521,15 +589,23 @@ def render_xpk(p: DeployParams) -> Rendered:
         warnings.append("some trainer arguments need shell quoting; check that xpk passes them through intact")
     elastic_flags = []
     if p.num_elastic_slices:
-        elastic_flags = [f"--elastic-slices={p.num_elastic_slices} \\", f"--max-slice-restarts={p.max_slice_restarts} \\"]
+        elastic_flags = [
+            f"--elastic-slices={p.num_elastic_slices} \\",
+            f"--max-slice-restarts={p.max_slice_restarts} \\",
+        ]
     env = [("ENABLE_PATHWAYS_PERSISTENCE", "1")]
     if p.cache_dir:
         env.append(("JAX_COMPILATION_CACHE_DIR", p.cache_dir))
     values = {
         "header": _header("xpk", p),
-        "workload": shlex.quote(p.job_name), "image": shlex.quote(p.image), "trainer_cmd": shlex.quote(command),
-        "tpu_type": shlex.quote(p.tpu_type), "slices": str(p.slices), "scratch": shlex.quote(p.scratch),
-        "elastic_flags": elastic_flags, "max_restarts": str(p.max_restarts),
+        "workload": shlex.quote(p.job_name),
+        "image": shlex.quote(p.image),
+        "trainer_cmd": shlex.quote(command),
+        "tpu_type": shlex.quote(p.tpu_type),
+        "slices": str(p.slices),
+        "scratch": shlex.quote(p.scratch),
+        "elastic_flags": elastic_flags,
+        "max_restarts": str(p.max_restarts),
         "env_flags": [f"--env={shlex.quote(f'{k}={v}')} \\" for k, v in env],
     }
     text = fill(load_template("xpk_submit.sh.tmpl"), values)
@@ -541,19 +617,34 @@ def render_jobset_gpu(p: DeployParams) -> Rendered:
     coordinator = f"{p.job_name}-slice-0-0.{p.job_name}:{p.coordinator_port}"
     env = [("JAX_COORDINATOR_ADDRESS", coordinator)] + multiprocess_env(p)
     if p.platform == "gpu":
-        placement = ["nodeSelector:", f"  cloud.google.com/gke-accelerator: {y(p.gpu_accelerator)}",
-                     "tolerations:", "  - key: nvidia.com/gpu", "    operator: Exists", "    effect: NoSchedule"]
+        placement = [
+            "nodeSelector:",
+            f"  cloud.google.com/gke-accelerator: {y(p.gpu_accelerator)}",
+            "tolerations:",
+            "  - key: nvidia.com/gpu",
+            "    operator: Exists",
+            "    effect: NoSchedule",
+        ]
         resources = ["resources:", "  limits:", f"    nvidia.com/gpu: {y(str(p.gpus_per_node))}"]
     else:
         placement, resources = [], []
     values = {
-        "header": _header("jobset-gpu", p), "platform": p.platform,
-        "name": p.job_name, "namespace": y(p.namespace), "labels": _labels(p),
-        "max_restarts": str(p.max_restarts), "slices": str(p.slices), "nodes_per_slice": str(p.nodes_per_slice),
+        "header": _header("jobset-gpu", p),
+        "platform": p.platform,
+        "name": p.job_name,
+        "namespace": y(p.namespace),
+        "labels": _labels(p),
+        "max_restarts": str(p.max_restarts),
+        "slices": str(p.slices),
+        "nodes_per_slice": str(p.nodes_per_slice),
         "backoff_limit": str(p.nodes_per_slice * p.max_task_restarts),
-        "service_account": y(p.service_account), "pod_placement": placement, "image": y(p.image),
-        "trainer_args": y_list(argv), "trainer_env": y_env(env),
-        "coordinator_port": str(p.coordinator_port), "container_resources": resources,
+        "service_account": y(p.service_account),
+        "pod_placement": placement,
+        "image": y(p.image),
+        "trainer_args": y_list(argv),
+        "trainer_env": y_env(env),
+        "coordinator_port": str(p.coordinator_port),
+        "container_resources": resources,
     }
     text = fill(load_template("jobset_gpu.yaml.tmpl"), values)
     return Rendered("jobset-gpu", f"{p.job_name}.{p.platform}.yaml", text, argv, warnings)
@@ -569,21 +660,28 @@ def pyxis_image(image: str) -> str:
 
 def render_slurm(p: DeployParams) -> Rendered:
     argv, warnings = _prepare(p, single_controller=False, check=p.check_multiprocess)
-    exports = [f"export {k}={shlex.quote(v)}" for k, v in multiprocess_env(p)
-               if k not in ("JAX_NUM_PROCESSES", "NODES_PER_SLICE")]
+    exports = [
+        f"export {k}={shlex.quote(v)}"
+        for k, v in multiprocess_env(p)
+        if k not in ("JAX_NUM_PROCESSES", "NODES_PER_SLICE")
+    ]
     # Shared-filesystem outputs must be visible inside the pyxis container at the same path.
     shared = [d.rstrip("/") for d in dict.fromkeys((p.output_dir, p.cache_dir)) if d.startswith("/")]
     mounts = [d for d in shared if not any(d.startswith(o + "/") for o in shared)]
     values = {
-        "header": _header("slurm", p), "platform": p.platform, "name": p.job_name,
+        "header": _header("slurm", p),
+        "platform": p.platform,
+        "name": p.job_name,
         "num_nodes": str(p.num_processes),
         "gpu_sbatch": [f"#SBATCH --gpus-per-node={p.gpus_per_node}"] if p.platform == "gpu" else [],
         "container_image": shlex.quote(pyxis_image(p.image)),
         "container_mounts": shlex.quote(",".join(f"{d}:{d}" for d in mounts)),
         "shared_dirs": " ".join(shlex.quote(d) for d in shared),
-        "nodes_per_slice": str(p.nodes_per_slice), "max_task_restarts": str(p.max_task_restarts),
+        "nodes_per_slice": str(p.nodes_per_slice),
+        "max_task_restarts": str(p.max_task_restarts),
         "restart_backoff_seconds": str(p.restart_backoff_seconds),
-        "coordinator_port": str(p.coordinator_port), "exports": exports,
+        "coordinator_port": str(p.coordinator_port),
+        "exports": exports,
         "trainer_argv": " ".join(shlex.quote(a) for a in argv),
     }
     text = fill(load_template("slurm.sbatch.tmpl"), values)
@@ -609,15 +707,20 @@ def render(target: str, p: DeployParams) -> Rendered:
 # ---------------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     d = {f.name: f.default for f in dataclasses.fields(DeployParams)}
-    ap = argparse.ArgumentParser(prog="python -m scripts.deploy.render", description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Keys after `--` are extra trainer overrides, e.g. -- steps=5000 "
-                                        "dataset_type=arrayrecord grain_train_files='gs://b/data/*.arrayrecord'")
+    ap = argparse.ArgumentParser(
+        prog="python -m scripts.deploy.render",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Keys after `--` are extra trainer overrides, e.g. -- steps=5000 "
+        "dataset_type=arrayrecord grain_train_files='gs://b/data/*.arrayrecord'",
+    )
     ap.add_argument("target", choices=[*RENDERERS, "all"])
     ap.add_argument("-o", "--output", default="-", help="file to write (default stdout); a directory for `all`")
     run = ap.add_argument_group("the run (all targets)")
     run.add_argument("--slices", type=int, required=True, help="slices (TPU slices; GPU/CPU: groups of nodes)")
-    run.add_argument("--image", required=True, help="trainer image, e.g. us-docker.pkg.dev/PROJECT/REPO/trainer:TAG")
+    run.add_argument(
+        "--image", required=True, help="trainer image, e.g. us-docker.pkg.dev/PROJECT/REPO/trainer:TAG"
+    )
     run.add_argument("--run-name", required=True, help="trainer run_name (fixed, so restarts resume the same run)")
     run.add_argument("--output-dir", required=True, help="trainer base_output_directory (gs://... for Pathways)")
     run.add_argument("--model", default=d["model"], help="model preset (configs/models/)")
@@ -626,26 +729,48 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--namespace", default=d["namespace"])
     run.add_argument("--queue", default=d["queue"], help="Kueue LocalQueue name (JobSet targets)")
     run.add_argument("--service-account", default=d["service_account"])
-    run.add_argument("--max-restarts", type=int, default=d["max_restarts"],
-                     help="whole-JobSet restarts (JobSet failurePolicy.maxRestarts / xpk --max-restarts)")
-    run.add_argument("--compile-cache", default=None,
-                     help="JAX persistent compilation cache dir (jax_cache_dir); default <output-dir>/jax_cache, '' disables")
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=d["max_restarts"],
+        help="whole-JobSet restarts (JobSet failurePolicy.maxRestarts / xpk --max-restarts)",
+    )
+    run.add_argument(
+        "--compile-cache",
+        default=None,
+        help="JAX persistent compilation cache dir (jax_cache_dir); default <output-dir>/jax_cache, '' disables",
+    )
     el = ap.add_argument_group("elasticity in the trainer")
     el.add_argument("--no-elastic", dest="elastic", action="store_false", help="elastic_enabled=false")
-    el.add_argument("--min-slices", type=int, default=d["min_slices"],
-                    help="elastic_min_slice_count: -1 = wait for all (pause-and-resume); 1..slices-1 = replica-resize")
+    el.add_argument(
+        "--min-slices",
+        type=int,
+        default=d["min_slices"],
+        help="elastic_min_slice_count: -1 = wait for all (pause-and-resume); 1..slices-1 = replica-resize",
+    )
     el.add_argument("--elastic-timeout", type=float, default=d["elastic_timeout_seconds"])
     el.add_argument("--elastic-max-retries", type=int, default=d["elastic_max_retries"])
     el.add_argument("--checkpoint-period", type=int, default=d["checkpoint_period"])
     pw = ap.add_argument_group("Pathways on GKE (xpk, jobset-pathways)")
     pw.add_argument("--tpu-type", default=d["tpu_type"], help=f"one of {', '.join(sorted(TPU_TYPES))}")
-    pw.add_argument("--elastic-slices", type=int, default=None,
-                    help="slices Pathways may lose at once (default: 1 for pause-and-resume, slices - min-slices "
-                         "for replica-resize)")
-    pw.add_argument("--max-slice-restarts", type=int, default=d["max_slice_restarts"],
-                    help="in-place restarts per slice: worker backoffLimit = hosts per slice x this")
-    pw.add_argument("--pathways-gcs-location", default=d["pathways_gcs_location"],
-                    help="Pathways scratch (default <output-dir>/pathways)")
+    pw.add_argument(
+        "--elastic-slices",
+        type=int,
+        default=None,
+        help="slices Pathways may lose at once (default: 1 for pause-and-resume, slices - min-slices "
+        "for replica-resize)",
+    )
+    pw.add_argument(
+        "--max-slice-restarts",
+        type=int,
+        default=d["max_slice_restarts"],
+        help="in-place restarts per slice: worker backoffLimit = hosts per slice x this",
+    )
+    pw.add_argument(
+        "--pathways-gcs-location",
+        default=d["pathways_gcs_location"],
+        help="Pathways scratch (default <output-dir>/pathways)",
+    )
     pw.add_argument("--pathways-version", default=d["pathways_version"], help="tag of the Pathways images")
     pw.add_argument("--server-image", default=d["server_image"])
     pw.add_argument("--proxy-image", default=d["proxy_image"])
@@ -658,33 +783,74 @@ def _parser() -> argparse.ArgumentParser:
     mp.add_argument("--gpus-per-node", type=int, default=d["gpus_per_node"])
     mp.add_argument("--gpu-accelerator", default=d["gpu_accelerator"], help="GKE cloud.google.com/gke-accelerator")
     mp.add_argument("--coordinator-port", type=int, default=d["coordinator_port"])
-    mp.add_argument("--heartbeat-timeout", type=int, default=d["heartbeat_timeout_seconds"],
-                    help="seconds without a heartbeat before a process is declared dead")
-    mp.add_argument("--collective-timeout", type=int, default=d["collective_timeout_seconds"],
-                    help="bound on a collective stuck waiting for a dead peer")
-    mp.add_argument("--max-task-restarts", type=int, default=d["max_task_restarts"],
-                    help="restarts per process (Slurm: in place; JobSet: backoffLimit = nodes x this)")
-    mp.add_argument("--restart-backoff", type=int, default=d["restart_backoff_seconds"],
-                    help="Slurm: first restart delay in seconds, doubling up to 600")
+    mp.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=d["heartbeat_timeout_seconds"],
+        help="seconds without a heartbeat before a process is declared dead",
+    )
+    mp.add_argument(
+        "--collective-timeout",
+        type=int,
+        default=d["collective_timeout_seconds"],
+        help="bound on a collective stuck waiting for a dead peer",
+    )
+    mp.add_argument(
+        "--max-task-restarts",
+        type=int,
+        default=d["max_task_restarts"],
+        help="restarts per process (Slurm: in place; JobSet: backoffLimit = nodes x this)",
+    )
+    mp.add_argument(
+        "--restart-backoff",
+        type=int,
+        default=d["restart_backoff_seconds"],
+        help="Slurm: first restart delay in seconds, doubling up to 600",
+    )
     mp.add_argument("--xla-flag", action="append", default=[], help="extra XLA flag (repeatable)")
     return ap
 
 
 def params_from_args(ns: argparse.Namespace, overrides: Sequence[str]) -> DeployParams:
     return DeployParams(
-        slices=ns.slices, image=ns.image, run_name=ns.run_name, output_dir=ns.output_dir, model=ns.model,
-        config=ns.config, overrides=tuple(overrides), name=ns.name, namespace=ns.namespace, queue=ns.queue,
-        service_account=ns.service_account, max_restarts=ns.max_restarts, elastic=ns.elastic,
-        min_slices=ns.min_slices, elastic_timeout_seconds=ns.elastic_timeout, elastic_max_retries=ns.elastic_max_retries,
-        checkpoint_period=ns.checkpoint_period, compile_cache=ns.compile_cache, tpu_type=ns.tpu_type,
-        elastic_slices=ns.elastic_slices, max_slice_restarts=ns.max_slice_restarts,
-        pathways_gcs_location=ns.pathways_gcs_location, pathways_version=ns.pathways_version,
-        server_image=ns.server_image, proxy_image=ns.proxy_image, proxy_memory=ns.proxy_memory,
-        proxy_cpu=ns.proxy_cpu, head_nodepool=ns.head_nodepool, platform=ns.platform,
-        nodes_per_slice=ns.nodes_per_slice, gpus_per_node=ns.gpus_per_node, gpu_accelerator=ns.gpu_accelerator,
-        coordinator_port=ns.coordinator_port, heartbeat_timeout_seconds=ns.heartbeat_timeout,
-        collective_timeout_seconds=ns.collective_timeout, max_task_restarts=ns.max_task_restarts,
-        restart_backoff_seconds=ns.restart_backoff, extra_xla_flags=tuple(ns.xla_flag),
+        slices=ns.slices,
+        image=ns.image,
+        run_name=ns.run_name,
+        output_dir=ns.output_dir,
+        model=ns.model,
+        config=ns.config,
+        overrides=tuple(overrides),
+        name=ns.name,
+        namespace=ns.namespace,
+        queue=ns.queue,
+        service_account=ns.service_account,
+        max_restarts=ns.max_restarts,
+        elastic=ns.elastic,
+        min_slices=ns.min_slices,
+        elastic_timeout_seconds=ns.elastic_timeout,
+        elastic_max_retries=ns.elastic_max_retries,
+        checkpoint_period=ns.checkpoint_period,
+        compile_cache=ns.compile_cache,
+        tpu_type=ns.tpu_type,
+        elastic_slices=ns.elastic_slices,
+        max_slice_restarts=ns.max_slice_restarts,
+        pathways_gcs_location=ns.pathways_gcs_location,
+        pathways_version=ns.pathways_version,
+        server_image=ns.server_image,
+        proxy_image=ns.proxy_image,
+        proxy_memory=ns.proxy_memory,
+        proxy_cpu=ns.proxy_cpu,
+        head_nodepool=ns.head_nodepool,
+        platform=ns.platform,
+        nodes_per_slice=ns.nodes_per_slice,
+        gpus_per_node=ns.gpus_per_node,
+        gpu_accelerator=ns.gpu_accelerator,
+        coordinator_port=ns.coordinator_port,
+        heartbeat_timeout_seconds=ns.heartbeat_timeout,
+        collective_timeout_seconds=ns.collective_timeout,
+        max_task_restarts=ns.max_task_restarts,
+        restart_backoff_seconds=ns.restart_backoff,
+        extra_xla_flags=tuple(ns.xla_flag),
     )
 
 
@@ -699,7 +865,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides: list[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, overrides = argv[:i], argv[i + 1:]
+        argv, overrides = argv[:i], argv[i + 1 :]
     ns = _parser().parse_args(argv)
     try:
         p = params_from_args(ns, overrides)

@@ -6,6 +6,7 @@ own object-store code runs unchanged. Subprocesses get it through `sitecustomize
 (put the directory on PYTHONPATH and set FAKE_GCS_ROOT). Orbax's tensorstore writes bypass fsspec, so
 runs against it keep checkpoints off or local.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,7 @@ class FakeGCS(DirFileSystem):
         path = os.fspath(path)
         for prefix in ("gs://", "gcs://"):
             if path.startswith(prefix):
-                return path[len(prefix):]
+                return path[len(prefix) :]
         return path
 
 

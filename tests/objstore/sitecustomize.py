@@ -1,4 +1,5 @@
 """Loaded by Python at start-up when this directory is on PYTHONPATH: serve gs:// from $FAKE_GCS_ROOT."""
+
 import os
 
 if os.environ.get("FAKE_GCS_ROOT"):

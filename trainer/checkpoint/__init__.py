@@ -25,10 +25,18 @@ Reading a step without this package::
 
 "Committed" is defined once, in `commit.is_committed`.
 """
-from trainer.checkpoint.checkpointer import (CheckpointRestoreError, Checkpointer, CheckpointSaveError,
-                                             Restored)
+
+from trainer.checkpoint.checkpointer import Checkpointer, CheckpointRestoreError, CheckpointSaveError, Restored
 from trainer.checkpoint.commit import is_committed
 from trainer.checkpoint.params import load_full_state, load_parameters, save_parameters
 
-__all__ = ["Checkpointer", "Restored", "CheckpointSaveError", "CheckpointRestoreError", "is_committed",
-           "load_parameters", "load_full_state", "save_parameters"]
+__all__ = [
+    "Checkpointer",
+    "Restored",
+    "CheckpointSaveError",
+    "CheckpointRestoreError",
+    "is_committed",
+    "load_parameters",
+    "load_full_state",
+    "save_parameters",
+]

@@ -20,13 +20,15 @@ starts nothing; the call after it saves normally) or by `wait()`. `close()` is t
 rule, so that tearing down an attempt after a failure never masks that failure: it reports, it does
 not raise. End every successful run with `wait()`.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -86,10 +88,15 @@ class Checkpointer:
 
     Not thread-safe (nor is Orbax's CheckpointManager): call it from the train loop's thread."""
 
-    def __init__(self, directory: epath.PathLike, cfg: CheckpointConfig, *,
-                 on_event: Callable[[str, dict], None] = lambda name, fields: None,
-                 clock: Callable[[], float] = time.monotonic,
-                 multiprocessing: ocp.options.MultiprocessingOptions | None = None):
+    def __init__(
+        self,
+        directory: epath.PathLike,
+        cfg: CheckpointConfig,
+        *,
+        on_event: Callable[[str, dict], None] = lambda name, fields: None,
+        clock: Callable[[], float] = time.monotonic,
+        multiprocessing: ocp.options.MultiprocessingOptions | None = None,
+    ):
         self._manager = None  # first, so that close() works on a half-built object
         self.directory = epath.Path(directory)
         self._cfg, self._on_event, self._clock = cfg, on_event, clock
@@ -115,10 +122,17 @@ class Checkpointer:
         # explicit only so that compression is a choice.
         # Every handler gets the manager's multi-process options, as Orbax's default handlers would.
         mp = options.multiprocessing_options
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
-            STATE: ocp.PyTreeCheckpointHandler(use_compression=cfg.checkpoint_compression, multiprocessing_options=mp),
-            DATA: ocp.JsonCheckpointHandler(multiprocessing_options=mp),
-            METADATA: ocp.JsonCheckpointHandler(multiprocessing_options=mp)})
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={
+                STATE: ocp.PyTreeCheckpointHandler(
+                    use_compression=cfg.checkpoint_compression, multiprocessing_options=mp
+                ),
+                DATA: ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+                METADATA: ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+            },
+        )
 
     # ---- what is on storage ----------------------------------------------------------------------
 
@@ -191,8 +205,11 @@ class Checkpointer:
         if self._failure is not None and not force:
             self._raise_failure()
         started = self._clock()
-        items = {STATE: ocp.args.PyTreeSave(state), DATA: ocp.args.JsonSave(data_state),
-                 METADATA: ocp.args.JsonSave(metadata)}
+        items = {
+            STATE: ocp.args.PyTreeSave(state),
+            DATA: ocp.args.JsonSave(data_state),
+            METADATA: ocp.args.JsonSave(metadata),
+        }
         try:  # every storage access is inside: a broken path is a failed save, like any other
             if step in self.committed_steps():
                 log.info("checkpoint step=%d is already committed; not saving it again", step)
@@ -234,8 +251,12 @@ class Checkpointer:
             if not self._settle(timeout_s, manager=manager):
                 step = self._inflight.step
                 self._inflight = None
-                self._emit("checkpoint_save_failed", logging.ERROR, step=step,
-                           error=f"abandoned: still writing after {timeout_s} s")
+                self._emit(
+                    "checkpoint_save_failed",
+                    logging.ERROR,
+                    step=step,
+                    error=f"abandoned: still writing after {timeout_s} s",
+                )
                 return
             if self._failure is not None:
                 log.error("closing with an unraised checkpoint failure (wait() raises it): %s", self._failure)
@@ -256,8 +277,9 @@ class Checkpointer:
         steps = self.committed_steps()
         if step is not None:
             if step not in steps:
-                raise FileNotFoundError(f"step {step} is not a committed checkpoint in {self.directory} "
-                                        f"(committed: {steps})")
+                raise FileNotFoundError(
+                    f"step {step} is not a committed checkpoint in {self.directory} (committed: {steps})"
+                )
             steps = [s for s in steps if s <= step]
         first_error = None
         for candidate in reversed(steps):
@@ -270,16 +292,19 @@ class Checkpointer:
                 first_error = first_error or e
         if first_error is None:
             return None
-        raise CheckpointRestoreError(f"no committed checkpoint in {self.directory} could be restored "
-                                     f"(tried {steps[::-1]})") from first_error
+        raise CheckpointRestoreError(
+            f"no committed checkpoint in {self.directory} could be restored (tried {steps[::-1]})"
+        ) from first_error
 
     def _restore_step(self, step: int, abstract_state) -> Restored:
         self._emit("checkpoint_restore_start", step=step)
         started = self._clock()
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
-        items = {STATE: ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args),
-                 DATA: ocp.args.JsonRestore(),
-                 METADATA: ocp.args.JsonRestore()}
+        items = {
+            STATE: ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args),
+            DATA: ocp.args.JsonRestore(),
+            METADATA: ocp.args.JsonRestore(),
+        }
         out = self._manager.restore(step, args=ocp.args.Composite(**items))
         state = jax.block_until_ready(out[STATE])  # read errors surface here, inside the fallback
         seconds, nbytes = self._clock() - started, array_bytes(state)
@@ -312,8 +337,12 @@ class Checkpointer:
             self._record_failure(inflight.step, e)
             return True
         self._failure = None  # a newer committed checkpoint supersedes an earlier failure
-        self._emit("checkpoint_save_committed", step=inflight.step,
-                   seconds=round(self._clock() - inflight.started, 4), bytes=inflight.nbytes)
+        self._emit(
+            "checkpoint_save_committed",
+            step=inflight.step,
+            seconds=round(self._clock() - inflight.started, 4),
+            bytes=inflight.nbytes,
+        )
         return True
 
     def _record_failure(self, step: int, error: Exception) -> None:

@@ -6,6 +6,7 @@ Orbax's metadata: `check_checkpoint_dir` says what a path is instead of a commit
 where the checkpoints are; `check_params_match` names the first tensor whose stored shape differs from
 the model config. The trainer's preflight, `trainer.convert` and `trainer.decode` all use them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,22 +37,34 @@ def check_checkpoint_dir(path, flag: str = "--checkpoint") -> epath.Path:
     if not path.exists():
         raise MissingCheckpoint(f"{flag} {path} does not exist{_steps_hint(path.parent, 'in')}")
     if not path.is_dir():
-        raise UserInputError(f"{flag} {path} is a file; point {flag} at a checkpoint directory "
-                             f"(<run>/checkpoints/<step>, or an hf-to-trainer output)")
+        raise UserInputError(
+            f"{flag} {path} is a file; point {flag} at a checkpoint directory "
+            f"(<run>/checkpoints/<step>, or an hf-to-trainer output)"
+        )
     if (path / "checkpoints").is_dir() or (path / "metrics.jsonl").exists() or (path / "events.jsonl").exists():
-        raise UserInputError(f"{flag} {path} is a run directory: point {flag} at {path / 'checkpoints'}/<step>"
-                             f"{_steps_hint(path / 'checkpoints', 'committed')}")
+        raise UserInputError(
+            f"{flag} {path} is a run directory: point {flag} at {path / 'checkpoints'}/<step>"
+            f"{_steps_hint(path / 'checkpoints', 'committed')}"
+        )
     if path.name == "checkpoints" or commit.committed_steps(path):
-        raise UserInputError(f"{flag} {path} is a run's checkpoints directory: point {flag} at {path}/<step>"
-                             f"{_steps_hint(path, 'committed')}")
+        raise UserInputError(
+            f"{flag} {path} is a run's checkpoints directory: point {flag} at {path}/<step>"
+            f"{_steps_hint(path, 'committed')}"
+        )
     if re.fullmatch(r"\d+", path.name) or commit.TMP_SUFFIX in path.name:
-        raise UserInputError(f"{flag} {path} is not a committed checkpoint (no {commit.COMMIT_MARKER}: its save "
-                             f"did not finish){_steps_hint(path.parent, 'in')}")
+        raise UserInputError(
+            f"{flag} {path} is not a committed checkpoint (no {commit.COMMIT_MARKER}: its save "
+            f"did not finish){_steps_hint(path.parent, 'in')}"
+        )
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        raise UserInputError(f"{flag} {path} is a Hugging Face directory, not a checkpoint of this trainer: "
-                             f"import it with `hf-to-trainer --hf-dir {path}` (or pass it as --hf-dir to logits)")
-    raise UserInputError(f"{flag} {path} is not a checkpoint (no {commit.COMMIT_MARKER}): point it at "
-                         f"<run>/checkpoints/<step> or an hf-to-trainer output")
+        raise UserInputError(
+            f"{flag} {path} is a Hugging Face directory, not a checkpoint of this trainer: "
+            f"import it with `hf-to-trainer --hf-dir {path}` (or pass it as --hf-dir to logits)"
+        )
+    raise UserInputError(
+        f"{flag} {path} is not a checkpoint (no {commit.COMMIT_MARKER}): point it at "
+        f"<run>/checkpoints/<step> or an hf-to-trainer output"
+    )
 
 
 def _steps_hint(root: epath.Path, how: str) -> str:
@@ -81,9 +94,13 @@ def check_params_match(ckpt, cfg, *, fix: str, flag: str = "--checkpoint") -> No
     from trainer.model import abstract_params
 
     wanted = _shapes(abstract_params(cfg))
-    diffs = [f"{name} is {list(stored[name])} in the checkpoint but {list(shape)} in the model config"
-             if name in stored else f"{name} {list(shape)} is missing from the checkpoint"
-             for name, shape in wanted.items() if stored.get(name) != shape]
+    diffs = [
+        f"{name} is {list(stored[name])} in the checkpoint but {list(shape)} in the model config"
+        if name in stored
+        else f"{name} {list(shape)} is missing from the checkpoint"
+        for name, shape in wanted.items()
+        if stored.get(name) != shape
+    ]
     if diffs:
         more = f" (and {len(diffs) - 1} more tensors differ)" if len(diffs) > 1 else ""
         raise UserInputError(f"{flag} {resolve(ckpt)} does not match the model config: {diffs[0]}{more}; {fix}")
@@ -112,5 +129,3 @@ def _shapes(tree) -> dict[str, tuple[int, ...]]:
         else:
             out[str(key)] = tuple(getattr(tree[key], "shape", ()) or ())
     return out
-
-

@@ -8,12 +8,13 @@ directory that looks like a step is partial: an `<step>.orbax-checkpoint-tmp*` d
 killed save, or a `<step>` directory without the marker (an object-store save that never finished, or
 an interrupted copy). Paths go through etils.epath, so local and gs:// paths work alike.
 """
+
 from __future__ import annotations
 
 import re
 
-from etils import epath
 import orbax.checkpoint as ocp
+from etils import epath
 
 COMMIT_MARKER = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE  # "commit_success.txt"
 TMP_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
@@ -26,8 +27,10 @@ def _require_orbax_with_commit_marker() -> None:
     # look partial here and cleanup_partial would delete them. Fail loudly instead.
     version = tuple(int(p) for p in re.findall(r"\d+", ocp.__version__)[:3])
     if version < (0, 12, 3):
-        raise ImportError(f"trainer.checkpoint needs orbax-checkpoint >= 0.12.3 (found {ocp.__version__}): "
-                          f"older versions do not write {COMMIT_MARKER} on POSIX filesystems")
+        raise ImportError(
+            f"trainer.checkpoint needs orbax-checkpoint >= 0.12.3 (found {ocp.__version__}): "
+            f"older versions do not write {COMMIT_MARKER} on POSIX filesystems"
+        )
 
 
 _require_orbax_with_commit_marker()
@@ -50,8 +53,9 @@ def committed_steps(root: epath.PathLike) -> list[int]:
     root = epath.Path(root)
     if not root.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in root.iterdir()
-                  if (m := _STEP_DIR.fullmatch(p.name)) and is_committed(p))
+    return sorted(
+        int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and is_committed(p)
+    )
 
 
 def partial_step_paths(root: epath.PathLike) -> list[tuple[int, epath.Path]]:

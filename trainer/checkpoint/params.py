@@ -4,11 +4,12 @@ A params-only checkpoint (`save_parameters`, later the HF import) has the step-d
 only a `state` item holding {"params": ...}, so both kinds load through the same code, from the path
 of a committed directory: `<run>/checkpoints/<step>` or the params-only directory itself.
 """
+
 from __future__ import annotations
 
 import numpy as np
-from etils import epath
 import orbax.checkpoint as ocp
+from etils import epath
 
 from trainer.checkpoint import commit
 from trainer.checkpoint.checkpointer import STATE
@@ -19,8 +20,10 @@ def _state_item(path: epath.PathLike) -> epath.Path:
 
     path = resolve(path)
     if not commit.is_committed(path):
-        raise FileNotFoundError(f"{path} is not a committed checkpoint directory (no {commit.COMMIT_MARKER}; "
-                                f"point at <run>/checkpoints/<step> or a save_parameters directory)")
+        raise FileNotFoundError(
+            f"{path} is not a committed checkpoint directory (no {commit.COMMIT_MARKER}; "
+            f"point at <run>/checkpoints/<step> or a save_parameters directory)"
+        )
     return path / STATE
 
 
@@ -36,7 +39,8 @@ def save_parameters(path: epath.PathLike, params, *, in_place: bool = False) -> 
     path = resolve(path)
     if in_place:
         registry = ocp.type_handlers.create_type_handler_registry(
-            (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
+            (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))
+        )
         handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=False)
         item = ocp.args.PyTreeSave({"params": params})
     else:
@@ -49,8 +53,9 @@ def load_parameters(path: epath.PathLike, abstract_params):
     """The params of the checkpoint at `path` (full or params-only), resharded onto `abstract_params`'
     shardings; any optimizer state there is not read."""
     target = {"params": abstract_params}
-    args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                  partial_restore=True)
+    args = ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+    )
     with ocp.PyTreeCheckpointer() as checkpointer:
         return checkpointer.restore(_state_item(path), args=args)["params"]
 

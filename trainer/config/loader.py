@@ -3,20 +3,23 @@
 Each later layer wins. The preset (`configs/models/<model>.yml`, or a model YAML path) carries the
 architecture; a user's config file beats anything the preset sets, and the command line beats both.
 Every layer is checked against the schema (unknown keys get a did-you-mean; a key twice in a file is an
-error, twice on the command line the later wins with a warning), every value is typed by the schema (`trainer.config.values`), and `validate`
-collects every problem so the user sees them all at once, before any device work.
+error, twice on the command line the later wins with a warning), every value is typed by the schema
+(`trainer.config.values`), and `validate` collects every problem so the user sees them all at once,
+before any device work.
 
 The config is kept exactly as given: nothing derived is written back into it, so a printed or saved
 config (`to_yaml`) loads again to the same RunConfig, and `explain` says which layer set each value.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import logging
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import yaml
 
@@ -29,8 +32,10 @@ log = logging.getLogger(__name__)
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 COMMAND_LINE = "command line"
 # Keys that no longer exist: accepted with a warning while their value is the only legal one.
-DEPRECATED = {"dcn_data_parallelism": "slices are always data-parallel replicas, so the DCN axis is num_slices; "
-                                      "remove the key"}
+DEPRECATED = {
+    "dcn_data_parallelism": "slices are always data-parallel replicas, so the DCN axis is num_slices; "
+    "remove the key"
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +72,10 @@ def resolve_model_path(model: str) -> Path:
         path = Path(model).expanduser()
         if path.is_file():
             return path
-        raise ConfigError(f"model={model!r}: model file not found (looked at {path.resolve()}); give a "
-                          "preset name or the model.yml written by `python -m trainer.convert hf-to-trainer`")
+        raise ConfigError(
+            f"model={model!r}: model file not found (looked at {path.resolve()}); give a "
+            "preset name or the model.yml written by `python -m trainer.convert hf-to-trainer`"
+        )
     candidate = configs_dir() / "models" / f"{model}.yml"
     if candidate.is_file():
         return candidate
@@ -142,8 +149,9 @@ def parse_overrides(args: Iterable[str]) -> Layer:
             raise ConfigError(f"argument {arg!r} is not key=value (e.g. steps=100)")
         value = _typed(k, v, COMMAND_LINE, text=True)
         if k in out and out[k] != value:  # later wins, as in every layer order; said, not silent
-            log.warning("config key %s is given twice on the command line (%r, then %r): using %r",
-                        k, out[k], value, value)
+            log.warning(
+                "config key %s is given twice on the command line (%r, then %r): using %r", k, out[k], value, value
+            )
         out[k] = value
     return Layer(COMMAND_LINE, out)
 
@@ -188,8 +196,10 @@ def load_layers(config_arg: str = "base.yml", overrides: Iterable[str] = ()) -> 
     model = cli.values.get("model") or (user.values.get("model") if user else None) or base.values.get("model")
     model = model or flat_fields()["model"][1].default
     preset_path = resolve_model_path(str(model))
-    preset = Layer(f"model preset {model}" if preset_path.parent == configs_dir() / "models" else
-                   f"model file {model}", read_yaml(preset_path).values)
+    preset = Layer(
+        f"model preset {model}" if preset_path.parent == configs_dir() / "models" else f"model file {model}",
+        read_yaml(preset_path).values,
+    )
     return [base, preset] + ([user] if user else []) + [cli]
 
 
@@ -222,8 +232,9 @@ def to_flat_dict(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _dump_one(key: str, value: Any) -> list[str]:
-    text = yaml.safe_dump({key: value}, sort_keys=False, default_flow_style=False, width=1 << 16,
-                          allow_unicode=True)
+    text = yaml.safe_dump(
+        {key: value}, sort_keys=False, default_flow_style=False, width=1 << 16, allow_unicode=True
+    )
     return text.rstrip("\n").splitlines()
 
 

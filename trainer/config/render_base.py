@@ -3,6 +3,7 @@
 The schema is the single source of defaults; base.yml is its documented rendering, and
 tests/test_config.py fails if the two drift.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,9 +19,12 @@ def _scalar(value) -> str:
 
 
 def render() -> str:
-    lines = ["# Defaults of every config key, rendered from trainer/config/schema.py (do not edit by hand:",
-             "# run `python -m trainer.config.render_base > configs/base.yml`). Order of precedence:",
-             "# this file < configs/models/<model>.yml < your config file < key=value arguments.", ""]
+    lines = [
+        "# Defaults of every config key, rendered from trainer/config/schema.py (do not edit by hand:",
+        "# run `python -m trainer.config.render_base > configs/base.yml`). Order of precedence:",
+        "# this file < configs/models/<model>.yml < your config file < key=value arguments.",
+        "",
+    ]
     for section, cls in section_classes().items():
         lines.append(f"# ---- {section}: {cls.__doc__.strip().splitlines()[0]}")
         for f in dataclasses.fields(cls):

@@ -6,6 +6,7 @@ maps each flat key to exactly one field here, so a default is written once, in t
 `configs/base.yml` is generated from this file (`python -m trainer.config.render_base`) and a test
 checks they agree.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def key(default: Any, doc: str, *, choices: tuple | None = None, minimum: float | None = None,
-        maximum: float | None = None):
+def key(
+    default: Any,
+    doc: str,
+    *,
+    choices: tuple | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+):
     """A config field: its default, one-line documentation and optional constraints (inclusive bounds)."""
     meta = {"doc": doc, "choices": choices, "minimum": minimum, "maximum": maximum}
     if isinstance(default, (list, dict)):
@@ -73,17 +80,23 @@ class ModelConfig:
     num_experts_per_tok: int = key(1, "Experts each token is routed to (top-k).", minimum=1)
     base_moe_mlp_dim: int = key(0, "SwiGLU hidden size of each expert (MoE only).", minimum=0)
     norm_topk_prob: bool = key(True, "Renormalise the top-k router probabilities to sum to 1 (MoE).")
-    load_balance_loss_weight: float = key(0.0, "Coefficient of the MoE load-balancing auxiliary loss.", minimum=0.0)
+    load_balance_loss_weight: float = key(
+        0.0, "Coefficient of the MoE load-balancing auxiliary loss.", minimum=0.0
+    )
     moe_capacity_factor: float = key(
-        1.25, "Expert capacity per batch row = factor * row tokens * top_k / experts; overflow tokens are "
-              "dropped (factor >= experts / top_k never drops).",
-        minimum=0.0)
+        1.25,
+        "Expert capacity per batch row = factor * row tokens * top_k / experts; overflow tokens are "
+        "dropped (factor >= experts / top_k never drops).",
+        minimum=0.0,
+    )
     dtype: str = key("bfloat16", "Activation and matmul dtype.", choices=DTYPES)
     weight_dtype: str = key("float32", "Parameter (and optimizer state) dtype.", choices=DTYPES)
     scan_layers: bool = key(True, "Stack the blocks and run them with a scan (faster compile).")
     remat_policy: str = key(
-        "full", "Activation rematerialisation: none | full | minimal (save matmul outputs).",
-        choices=("none", "full", "minimal"))
+        "full",
+        "Activation rematerialisation: none | full | minimal (save matmul outputs).",
+        choices=("none", "full", "minimal"),
+    )
 
 
 @dataclass(frozen=True)
@@ -95,8 +108,9 @@ class MeshConfig:
     ici_fsdp_parallelism: int = key(-1, "Fully-sharded data parallelism inside a slice; -1 = fill.")
     ici_tensor_parallelism: int = key(1, "Tensor (Megatron) parallelism inside a slice; -1 = fill.")
     ici_expert_parallelism: int = key(1, "Expert parallelism inside a slice (MoE); -1 = fill.")
-    logical_axis_rules: list = key(DEFAULT_LOGICAL_AXIS_RULES,
-                                   "Logical-axis -> mesh-axes rules for params and activations.")
+    logical_axis_rules: list = key(
+        DEFAULT_LOGICAL_AXIS_RULES, "Logical-axis -> mesh-axes rules for params and activations."
+    )
     enable_single_controller: bool = key(False, "Run under Pathways (TPU): one controller sees every slice.")
 
 
@@ -104,31 +118,47 @@ class MeshConfig:
 class DataConfig:
     """Where batches come from and their shape."""
 
-    dataset_type: str = key("synthetic", "synthetic (generated, learnable) | arrayrecord (Grain).",
-                            choices=("synthetic", "arrayrecord"))
+    dataset_type: str = key(
+        "synthetic",
+        "synthetic (generated, learnable) | arrayrecord (Grain).",
+        choices=("synthetic", "arrayrecord"),
+    )
     per_device_batch_size: int = key(2, "Sequences per device per micro-step.", minimum=1)
     max_target_length: int = key(2048, "Sequence length in tokens.", minimum=2)
     data_shuffle_seed: int = key(0, "Seed of the data order (shuffle, synthetic stream).")
-    grain_train_files: str = key("", "arrayrecord: glob(s) of ArrayRecord shards, comma-separated "
-                                     "(e.g. data/fc_sample/*.arrayrecord; relative to cwd, else the repo; ~; gs://).")
-    tokenizer_path: str = key("data/tokenizer/fc_sp8k.model",
-                              "arrayrecord: sentencepiece .model or HF tokenizer.json (relative to cwd, else the "
-                              "repo; ~; gs://).")
-    data_cache_dir: str = key("", "arrayrecord: where shards on an object store are copied once per host before "
-                                  "reading (tokenizers go to $TRAINER_CACHE_DIR/remote); '' = the same "
-                                  "(~/.cache/elastic-trainer/remote).")
-    tokenizer_type: str = key("sentencepiece", "arrayrecord: sentencepiece | huggingface (tokenizer.json).",
-                              choices=("sentencepiece", "huggingface"))
+    grain_train_files: str = key(
+        "",
+        "arrayrecord: glob(s) of ArrayRecord shards, comma-separated "
+        "(e.g. data/fc_sample/*.arrayrecord; relative to cwd, else the repo; ~; gs://).",
+    )
+    tokenizer_path: str = key(
+        "data/tokenizer/fc_sp8k.model",
+        "arrayrecord: sentencepiece .model or HF tokenizer.json (relative to cwd, else the repo; ~; gs://).",
+    )
+    data_cache_dir: str = key(
+        "",
+        "arrayrecord: where shards on an object store are copied once per host before "
+        "reading (tokenizers go to $TRAINER_CACHE_DIR/remote); '' = the same "
+        "(~/.cache/elastic-trainer/remote).",
+    )
+    tokenizer_type: str = key(
+        "sentencepiece",
+        "arrayrecord: sentencepiece | huggingface (tokenizer.json).",
+        choices=("sentencepiece", "huggingface"),
+    )
     packing: bool = key(True, "arrayrecord: pack several whole documents per row (else one per row, padded).")
     use_sft: bool = key(False, "arrayrecord: chat records, Qwen chat template, loss on assistant tokens only.")
     num_epoch: int = key(-1, "arrayrecord: passes over the data; <= 0 repeats forever (steps bounds training).")
-    grain_worker_count: int = key(1, "arrayrecord: Grain worker processes (0 = load in the training process).",
-                                  minimum=0)
+    grain_worker_count: int = key(
+        1, "arrayrecord: Grain worker processes (0 = load in the training process).", minimum=0
+    )
     grain_per_worker_buffer_size: int = key(2, "arrayrecord: global steps each worker prefetches.", minimum=1)
     add_bos: bool = key(False, "arrayrecord: prepend the tokenizer's BOS to every document.")
     add_eos: bool = key(True, "arrayrecord: append EOS (<|endoftext|>) to every document, a trained target.")
     text_field: str = key("text", "arrayrecord: JSON field of a record holding plain text.")
-    messages_field: str = key("messages", "arrayrecord: JSON field of a record holding a chat (role/content list).")
+    messages_field: str = key(
+        "messages", "arrayrecord: JSON field of a record holding a chat (role/content list)."
+    )
 
 
 @dataclass(frozen=True)
@@ -136,10 +166,12 @@ class OptimConfig:
     """AdamW, its schedule, clipping and accumulation."""
 
     learning_rate: float = key(3e-4, "Peak learning rate.", minimum=0.0)
-    warmup_steps_fraction: float = key(0.1, "Fraction of the schedule spent in linear warmup.", minimum=0.0,
-                                       maximum=1.0)
-    cosine_learning_rate_final_fraction: float = key(0.1, "Final LR as a fraction of the peak.", minimum=0.0,
-                                                     maximum=1.0)
+    warmup_steps_fraction: float = key(
+        0.1, "Fraction of the schedule spent in linear warmup.", minimum=0.0, maximum=1.0
+    )
+    cosine_learning_rate_final_fraction: float = key(
+        0.1, "Final LR as a fraction of the peak.", minimum=0.0, maximum=1.0
+    )
     learning_rate_schedule_steps: int = key(-1, "Length of the LR schedule; -1 = steps.", minimum=-1)
     adam_b1: float = key(0.9, "AdamW beta1.", minimum=0.0)
     adam_b2: float = key(0.95, "AdamW beta2.", minimum=0.0)
@@ -158,19 +190,28 @@ class CheckpointConfig:
     checkpoint_period: int = key(10_000, "Save every this many steps (and at the final step).", minimum=1)
     async_checkpointing: bool = key(True, "Write checkpoints in the background while training continues.")
     max_num_checkpoints_to_keep: int = key(
-        3, "Committed checkpoints kept (oldest deleted first); <= 0 keeps all. Keep >= 2 so a corrupt "
-           "newest checkpoint can fall back to the previous one.")
+        3,
+        "Committed checkpoints kept (oldest deleted first); <= 0 keeps all. Keep >= 2 so a corrupt "
+        "newest checkpoint can fall back to the previous one.",
+    )
     enable_continuous_checkpointing: bool = key(
-        False, "Start the next save as soon as the previous one has finished, ignoring checkpoint_period.")
+        False, "Start the next save as soon as the previous one has finished, ignoring checkpoint_period."
+    )
     checkpoint_compression: bool = key(
-        True, "zstd-compress checkpoint arrays (Orbax's default): smaller files for more host CPU per save. "
-              "false costs ~40% less CPU time per save (where host cores are scarce, e.g. CPU training).")
+        True,
+        "zstd-compress checkpoint arrays (Orbax's default): smaller files for more host CPU per save. "
+        "false costs ~40% less CPU time per save (where host cores are scarce, e.g. CPU training).",
+    )
     load_parameters_path: str = key(
-        "", "If the run has no checkpoint yet: start from these params only (a checkpoint step dir or a "
-            "params-only checkpoint), with a fresh optimizer.")
+        "",
+        "If the run has no checkpoint yet: start from these params only (a checkpoint step dir or a "
+        "params-only checkpoint), with a fresh optimizer.",
+    )
     load_full_state_path: str = key(
-        "", "If the run has no checkpoint yet: start from this checkpoint step dir's full train state "
-            "(params, optimizer state, step).")
+        "",
+        "If the run has no checkpoint yet: start from this checkpoint step dir's full train state "
+        "(params, optimizer state, step).",
+    )
 
 
 @dataclass(frozen=True)
@@ -181,17 +222,25 @@ class ElasticConfig:
     elastic_timeout_seconds: float = key(300.0, "How long to wait for enough slices after a failure.", minimum=0.0)
     elastic_max_retries: int = key(10, "Slice-failure events tolerated over the whole run.", minimum=0)
     elastic_min_slice_count: int = key(
-        -1, "Slices needed to continue: -1 = all (pause-and-resume); 1..num_slices-1 = replica-resize.")
+        -1, "Slices needed to continue: -1 = all (pause-and-resume); 1..num_slices-1 = replica-resize."
+    )
     elastic_resize_batch_policy: str = key(
-        "keep_global", "On fewer slices: keep_global (same global batch via more micro-steps: same math) | "
-        "scale (global batch and learning rate scale with the active slices).", choices=("keep_global", "scale"))
+        "keep_global",
+        "On fewer slices: keep_global (same global batch via more micro-steps: same math) | "
+        "scale (global batch and learning rate scale with the active slices).",
+        choices=("keep_global", "scale"),
+    )
     elastic_poll_interval_seconds: float = key(
-        1.0, "Seconds between slice-health checks while waiting for slices and for scale-up.", minimum=0.0)
+        1.0, "Seconds between slice-health checks while waiting for slices and for scale-up.", minimum=0.0
+    )
     snapshot_period: int = key(
-        0, "Copy train + data state to host RAM every this many steps (async); 0 disables.", minimum=0)
+        0, "Copy train + data state to host RAM every this many steps (async); 0 disables.", minimum=0
+    )
     fault_schedule: str = key(
-        "", "Injected failures (local slices): 'step=40,slice=1,down_s=5; step=90,slice=2,down_steps=10; "
-            "step=120,nan=1' (down_steps: back after that many more steps; nan: a non-finite step).")
+        "",
+        "Injected failures (local slices): 'step=40,slice=1,down_s=5; step=90,slice=2,down_steps=10; "
+        "step=120,nan=1' (down_steps: back after that many more steps; nan: a non-finite step).",
+    )
 
 
 @dataclass(frozen=True)
@@ -201,16 +250,22 @@ class ObserveConfig:
     log_period: int = key(10, "Print a metrics line every this many steps.", minimum=1)
     enable_tensorboard: bool = key(True, "Write TensorBoard scalars to the run directory.")
     peak_tflops_per_device: float = key(
-        0.0, "Peak TFLOP/s of one device for MFU; 0 = look up the device kind (null MFU if unknown).",
-        minimum=0.0)
+        0.0, "Peak TFLOP/s of one device for MFU; 0 = look up the device kind (null MFU if unknown).", minimum=0.0
+    )
     nan_policy: str = key(
-        "stop", "Non-finite loss or gradients (the update is never applied): stop (error, exit 1) | "
+        "stop",
+        "Non-finite loss or gradients (the update is never applied): stop (error, exit 1) | "
         "skip_step (continue, counted) | rollback (restore newest snapshot/checkpoint, skip the batch).",
-        choices=("stop", "skip_step", "rollback"))
-    profiler: str = key("", "'' (off) | xplane: a JAX profiler trace (TensorBoard/XProf) under <run dir>/profile.",
-                        choices=("", "xplane"))
-    skip_first_n_steps_for_profiler: int = key(3, "Steps to run before the trace starts (compile, warm-up).",
-                                               minimum=0)
+        choices=("stop", "skip_step", "rollback"),
+    )
+    profiler: str = key(
+        "",
+        "'' (off) | xplane: a JAX profiler trace (TensorBoard/XProf) under <run dir>/profile.",
+        choices=("", "xplane"),
+    )
+    skip_first_n_steps_for_profiler: int = key(
+        3, "Steps to run before the trace starts (compile, warm-up).", minimum=0
+    )
     profiler_steps: int = key(5, "Steps to trace.", minimum=1)
 
 
@@ -218,15 +273,21 @@ class ObserveConfig:
 class TrainConfig:
     """The run itself: identity, length, output location, seed."""
 
-    run_name: str = key("", "Run name; the run directory is <base_output_directory>/<run_name>. Empty = the "
-                            "job's name ($JOBSET_NAME, $SLURM_JOB_NAME-$SLURM_JOB_ID), else <model>-<data>: the "
-                            "same command resumes the same run.")
-    base_output_directory: str = key("runs", "Parent directory of run directories: relative (to the working "
-                                             "directory), absolute, ~ or gs://.")
+    run_name: str = key(
+        "",
+        "Run name; the run directory is <base_output_directory>/<run_name>. Empty = the "
+        "job's name ($JOBSET_NAME, $SLURM_JOB_NAME-$SLURM_JOB_ID), else <model>-<data>: the "
+        "same command resumes the same run.",
+    )
+    base_output_directory: str = key(
+        "runs", "Parent directory of run directories: relative (to the working directory), absolute, ~ or gs://."
+    )
     steps: int = key(100, "Optimizer steps to train.", minimum=1)
     init_weights_seed: int = key(0, "Seed of parameter initialisation.")
-    jax_cache_dir: str = key("~/.cache/elastic-trainer/jax",
-                             "JAX persistent compilation cache (restarts skip compiling); empty disables.")
+    jax_cache_dir: str = key(
+        "~/.cache/elastic-trainer/jax",
+        "JAX persistent compilation cache (restarts skip compiling); empty disables.",
+    )
 
 
 @dataclass(frozen=True)
@@ -234,24 +295,40 @@ class DistributedConfig:
     """Multi-process JAX (one process per host, no Pathways): joining the job and surviving a dead peer."""
 
     coordinator_address: str = key(
-        "", "host:port of process 0, which hosts the coordination service; '' = $JAX_COORDINATOR_ADDRESS "
-            "(unset: one process, no jax.distributed).")
-    num_processes: int = key(-1, "Processes in the job; -1 = $JAX_NUM_PROCESSES, else $SLURM_NTASKS, else 1.",
-                             minimum=-1)
-    process_id: int = key(-1, "This process's id (0 hosts the coordination service); -1 = $JAX_PROCESS_ID, "
-                              "else $SLURM_PROCID, else $JOB_COMPLETION_INDEX.", minimum=-1)
+        "",
+        "host:port of process 0, which hosts the coordination service; '' = $JAX_COORDINATOR_ADDRESS "
+        "(unset: one process, no jax.distributed).",
+    )
+    num_processes: int = key(
+        -1, "Processes in the job; -1 = $JAX_NUM_PROCESSES, else $SLURM_NTASKS, else 1.", minimum=-1
+    )
+    process_id: int = key(
+        -1,
+        "This process's id (0 hosts the coordination service); -1 = $JAX_PROCESS_ID, "
+        "else $SLURM_PROCID, else $JOB_COMPLETION_INDEX.",
+        minimum=-1,
+    )
     processes_per_slice: int = key(
-        -1, "Processes per slice (a replica group that fails and returns as a whole); -1 = $NODES_PER_SLICE, "
-            "else 1. num_slices must equal num_processes / processes_per_slice.", minimum=-1)
+        -1,
+        "Processes per slice (a replica group that fails and returns as a whole); -1 = $NODES_PER_SLICE, "
+        "else 1. num_slices must equal num_processes / processes_per_slice.",
+        minimum=-1,
+    )
     heartbeat_timeout_seconds: int = key(
-        0, "Seconds without a heartbeat before a process is declared dead (the detection time of a kill); "
-           "shorter detects sooner but a stalled host (swap, GC, CPU starvation) is then dropped as dead. "
-           "0 = $JAX_HEARTBEAT_TIMEOUT_SECONDS, else 10.", minimum=0)
+        0,
+        "Seconds without a heartbeat before a process is declared dead (the detection time of a kill); "
+        "shorter detects sooner but a stalled host (swap, GC, CPU starvation) is then dropped as dead. "
+        "0 = $JAX_HEARTBEAT_TIMEOUT_SECONDS, else 10.",
+        minimum=0,
+    )
     collective_timeout_seconds: int = key(
-        0, "Bound on one CPU (gloo) collective: a survivor blocked on a dead peer's data fails after this. "
-           "Must exceed any legitimate wait inside a collective (step skew, one process compiling or "
-           "checkpointing); a longer value only delays recovery in the rare case a receive hangs. "
-           "0 = keep what XLA_FLAGS sets, else 60.", minimum=0)
+        0,
+        "Bound on one CPU (gloo) collective: a survivor blocked on a dead peer's data fails after this. "
+        "Must exceed any legitimate wait inside a collective (step skew, one process compiling or "
+        "checkpointing); a longer value only delays recovery in the rare case a receive hangs. "
+        "0 = keep what XLA_FLAGS sets, else 60.",
+        minimum=0,
+    )
 
 
 @dataclass(frozen=True)
@@ -263,8 +340,12 @@ class DecodeConfig:
     max_decode_length: int = key(64, "Tokens to generate after the prompt (fewer if EOS comes first).", minimum=1)
     temperature: float = key(0.0, "Sampling temperature; 0 = greedy (argmax).", minimum=0.0)
     top_k: int = key(0, "Sample among the top_k most likely tokens only; 0 = no limit.", minimum=0)
-    top_p: float = key(1.0, "Sample among the most likely tokens up to this total probability (0 < p <= 1); "
-                            "1 = no limit.", minimum=0.0, maximum=1.0)
+    top_p: float = key(
+        1.0,
+        "Sample among the most likely tokens up to this total probability (0 < p <= 1); 1 = no limit.",
+        minimum=0.0,
+        maximum=1.0,
+    )
     decode_seed: int = key(0, "Seed of sampling: the same seed reproduces a sampled continuation.")
 
 
@@ -287,9 +368,16 @@ class RunConfig:
 def section_classes() -> dict[str, type]:
     """Section name -> dataclass, in RunConfig order."""
     hints = {
-        "train": TrainConfig, "model": ModelConfig, "mesh": MeshConfig, "data": DataConfig,
-        "optim": OptimConfig, "checkpoint": CheckpointConfig, "elastic": ElasticConfig,
-        "observe": ObserveConfig, "distributed": DistributedConfig, "decode": DecodeConfig,
+        "train": TrainConfig,
+        "model": ModelConfig,
+        "mesh": MeshConfig,
+        "data": DataConfig,
+        "optim": OptimConfig,
+        "checkpoint": CheckpointConfig,
+        "elastic": ElasticConfig,
+        "observe": ObserveConfig,
+        "distributed": DistributedConfig,
+        "decode": DecodeConfig,
     }
     return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig)}
 

@@ -1,4 +1,5 @@
 """Checks that need more than one key, or a value's range, collected so the user sees all at once."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,10 @@ def _field_constraints(cfg: RunConfig) -> list[str]:
 def _model_problems(cfg: RunConfig) -> list[str]:
     m, problems = cfg.model, []
     if m.base_num_query_heads % m.base_num_kv_heads:
-        problems.append(f"base_num_query_heads={m.base_num_query_heads} is not divisible by "
-                        f"base_num_kv_heads={m.base_num_kv_heads} (GQA needs whole groups)")
+        problems.append(
+            f"base_num_query_heads={m.base_num_query_heads} is not divisible by "
+            f"base_num_kv_heads={m.base_num_kv_heads} (GQA needs whole groups)"
+        )
     if m.num_experts > 1:
         if m.base_moe_mlp_dim < 1:
             problems.append("num_experts > 1 needs base_moe_mlp_dim >= 1 (the expert MLP size)")
@@ -44,15 +47,21 @@ def _run_problems(cfg: RunConfig) -> list[str]:
             problems.append(f"{name}={getattr(o, name)} must be < 1")
     if o.learning_rate_schedule_steps == 0:
         problems.append("learning_rate_schedule_steps=0 must be >= 1 (or -1 = steps)")
-    ici = [mesh.ici_data_parallelism, mesh.ici_fsdp_parallelism, mesh.ici_tensor_parallelism,
-           mesh.ici_expert_parallelism]
+    ici = [
+        mesh.ici_data_parallelism,
+        mesh.ici_fsdp_parallelism,
+        mesh.ici_tensor_parallelism,
+        mesh.ici_expert_parallelism,
+    ]
     if sum(v == -1 for v in ici) > 1:
         problems.append("at most one ici_*_parallelism may be -1 (fill)")
     if any(v == 0 or v < -1 for v in ici):
         problems.append(f"ici_*_parallelism values must be >= 1 or -1, got {ici}")
     if not (e.elastic_min_slice_count == -1 or 1 <= e.elastic_min_slice_count <= mesh.num_slices):
-        problems.append(f"elastic_min_slice_count={e.elastic_min_slice_count} must be -1 (all slices) or "
-                        f"between 1 and num_slices={mesh.num_slices}")
+        problems.append(
+            f"elastic_min_slice_count={e.elastic_min_slice_count} must be -1 (all slices) or "
+            f"between 1 and num_slices={mesh.num_slices}"
+        )
     if e.fault_schedule.strip():
         from trainer.elastic.faults import parse_fault_schedule
 
@@ -62,11 +71,17 @@ def _run_problems(cfg: RunConfig) -> list[str]:
             problems.append(str(err))
     c = cfg.checkpoint
     if c.load_parameters_path and c.load_full_state_path:
-        problems.append("set at most one of load_parameters_path (params only) and load_full_state_path "
-                        "(params + optimizer state + step)")
+        problems.append(
+            "set at most one of load_parameters_path (params only) and load_full_state_path "
+            "(params + optimizer state + step)"
+        )
     for rule in mesh.logical_axis_rules:
-        if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)
-                and isinstance(rule[1], (list, tuple, str, type(None)))):
+        if not (
+            isinstance(rule, (list, tuple))
+            and len(rule) == 2
+            and isinstance(rule[0], str)
+            and isinstance(rule[1], (list, tuple, str, type(None)))
+        ):
             problems.append(f"logical_axis_rules entry {rule!r} must be [logical_name, [mesh_axes...]]")
     return problems
 

@@ -6,6 +6,7 @@ a string key takes the literal text (`run_name=007` stays "007", `prompt=yes` st
 decimal (`steps=010` is 10; `steps=1e3` is 1000), a float must be finite, a bool is true/false
 (yes/no, on/off, 1/0). Only list-typed keys are parsed as YAML (`[a, b]`).
 """
+
 from __future__ import annotations
 
 import math
@@ -52,8 +53,10 @@ def _float_from_text(name: str, text: str) -> float:
 
 def _finite(name: str, value: float) -> float:
     if not math.isfinite(value):
-        raise ConfigError(f"config key {name!r}: {value!r} is not a finite number (a value like 1e400 "
-                          "overflows to inf); give a finite value")
+        raise ConfigError(
+            f"config key {name!r}: {value!r} is not a finite number (a value like 1e400 "
+            "overflows to inf); give a finite value"
+        )
     return value
 
 

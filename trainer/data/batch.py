@@ -8,6 +8,7 @@ A batch is a dict of int32 numpy arrays, all [rows, max_target_length]:
                crosses segments, so packed documents never see each other.
   loss_mask    1 where the target counts in the loss (0 for padding and, in SFT, non-assistant tokens)
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -1,6 +1,5 @@
 """The one exception type for unusable data; the CLI turns it into exit code 2 before training."""
 
-
 from trainer.errors import UserInputError
 
 

@@ -14,6 +14,7 @@ messages, BOS and EOS are context only.
 A document is `[bos] + tokens + [eos]` (bos and eos as configured), truncated to max_len + 1 tokens;
 inputs = doc[:-1] and targets = doc[1:], so the last real token's target is the EOS.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,10 @@ def check_messages(messages: Any, field: str = "messages") -> list[dict[str, str
 def encode_chat(messages: list[dict[str, str]], tok: Tokenizer) -> tuple[list[int], list[int]]:
     """Token ids of the templated chat and a mask with 1 exactly on assistant content + its <|im_end|>."""
     if tok.im_start_id is None or tok.im_end_id is None:
-        raise RecordError(f"the tokenizer {tok.path} has no {IM_START}/{IM_END} tokens, which chat records "
-                          "need; train one with scripts/train_tokenizer.py (it reserves them)")
+        raise RecordError(
+            f"the tokenizer {tok.path} has no {IM_START}/{IM_END} tokens, which chat records "
+            "need; train one with scripts/train_tokenizer.py (it reserves them)"
+        )
     newline = tok.encode("\n")
     ids: list[int] = []
     mask: list[int] = []
@@ -90,8 +93,10 @@ class DocumentFormat:
             mask = record.get("assistant_mask")
             if self.use_sft:
                 if mask is None:
-                    raise RecordError("use_sft=true needs chat records, but this pre-tokenized record has no "
-                                      "'assistant_mask' (it was made from text); set use_sft=false")
+                    raise RecordError(
+                        "use_sft=true needs chat records, but this pre-tokenized record has no "
+                        "'assistant_mask' (it was made from text); set use_sft=false"
+                    )
                 if len(mask) != len(ids):
                     raise RecordError("'assistant_mask' and 'input_ids' differ in length")
                 return ids, mask
@@ -101,11 +106,15 @@ class DocumentFormat:
             ids, mask = encode_chat(messages, tok)
             return ids, (mask if self.use_sft else [1] * len(ids))
         if self.use_sft:
-            raise RecordError(f"use_sft=true needs a {self.messages_field!r} field (a chat), record has "
-                              f"fields {sorted(record)}; set messages_field=... or use_sft=false")
+            raise RecordError(
+                f"use_sft=true needs a {self.messages_field!r} field (a chat), record has "
+                f"fields {sorted(record)}; set messages_field=... or use_sft=false"
+            )
         if self.text_field not in record:
-            raise RecordError(f"record has no {self.text_field!r} or {self.messages_field!r} field (fields: "
-                              f"{sorted(record)}); set text_field=... or messages_field=... to the right name")
+            raise RecordError(
+                f"record has no {self.text_field!r} or {self.messages_field!r} field (fields: "
+                f"{sorted(record)}); set text_field=... or messages_field=... to the right name"
+            )
         text = record[self.text_field]
         if not isinstance(text, str):
             raise RecordError(f"field {self.text_field!r} must be a string, got {type(text).__name__}")
@@ -117,8 +126,10 @@ class DocumentFormat:
         try:
             record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RecordError(f"record is not JSON ({e}); ArrayRecord shards must come from "
-                              "scripts/prepare_data.py (one JSON object per record)") from None
+            raise RecordError(
+                f"record is not JSON ({e}); ArrayRecord shards must come from "
+                "scripts/prepare_data.py (one JSON object per record)"
+            ) from None
         if not isinstance(record, dict):
             raise RecordError(f"record is a JSON {type(record).__name__}, expected an object")
         ids, mask = self.tokens(record, tok)

@@ -23,6 +23,7 @@ Running out: with num_epoch >= 1 a row stream ends after the last example of the
 rows are then padding, and the iterator stops when every row stream has ended (every process sees
 that at the same step). num_epoch <= 0 repeats forever: `steps` bounds training.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,14 +57,18 @@ def resolve_files(pattern: str) -> list[epath.Path]:
     """Shards matching comma-separated globs, local (relative to the working directory, else the repo)
     or on an object store; the dataset's own side files and hidden files are not shards."""
     if not pattern.strip():
-        raise DataError("dataset_type=arrayrecord needs grain_train_files=<glob of .arrayrecord shards>, "
-                        "e.g. grain_train_files=data/fc_sample/*.arrayrecord")
+        raise DataError(
+            "dataset_type=arrayrecord needs grain_train_files=<glob of .arrayrecord shards>, "
+            "e.g. grain_train_files=data/fc_sample/*.arrayrecord"
+        )
     files: list[epath.Path] = []
     for part, matches in expand_globs(pattern):
         shards = [m for m in matches if m.name not in SIDE_FILES and not m.name.startswith(".")]
         if not shards:
-            raise DataError(f"grain_train_files: {part!r} matches no shard (looked at {looked_at(part)}); "
-                            "check the path, or make shards with scripts/prepare_data.py")
+            raise DataError(
+                f"grain_train_files: {part!r} matches no shard (looked at {looked_at(part)}); "
+                "check the path, or make shards with scripts/prepare_data.py"
+            )
         files += shards
     return files
 
@@ -88,20 +93,23 @@ def count_records(path: str) -> int:
             reader.read([0, n - 1])
         reader.close()
     except Exception as e:  # noqa: BLE001 - OSError, RuntimeError from the C++ reader
-        raise DataError(f"cannot read ArrayRecord shard {path}: {e}; regenerate it with "
-                        "scripts/prepare_data.py or drop it from grain_train_files") from None
+        raise DataError(
+            f"cannot read ArrayRecord shard {path}: {e}; regenerate it with "
+            "scripts/prepare_data.py or drop it from grain_train_files"
+        ) from None
     if n == 0:
-        raise DataError(f"ArrayRecord shard {path} has no readable records (empty, truncated or not an "
-                        "ArrayRecord file); regenerate it with scripts/prepare_data.py or drop it from "
-                        "grain_train_files")
+        raise DataError(
+            f"ArrayRecord shard {path} has no readable records (empty, truncated or not an "
+            "ArrayRecord file); regenerate it with scripts/prepare_data.py or drop it from "
+            "grain_train_files"
+        )
     return n
 
 
 class DocumentLoader:
     """Source record index -> (ids, mask) document; errors name the shard and the record."""
 
-    def __init__(self, files: list[str], counts: list[int], fmt: DocumentFormat, tok: Tokenizer,
-                 vocab_size: int):
+    def __init__(self, files: list[str], counts: list[int], fmt: DocumentFormat, tok: Tokenizer, vocab_size: int):
         self.files, self.fmt, self.tok, self.vocab_size = files, fmt, tok, vocab_size
         self.ends = list(np.cumsum(counts))
         self.source = grain.sources.ArrayRecordDataSource(files)
@@ -117,13 +125,16 @@ class DocumentLoader:
         except RecordError as e:
             raise DataError(f"{self.where(index)}: {e}") from None
         if len(ids) and (ids.max() >= self.vocab_size or ids.min() < 0):
-            raise DataError(f"{self.where(index)}: token id {int(ids.max())} is outside the model's "
-                            f"vocab_size={self.vocab_size}; the record was pre-tokenized with another "
-                            "tokenizer: re-run scripts/prepare_data.py with this tokenizer_path")
+            raise DataError(
+                f"{self.where(index)}: token id {int(ids.max())} is outside the model's "
+                f"vocab_size={self.vocab_size}; the record was pre-tokenized with another "
+                "tokenizer: re-run scripts/prepare_data.py with this tokenizer_path"
+            )
         return ids, mask
 
 
 # ---- row streams: the Grain dataset the workers run ----------------------------------------------
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -138,8 +149,17 @@ class Layout:
 class RowStreams(grain.IterDataset):
     """One element per global step: the next packed row of each of `rows` (arrays only for `own`)."""
 
-    def __init__(self, order: grain.MapDataset, load: DocumentLoader, layout: Layout, *, base: int,
-                 cursors: np.ndarray, rows: list[int], own: range):
+    def __init__(
+        self,
+        order: grain.MapDataset,
+        load: DocumentLoader,
+        layout: Layout,
+        *,
+        base: int,
+        cursors: np.ndarray,
+        rows: list[int],
+        own: range,
+    ):
         super().__init__()
         self.order, self.load, self.layout = order, load, layout
         self.base, self.cursors, self.rows, self.own = base, cursors, rows, own
@@ -149,7 +169,7 @@ class RowStreams(grain.IterDataset):
         del sequential_slice  # row streams are already independent; there is nothing sequential to keep
         self.rows = self.rows[sl]
 
-    def __iter__(self) -> "RowStreamsIterator":
+    def __iter__(self) -> RowStreamsIterator:
         return RowStreamsIterator(self)
 
 
@@ -183,8 +203,10 @@ class RowStreamsIterator(grain.DatasetIterator):
             if n == 0:  # an empty document teaches nothing; skip it (still part of the order)
                 t, skipped = t + 1, skipped + 1
                 if skipped > 64 * len(ds.load.source):  # construction checked a sample: rare
-                    raise DataError("no record yields a document of 2 or more tokens: the data set is "
-                                    "effectively empty; check text_field/messages_field and the shards")
+                    raise DataError(
+                        "no record yields a document of 2 or more tokens: the data set is "
+                        "effectively empty; check text_field/messages_field and the shards"
+                    )
                 continue
             if docs and used + n > layout.length:
                 self.pending[row] = (k, doc)  # starts this stream's next row
@@ -208,12 +230,15 @@ class RowStreamsIterator(grain.DatasetIterator):
             if row in self.ds.own:
                 own.append(row)
                 packed.append(pack_row(docs, length) if docs else empty_row(length))
-        element = {"rows": np.asarray(out_rows, np.int64), "cursors": np.asarray(cursors, np.int64),
-                   "placed": np.asarray(placed, np.int32), "ended": np.asarray(ended, bool),
-                   "own": np.asarray(own, np.int64)}
+        element = {
+            "rows": np.asarray(out_rows, np.int64),
+            "cursors": np.asarray(cursors, np.int64),
+            "placed": np.asarray(placed, np.int32),
+            "ended": np.asarray(ended, bool),
+            "own": np.asarray(own, np.int64),
+        }
         for key in BATCH_KEYS:
-            element[key] = (np.stack([p[key] for p in packed]) if packed
-                            else np.zeros((0, length), np.int32))
+            element[key] = np.stack([p[key] for p in packed]) if packed else np.zeros((0, length), np.int32)
         return element
 
     def get_state(self) -> dict[str, Any]:
@@ -226,11 +251,22 @@ class RowStreamsIterator(grain.DatasetIterator):
 
 # ---- the iterator the trainer uses ---------------------------------------------------------------
 
+
 class ArrayRecordIterator:
     """This process's rows of each global batch; `get_state()` is global (the same on every process)."""
 
-    def __init__(self, load: DocumentLoader, layout: Layout, *, seed: int, num_epoch: int,
-                 process_index: int, process_count: int, worker_count: int, worker_buffer_size: int):
+    def __init__(
+        self,
+        load: DocumentLoader,
+        layout: Layout,
+        *,
+        seed: int,
+        num_epoch: int,
+        process_index: int,
+        process_count: int,
+        worker_count: int,
+        worker_buffer_size: int,
+    ):
         rows = layout.global_rows // process_count
         self.load, self.layout, self.seed = load, layout, seed
         self.own = range(process_index * rows, (process_index + 1) * rows)
@@ -243,13 +279,21 @@ class ArrayRecordIterator:
         self._exhausted = False
 
     def _pipeline(self):
-        ds = RowStreams(self.order, self.load, self.layout, base=self.base, cursors=self.cursors.copy(),
-                        rows=list(range(self.layout.global_rows)), own=self.own)
+        ds = RowStreams(
+            self.order,
+            self.load,
+            self.layout,
+            base=self.base,
+            cursors=self.cursors.copy(),
+            rows=list(range(self.layout.global_rows)),
+            own=self.own,
+        )
         workers = min(self.worker_count, self.layout.global_rows)
         if workers > 0:
             _absl_flags_parsed()
-            ds = ds.mp_prefetch(grain.MultiprocessingOptions(
-                num_workers=workers, per_worker_buffer_size=self.worker_buffer_size))
+            ds = ds.mp_prefetch(
+                grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=self.worker_buffer_size)
+            )
         return iter(ds), max(workers, 1)
 
     def __iter__(self):
@@ -276,21 +320,31 @@ class ArrayRecordIterator:
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serializable position after the last batch returned; independent of process_count."""
-        return {"kind": STATE_KIND, "version": STATE_VERSION, "step": self.step,
-                "num_records": len(self.load.source), "data_shuffle_seed": self.seed,
-                "global_batch_size": self.layout.global_rows, "base": int(self.base),
-                "cursors": [int(c) for c in self.cursors]}
+        return {
+            "kind": STATE_KIND,
+            "version": STATE_VERSION,
+            "step": self.step,
+            "num_records": len(self.load.source),
+            "data_shuffle_seed": self.seed,
+            "global_batch_size": self.layout.global_rows,
+            "base": int(self.base),
+            "cursors": [int(c) for c in self.cursors],
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue from `get_state()` of any run over the same files and seed, any process count."""
         if state.get("kind") != STATE_KIND or state.get("version") != STATE_VERSION:
-            raise DataError(f"the checkpoint's data state is {state.get('kind')!r} v{state.get('version')}, "
-                            f"not {STATE_KIND!r} v{STATE_VERSION}: it was written by another dataset_type "
-                            "or version; resume with the dataset_type it was saved with")
+            raise DataError(
+                f"the checkpoint's data state is {state.get('kind')!r} v{state.get('version')}, "
+                f"not {STATE_KIND!r} v{STATE_VERSION}: it was written by another dataset_type "
+                "or version; resume with the dataset_type it was saved with"
+            )
         if (state["num_records"], state["data_shuffle_seed"]) != (len(self.load.source), self.seed):
-            raise DataError(f"the checkpoint's data order was over {state['num_records']} records with "
-                            f"data_shuffle_seed={state['data_shuffle_seed']}; now {len(self.load.source)} records "
-                            f"and seed {self.seed}: resume with the same grain_train_files and data_shuffle_seed")
+            raise DataError(
+                f"the checkpoint's data order was over {state['num_records']} records with "
+                f"data_shuffle_seed={state['data_shuffle_seed']}; now {len(self.load.source)} records "
+                f"and seed {self.seed}: resume with the same grain_train_files and data_shuffle_seed"
+            )
         cursors = np.asarray(state["cursors"], np.int64)
         if state["global_batch_size"] == self.layout.global_rows:
             self.base, self.cursors = int(state["base"]), cursors
@@ -301,9 +355,14 @@ class ArrayRecordIterator:
             self.base = int(state["base"]) + old_rows * int(cursors.max(initial=0))
             self.cursors = np.zeros(self.layout.global_rows, np.int64)
             skipped = int((cursors.max(initial=0) - cursors).sum())
-            log.warning("global batch changed from %d to %d rows: data order restarts at example %d "
-                        "(%d examples skipped, none repeated)", old_rows, self.layout.global_rows,
-                        self.base, skipped)
+            log.warning(
+                "global batch changed from %d to %d rows: data order restarts at example %d "
+                "(%d examples skipped, none repeated)",
+                old_rows,
+                self.layout.global_rows,
+                self.base,
+                skipped,
+            )
         self.step = int(state["step"])
         self._exhausted = False
         self._close_pipeline()
@@ -330,45 +389,69 @@ def _absl_flags_parsed() -> None:
 
 # ---- construction: validate everything before training starts ------------------------------------
 
-def make_arrayrecord_iterator(data_cfg, *, vocab_size: int, global_batch_size: int,
-                              process_index: int = 0, process_count: int = 1) -> ArrayRecordIterator:
+
+def make_arrayrecord_iterator(
+    data_cfg, *, vocab_size: int, global_batch_size: int, process_index: int = 0, process_count: int = 1
+) -> ArrayRecordIterator:
     """The Grain/ArrayRecord iterator for `data_cfg` (a DataConfig); DataError now if it cannot run."""
     if global_batch_size % process_count or not 0 <= process_index < process_count:
-        raise DataError(f"global batch of {global_batch_size} rows does not split into {process_count} "
-                        f"loader processes (process_index={process_index})")
+        raise DataError(
+            f"global batch of {global_batch_size} rows does not split into {process_count} "
+            f"loader processes (process_index={process_index})"
+        )
     if not 0 <= data_cfg.data_shuffle_seed < 2**32:
         raise DataError(f"data_shuffle_seed={data_cfg.data_shuffle_seed} must be in [0, 2**32)")
     tok = load_tokenizer(data_cfg, vocab_size)
-    fmt = DocumentFormat(text_field=data_cfg.text_field, messages_field=data_cfg.messages_field,
-                         use_sft=data_cfg.use_sft, add_bos=data_cfg.add_bos, add_eos=data_cfg.add_eos,
-                         max_len=data_cfg.max_target_length)
+    fmt = DocumentFormat(
+        text_field=data_cfg.text_field,
+        messages_field=data_cfg.messages_field,
+        use_sft=data_cfg.use_sft,
+        add_bos=data_cfg.add_bos,
+        add_eos=data_cfg.add_eos,
+        max_len=data_cfg.max_target_length,
+    )
     sources = resolve_files(data_cfg.grain_train_files)
     check_pretokenized_with(tok, sources)
     files = local_shards(sources, data_cfg.data_cache_dir)
     load = DocumentLoader(files, [count_records(f) for f in files], fmt, tok, vocab_size)
     check_documents(load, data_cfg.data_shuffle_seed)
     epochs = data_cfg.num_epoch
-    layout = Layout(global_rows=global_batch_size, length=data_cfg.max_target_length, packing=data_cfg.packing,
-                    limit=epochs * len(load.source) if epochs > 0 else None)
-    return ArrayRecordIterator(load, layout, seed=data_cfg.data_shuffle_seed, num_epoch=epochs,
-                               process_index=process_index, process_count=process_count,
-                               worker_count=data_cfg.grain_worker_count,
-                               worker_buffer_size=data_cfg.grain_per_worker_buffer_size)
+    layout = Layout(
+        global_rows=global_batch_size,
+        length=data_cfg.max_target_length,
+        packing=data_cfg.packing,
+        limit=epochs * len(load.source) if epochs > 0 else None,
+    )
+    return ArrayRecordIterator(
+        load,
+        layout,
+        seed=data_cfg.data_shuffle_seed,
+        num_epoch=epochs,
+        process_index=process_index,
+        process_count=process_count,
+        worker_count=data_cfg.grain_worker_count,
+        worker_buffer_size=data_cfg.grain_per_worker_buffer_size,
+    )
 
 
 def load_tokenizer(data_cfg, vocab_size: int) -> Tokenizer:
     """The configured tokenizer, checked against the model's vocabulary and the BOS/EOS settings."""
     tok = Tokenizer(data_cfg.tokenizer_path, data_cfg.tokenizer_type)
     if tok.vocab_size > vocab_size:
-        raise DataError(f"tokenizer {tok.path} has {tok.vocab_size} tokens but the model's vocab_size is "
-                        f"{vocab_size}: ids would fall outside the embedding; use a model with vocab_size >= "
-                        f"{tok.vocab_size} or a smaller tokenizer (tokenizer_path)")
+        raise DataError(
+            f"tokenizer {tok.path} has {tok.vocab_size} tokens but the model's vocab_size is "
+            f"{vocab_size}: ids would fall outside the embedding; use a model with vocab_size >= "
+            f"{tok.vocab_size} or a smaller tokenizer (tokenizer_path)"
+        )
     if data_cfg.add_eos and tok.eos_id is None:
-        raise DataError(f"tokenizer {tok.path} has no EOS token (<|endoftext|> or </s>); set add_eos=false "
-                        "or use a tokenizer that has one")
+        raise DataError(
+            f"tokenizer {tok.path} has no EOS token (<|endoftext|> or </s>); set add_eos=false "
+            "or use a tokenizer that has one"
+        )
     if data_cfg.add_bos and tok.bos_id is None:
-        raise DataError(f"tokenizer {tok.path} has no BOS token (<s>); set add_bos=false or use a tokenizer "
-                        "that has one")
+        raise DataError(
+            f"tokenizer {tok.path} has no BOS token (<s>); set add_bos=false or use a tokenizer that has one"
+        )
     return tok
 
 
@@ -383,9 +466,11 @@ def check_pretokenized_with(tok: Tokenizer, files: list[epath.Path]) -> None:
         except (ValueError, AttributeError):
             raise DataError(f"{info_path} is not valid JSON; re-run scripts/prepare_data.py") from None
         if made_with is not None and made_with != tok.fingerprint():
-            raise DataError(f"{directory} was pre-tokenized with another tokenizer ({info_path} records "
-                            f"fingerprint {made_with}, {tok.path} is {tok.fingerprint()}); set tokenizer_path to "
-                            "the one it was made with, or re-run scripts/prepare_data.py")
+            raise DataError(
+                f"{directory} was pre-tokenized with another tokenizer ({info_path} records "
+                f"fingerprint {made_with}, {tok.path} is {tok.fingerprint()}); set tokenizer_path to "
+                "the one it was made with, or re-run scripts/prepare_data.py"
+            )
 
 
 def check_documents(load: DocumentLoader, seed: int, sample: int = 32) -> None:
@@ -394,5 +479,7 @@ def check_documents(load: DocumentLoader, seed: int, sample: int = 32) -> None:
     order = grain.MapDataset.range(len(load.source)).shuffle(seed=seed)
     indices = sorted({0, *load.ends[:-1], *(order[i] for i in range(min(sample, len(order))))})
     if all(pairs(load(int(i))[0]) == 0 for i in indices):
-        raise DataError(f"the {len(indices)} records checked all yield fewer than 2 tokens: the data set is "
-                        "effectively empty; check text_field/messages_field and the shards")
+        raise DataError(
+            f"the {len(indices)} records checked all yield fewer than 2 tokens: the data set is "
+            "effectively empty; check text_field/messages_field and the shards"
+        )

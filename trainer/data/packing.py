@@ -4,6 +4,7 @@ A document of n tokens contributes n - 1 (input, target) pairs: inputs = doc[:-1
 so a target never comes from another document. Documents are placed back to back with segment ids
 1, 2, ... and positions restarting at 0; the rest of the row is padding (segment 0, loss mask 0).
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -10,6 +10,7 @@ their file and line, never dropped silently. Shards get records round-robin, so 
 shares; `dataset_info.json` records the summary. The shards are written aside and moved into place
 only when the run succeeded (trainer/io/staging.py): a failed run leaves the old output untouched.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,14 @@ log = logging.getLogger(__name__)
 
 SHARD_SUFFIX = ".arrayrecord"
 # Structured formats are known by their extension; every other file is plain text.
-STRUCTURED = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
-              SHARD_SUFFIX: "arrayrecord", ".array_record": "arrayrecord"}
+STRUCTURED = {
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "json",
+    ".parquet": "parquet",
+    SHARD_SUFFIX: "arrayrecord",
+    ".array_record": "arrayrecord",
+}
 GZIP_KINDS = ("jsonl", "json", "text")
 TEXT_UNITS = ("paragraph", "line", "file")
 INFO_FILE = "dataset_info.json"
@@ -71,11 +78,13 @@ def expand_inputs(patterns: list[str]) -> list[str]:
     for arg in patterns:
         for pattern, matches in paths.expand_globs(arg):
             if not matches and paths.resolve_input(pattern).is_dir():
-                raise DataError(f"--input {pattern!r} is a directory; use '{pattern.rstrip('/')}/*' for the "
-                                "files in it")
+                raise DataError(
+                    f"--input {pattern!r} is a directory; use '{pattern.rstrip('/')}/*' for the files in it"
+                )
             if not matches:
-                raise DataError(f"--input {pattern!r} matches no file (looked at {paths.looked_at(pattern)}); "
-                                "check the path")
+                raise DataError(
+                    f"--input {pattern!r} matches no file (looked at {paths.looked_at(pattern)}); check the path"
+                )
             files += [os.fspath(m) for m in matches]
     if not files:
         raise DataError("--input names no file; pass a file or a glob such as 'raw/*.jsonl'")
@@ -88,8 +97,9 @@ def _kind(path: str) -> str:
     stem = path[:-3] if gz else path
     kind = STRUCTURED.get(os.path.splitext(stem)[1].lower(), "text")
     if gz and kind not in GZIP_KINDS:
-        raise DataError(f"input {path}: {kind} files cannot be read gzip-compressed; decompress it first "
-                        f"(gunzip -k {path})")
+        raise DataError(
+            f"input {path}: {kind} files cannot be read gzip-compressed; decompress it first (gunzip -k {path})"
+        )
     return kind
 
 
@@ -111,20 +121,24 @@ def _check_not_binary(path: str) -> None:
         head = f.read(SNIFF_BYTES)
     nul = head.find(b"\0")
     if nul >= 0:
-        raise DataError(f"input {path}: binary data (a NUL byte at offset {nul}), not UTF-8 text; drop it from "
-                        "--input (UTF-16 text: convert it with `iconv -f UTF-16 -t UTF-8`)")
+        raise DataError(
+            f"input {path}: binary data (a NUL byte at offset {nul}), not UTF-8 text; drop it from "
+            "--input (UTF-16 text: convert it with `iconv -f UTF-16 -t UTF-8`)"
+        )
     text = head.decode("utf-8", errors="replace")
     odd = sum(c == "\ufffd" or (c < " " and c not in "\t\n\r\f\v\b\x1b") for c in text)
     if odd > max(8, len(text) // 10):
-        raise DataError(f"input {path}: not UTF-8 text ({odd} of its first {len(text)} characters are binary or "
-                        "in another encoding); convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or drop it "
-                        "from --input")
+        raise DataError(
+            f"input {path}: not UTF-8 text ({odd} of its first {len(text)} characters are binary or "
+            "in another encoding); convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or drop it "
+            "from --input"
+        )
 
 
 @contextlib.contextmanager
 def _open_bytes(path: str) -> Iterator[IO[bytes]]:
     """The bytes of a local or remote file, gunzipped for .gz; a broken .gz is a DataError."""
-    with (paths.resolve(path).open("rb") if paths.is_remote(path) else open(path, "rb")) as raw:
+    with paths.resolve(path).open("rb") if paths.is_remote(path) else open(path, "rb") as raw:
         if not path.endswith(".gz"):
             yield raw
             return
@@ -132,7 +146,9 @@ def _open_bytes(path: str) -> Iterator[IO[bytes]]:
             with gzip.GzipFile(fileobj=raw) as f:
                 yield f
         except (gzip.BadGzipFile, EOFError, zlib.error) as e:
-            raise DataError(f"input {path}: not a readable gzip file ({e}); re-download or recompress it") from None
+            raise DataError(
+                f"input {path}: not a readable gzip file ({e}); re-download or recompress it"
+            ) from None
 
 
 def _decode(raw: bytes, line_no: int) -> str:
@@ -142,8 +158,10 @@ def _decode(raw: bytes, line_no: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise RecordError(f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); re-encode "
-                          "the file as UTF-8, e.g. `iconv -f latin1 -t utf-8`") from None
+        raise RecordError(
+            f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); re-encode "
+            "the file as UTF-8, e.g. `iconv -f latin1 -t utf-8`"
+        ) from None
 
 
 def normalize(obj, *, text_field: str, messages_field: str) -> dict:
@@ -162,12 +180,15 @@ def normalize(obj, *, text_field: str, messages_field: str) -> dict:
     if "input_ids" in obj:
         raise RecordError("pre-tokenized record (input_ids), its text is gone; use the raw inputs instead")
     names = [str(k) for k in itertools.islice(obj, 8)] + (["..."] if len(obj) > 8 else [])
-    raise RecordError(f"missing field {text_field!r} or {messages_field!r} (fields: {', '.join(names) or 'none'}; "
-                      "set --text-field/--messages-field to the field that holds the text)")
+    raise RecordError(
+        f"missing field {text_field!r} or {messages_field!r} (fields: {', '.join(names) or 'none'}; "
+        "set --text-field/--messages-field to the field that holds the text)"
+    )
 
 
-def read_records(path: str, *, text_field: str = "text", messages_field: str = "messages",
-                 text_unit: str = "paragraph") -> Iterator[tuple[str, dict | RecordError]]:
+def read_records(
+    path: str, *, text_field: str = "text", messages_field: str = "messages", text_unit: str = "paragraph"
+) -> Iterator[tuple[str, dict | RecordError]]:
     """(where, record or RecordError) for every record of one input file."""
     fields = {"text_field": text_field, "messages_field": messages_field}
     kind = _kind(path)
@@ -244,8 +265,13 @@ def _json_value(path: str, text: str, start: int, end: int, obj, fields: dict, l
     bad = _ESCAPED_BYTE.search(text, start, end)
     if bad:
         col = bad.start() - text.rfind("\n", 0, bad.start())
-        yield where, RecordError(f"not UTF-8 text (byte 0x{ord(bad.group()) - 0xdc00:02x} at line "
-                                 f"{_line_of(text, bad.start())} column {col}); re-encode the file as UTF-8")
+        yield (
+            where,
+            RecordError(
+                f"not UTF-8 text (byte 0x{ord(bad.group()) - 0xDC00:02x} at line "
+                f"{_line_of(text, bad.start())} column {col}); re-encode the file as UTF-8"
+            ),
+        )
         return
     try:
         yield where, normalize(obj, **fields)
@@ -273,8 +299,13 @@ def _json_array(path: str, text: str, pos: int, fields: dict):
             continue
         closed = text.startswith("]", pos)
         if not closed:
-            yield f"{path}:{_line_of(text, pos)}", RecordError("invalid JSON (expected ',' or ']' after an array "
-                                                               "element); the rest of the array is unreadable")
+            yield (
+                f"{path}:{_line_of(text, pos)}",
+                RecordError(
+                    "invalid JSON (expected ',' or ']' after an array "
+                    "element); the rest of the array is unreadable"
+                ),
+            )
             return
     rest = _skip_space(text, pos + 1)
     if rest < len(text):
@@ -326,8 +357,10 @@ def _parquet_module(path: str):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"input {path}: reading Parquet needs pyarrow, which is not installed; "
-                        "run `pip install pyarrow` (it is optional, not a trainer dependency)") from None
+        raise DataError(
+            f"input {path}: reading Parquet needs pyarrow, which is not installed; "
+            "run `pip install pyarrow` (it is optional, not a trainer dependency)"
+        ) from None
     return pq
 
 
@@ -339,8 +372,10 @@ def _parquet_records(path: str, text_field: str, messages_field: str):
         raise DataError(f"input {path}: not a readable Parquet file ({e})") from None
     columns = [c for c in (text_field, messages_field) if c in table.schema_arrow.names]
     if not columns:
-        raise DataError(f"input {path}: no column {text_field!r} or {messages_field!r} (columns: "
-                        f"{table.schema_arrow.names}); pass --text-field/--messages-field")
+        raise DataError(
+            f"input {path}: no column {text_field!r} or {messages_field!r} (columns: "
+            f"{table.schema_arrow.names}); pass --text-field/--messages-field"
+        )
     row = 0
     for batch in table.iter_batches(columns=columns):
         for obj in batch.to_pylist():
@@ -355,8 +390,9 @@ def _arrayrecord_records(path: str, fields: dict):
     from array_record.python import array_record_module
 
     try:
-        reader = array_record_module.ArrayRecordReader(str(paths.local_copy(paths.resolve(path))),
-                                                       "readahead_buffer_size:0")
+        reader = array_record_module.ArrayRecordReader(
+            str(paths.local_copy(paths.resolve(path))), "readahead_buffer_size:0"
+        )
     except Exception as e:  # noqa: BLE001 - the C++ reader raises RuntimeError/ValueError
         raise DataError(f"input {path}: not a readable ArrayRecord file ({e})") from None
     try:
@@ -395,8 +431,10 @@ class Progress:
         width = 24
         filled = int(width * files_done / max(self.total_files, 1))
         rate = records / max(now - self.start, 1e-9)
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] files {files_done}/{self.total_files}  "
-                f"records {records:,}  bad {bad:,}  {rate:,.0f} rec/s")
+        line = (
+            f"[{'#' * filled}{'.' * (width - filled)}] files {files_done}/{self.total_files}  "
+            f"records {records:,}  bad {bad:,}  {rate:,.0f} rec/s"
+        )
         self.stream.write(("\r" + line) if self.tty else (line + "\n"))
         if force and self.tty:
             self.stream.write("\n")
@@ -427,10 +465,12 @@ class Summary:
         return f"{reasons}; first: {self.bad_examples[0]}"
 
     def report(self) -> str:
-        lines = [f"records: {self.records:,} written, {sum(self.bad.values()):,} bad",
-                 f"tokens:  {self.tokens:,}" if self.tokens is not None else "tokens:  not counted (no --tokenizer)",
-                 f"shards:  {len(self.shards)} ({', '.join(self.shards[:2])}{', ...' if len(self.shards) > 2 else ''})",
-                 f"bytes:   {self.bytes:,}"]
+        lines = [
+            f"records: {self.records:,} written, {sum(self.bad.values()):,} bad",
+            f"tokens:  {self.tokens:,}" if self.tokens is not None else "tokens:  not counted (no --tokenizer)",
+            f"shards:  {len(self.shards)} ({', '.join(self.shards[:2])}{', ...' if len(self.shards) > 2 else ''})",
+            f"bytes:   {self.bytes:,}",
+        ]
         if self.output_dir:
             lines.append(f"output:  {self.output_dir} (with {INFO_FILE})")
         for reason, n in self.bad.most_common():
@@ -454,8 +494,10 @@ def no_usable_record(files: list[str], summary: Summary) -> DataError:
 def output_path(path: str | os.PathLike, flag: str) -> Path:
     """A local output path (absolute); outputs are staged and swapped locally, so not on an object store."""
     if paths.is_remote(path):
-        raise DataError(f"{flag} {path}: this tool writes local files only; write to a local path and copy "
-                        "the result to the object store (e.g. `gcloud storage cp -r`)")
+        raise DataError(
+            f"{flag} {path}: this tool writes local files only; write to a local path and copy "
+            "the result to the object store (e.g. `gcloud storage cp -r`)"
+        )
     return Path(os.fspath(paths.resolve(path)))
 
 
@@ -475,19 +517,33 @@ def _check_output_dir(out: Path, overwrite: bool) -> bool:
     foreign = [n for n in entries if not (n.endswith(SHARD_SUFFIX) or n == INFO_FILE)]
     if foreign:
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise DataError(f"--output-dir {out} holds files this tool did not write ({shown}); the directory is "
-                        "replaced as a whole, so move them out or choose another --output-dir")
+        raise DataError(
+            f"--output-dir {out} holds files this tool did not write ({shown}); the directory is "
+            "replaced as a whole, so move them out or choose another --output-dir"
+        )
     if not overwrite:
         shards = sum(n.endswith(SHARD_SUFFIX) for n in entries)
-        raise DataError(f"{out} already holds {shards} {SHARD_SUFFIX} shards; a glob over it would mix old and new "
-                        "data: pass --overwrite (the old shards are replaced only once the new ones are written) "
-                        "or choose another --output-dir")
+        raise DataError(
+            f"{out} already holds {shards} {SHARD_SUFFIX} shards; a glob over it would mix old and new "
+            "data: pass --overwrite (the old shards are replaced only once the new ones are written) "
+            "or choose another --output-dir"
+        )
     return True
 
 
-def prepare(files: list[str], output_dir: str | Path, num_shards: int, *, tokenizer: Tokenizer | None = None,
-            text_field: str = "text", messages_field: str = "messages", text_unit: str = "paragraph",
-            prefix: str = "data", overwrite: bool = False, progress_stream=sys.stderr) -> Summary:
+def prepare(
+    files: list[str],
+    output_dir: str | Path,
+    num_shards: int,
+    *,
+    tokenizer: Tokenizer | None = None,
+    text_field: str = "text",
+    messages_field: str = "messages",
+    text_unit: str = "paragraph",
+    prefix: str = "data",
+    overwrite: bool = False,
+    progress_stream=sys.stderr,
+) -> Summary:
     """Write the usable records of `files` into `num_shards` ArrayRecord shards under `output_dir`.
 
     The shards and dataset_info.json are written into a hidden sibling that replaces `output_dir` only
@@ -500,17 +556,40 @@ def prepare(files: list[str], output_dir: str | Path, num_shards: int, *, tokeni
     replace = _check_output_dir(out, overwrite)
     check_inputs(files)
     with staged_dir(out, overwrite=replace) as staging:
-        summary = _write_shards(files, staging, num_shards, tokenizer=tokenizer, text_field=text_field,
-                                messages_field=messages_field, text_unit=text_unit, prefix=prefix,
-                                progress_stream=progress_stream)
+        summary = _write_shards(
+            files,
+            staging,
+            num_shards,
+            tokenizer=tokenizer,
+            text_field=text_field,
+            messages_field=messages_field,
+            text_unit=text_unit,
+            prefix=prefix,
+            progress_stream=progress_stream,
+        )
     summary.output_dir = str(out)
-    log.info("event=prepare_done output=%s records=%d bad=%d shards=%d", out, summary.records,
-             sum(summary.bad.values()), len(summary.shards))
+    log.info(
+        "event=prepare_done output=%s records=%d bad=%d shards=%d",
+        out,
+        summary.records,
+        sum(summary.bad.values()),
+        len(summary.shards),
+    )
     return summary
 
 
-def _write_shards(files: list[str], out: Path, num_shards: int, *, tokenizer: Tokenizer | None, text_field: str,
-                  messages_field: str, text_unit: str, prefix: str, progress_stream) -> Summary:
+def _write_shards(
+    files: list[str],
+    out: Path,
+    num_shards: int,
+    *,
+    tokenizer: Tokenizer | None,
+    text_field: str,
+    messages_field: str,
+    text_unit: str,
+    prefix: str,
+    progress_stream,
+) -> Summary:
     from array_record.python import array_record_module
 
     shard_paths = [out / f"{prefix}-{i:05d}-of-{num_shards:05d}{SHARD_SUFFIX}" for i in range(num_shards)]
@@ -519,8 +598,9 @@ def _write_shards(files: list[str], out: Path, num_shards: int, *, tokenizer: To
     progress = Progress(len(files), progress_stream)
     try:
         for done, path in enumerate(files):
-            for where, record in read_records(path, text_field=text_field, messages_field=messages_field,
-                                              text_unit=text_unit):
+            for where, record in read_records(
+                path, text_field=text_field, messages_field=messages_field, text_unit=text_unit
+            ):
                 if isinstance(record, dict) and tokenizer is not None:
                     try:
                         record = tokenize_record(record, tokenizer)
@@ -531,7 +611,8 @@ def _write_shards(files: list[str], out: Path, num_shards: int, *, tokenizer: To
                     summary.add_bad(where, record)
                     continue
                 writers[summary.records % num_shards].write(
-                    json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode())
+                    json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
+                )
                 summary.records += 1
                 progress.update(done, summary.records, sum(summary.bad.values()))
             progress.update(done + 1, summary.records, sum(summary.bad.values()))
@@ -543,10 +624,17 @@ def _write_shards(files: list[str], out: Path, num_shards: int, *, tokenizer: To
         raise no_usable_record(files, summary)
     summary.shards = _drop_empty_shards(shard_paths, summary.records, prefix)
     summary.bytes = sum(os.path.getsize(out / s) for s in summary.shards)
-    info = {"records": summary.records, "tokens": summary.tokens, "bad": dict(summary.bad),
-            "shards": summary.shards, "bytes": summary.bytes, "inputs": files,
-            "tokenizer": None if tokenizer is None else {"path": str(tokenizer.path), "type": tokenizer.kind,
-                                                         "fingerprint": tokenizer.fingerprint()}}
+    info = {
+        "records": summary.records,
+        "tokens": summary.tokens,
+        "bad": dict(summary.bad),
+        "shards": summary.shards,
+        "bytes": summary.bytes,
+        "inputs": files,
+        "tokenizer": None
+        if tokenizer is None
+        else {"path": str(tokenizer.path), "type": tokenizer.kind, "fingerprint": tokenizer.fingerprint()},
+    }
     (out / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
     return summary
 
@@ -588,36 +676,60 @@ exit codes:
 
 def add_record_arguments(parser: argparse.ArgumentParser) -> None:
     """How input files become records: the options prepare_data.py and train_tokenizer.py share."""
-    parser.add_argument("--text-field", default="text", help="JSON field / Parquet column with the text "
-                        "(default: %(default)s)")
-    parser.add_argument("--messages-field", default="messages", help="JSON field / Parquet column with a chat, "
-                        "a list of {role, content} (default: %(default)s)")
-    parser.add_argument("--text-unit", default="paragraph", choices=TEXT_UNITS,
-                        help="plain text files: one record per paragraph (blank-line separated), line or file")
+    parser.add_argument(
+        "--text-field", default="text", help="JSON field / Parquet column with the text (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--messages-field",
+        default="messages",
+        help="JSON field / Parquet column with a chat, a list of {role, content} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--text-unit",
+        default="paragraph",
+        choices=TEXT_UNITS,
+        help="plain text files: one record per paragraph (blank-line separated), line or file",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prepare_data.py", description=__doc__.splitlines()[0], epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", action="append", required=True,
-                        help="file or glob (repeatable, comma-separated); formats below")
+    parser = argparse.ArgumentParser(
+        prog="prepare_data.py",
+        description=__doc__.splitlines()[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--input", action="append", required=True, help="file or glob (repeatable, comma-separated); formats below"
+    )
     parser.add_argument("--output-dir", required=True, help="directory for the shards and dataset_info.json")
     parser.add_argument("--num-shards", type=int, default=1)
     parser.add_argument("--tokenizer", default=None, help="pre-tokenize with this tokenizer (and count tokens)")
     parser.add_argument("--tokenizer-type", default="sentencepiece", choices=("sentencepiece", "huggingface"))
     add_record_arguments(parser)
     parser.add_argument("--prefix", default="data", help="shard name prefix")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing --output-dir (only once the new shards are written)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --output-dir (only once the new shards are written)",
+    )
     return parser
 
 
 def _run(args: argparse.Namespace) -> int:
     files = expand_inputs(args.input)
     tok = Tokenizer(args.tokenizer, args.tokenizer_type) if args.tokenizer else None
-    summary = prepare(files, args.output_dir, args.num_shards, tokenizer=tok, text_field=args.text_field,
-                      messages_field=args.messages_field, text_unit=args.text_unit, prefix=args.prefix,
-                      overwrite=args.overwrite)
+    summary = prepare(
+        files,
+        args.output_dir,
+        args.num_shards,
+        tokenizer=tok,
+        text_field=args.text_field,
+        messages_field=args.messages_field,
+        text_unit=args.text_unit,
+        prefix=args.prefix,
+        overwrite=args.overwrite,
+    )
     print(summary.report())
     return 0
 

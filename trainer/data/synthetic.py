@@ -6,6 +6,7 @@ Each row packs several documents of random length (segment ids, per-document pos
 are exercised exactly as with real data). Row `r` of global step `s` is a pure function of
 (seed, s, r): any number of loader processes, any resume point, the same global batches.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,8 +20,16 @@ BRANCHING = 4
 class SyntheticIterator:
     """This process's rows of each global batch; state is the next global step (process-count free)."""
 
-    def __init__(self, *, vocab_size: int, seq_len: int, global_batch_size: int, seed: int,
-                 process_index: int = 0, process_count: int = 1):
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        seq_len: int,
+        global_batch_size: int,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
         if global_batch_size % process_count:
             raise ValueError(f"global batch {global_batch_size} does not split over {process_count} processes")
         self.seq_len, self.seed = seq_len, seed
@@ -60,8 +69,13 @@ class SyntheticIterator:
         same_doc = np.append(segment[1:] == segment[:-1], False) & (segment > 0)
         inputs[segment == 0] = 0
         targets[~same_doc] = 0
-        return {"inputs": inputs, "targets": targets, "positions": positions, "segment_ids": segment,
-                "loss_mask": same_doc.astype(np.int32)}
+        return {
+            "inputs": inputs,
+            "targets": targets,
+            "positions": positions,
+            "segment_ids": segment,
+            "loss_mask": same_doc.astype(np.int32),
+        }
 
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
         rows = [self._row(step, r) for r in self.row_range]

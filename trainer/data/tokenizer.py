@@ -8,13 +8,14 @@ The chat special tokens are part of the contract between data preparation, train
 
 A `Tokenizer` pickles as its path and kind, so Grain worker processes load their own copy.
 """
+
 from __future__ import annotations
 
 import hashlib
 import io
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from trainer.data.errors import DataError
 
@@ -51,9 +52,11 @@ class Tokenizer:
 
         resolved = resolve_asset_path(str(path))
         if not resolved.is_file():
-            raise DataError(f"tokenizer_path={str(path)!r} not found (looked at {looked_at(str(path))}); "
-                            "point tokenizer_path at a sentencepiece .model or a "
-                            "tokenizer.json, or train one with scripts/train_tokenizer.py")
+            raise DataError(
+                f"tokenizer_path={str(path)!r} not found (looked at {looked_at(str(path))}); "
+                "point tokenizer_path at a sentencepiece .model or a "
+                "tokenizer.json, or train one with scripts/train_tokenizer.py"
+            )
         self.path, self.kind = resolved.resolve(), kind
         self._impl = None
         self._load()
@@ -79,10 +82,13 @@ class Tokenizer:
                 self._impl = tokenizers.Tokenizer.from_file(str(self.path))
                 self.vocab_size = self._impl.get_vocab_size(with_added_tokens=True)
         except Exception as e:  # noqa: BLE001 - the libraries raise RuntimeError/OSError/Exception
-            hint = ("a sentencepiece .model file" if self.kind == "sentencepiece"
-                    else "a Hugging Face tokenizer.json")
-            raise DataError(f"cannot load {self.path} as {hint} (tokenizer_type={self.kind}): {e}; "
-                            "check tokenizer_path and tokenizer_type") from None
+            hint = (
+                "a sentencepiece .model file" if self.kind == "sentencepiece" else "a Hugging Face tokenizer.json"
+            )
+            raise DataError(
+                f"cannot load {self.path} as {hint} (tokenizer_type={self.kind}): {e}; "
+                "check tokenizer_path and tokenizer_type"
+            ) from None
         self.eos_id = self._first_id(_EOS_CANDIDATES, builtin=self._builtin("eos_id"))
         self.bos_id = self._first_id(_BOS_CANDIDATES, builtin=self._builtin("bos_id"))
         self.pad_id = self._first_id(_PAD_CANDIDATES, builtin=self._builtin("pad_id"))
@@ -127,9 +133,15 @@ class Tokenizer:
         return hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
 
 
-def train_sentencepiece(texts: Iterable[str], output_model: str | Path, *, vocab_size: int = 8192,
-                        model_type: str = "bpe", max_sentence_bytes: int = 8192,
-                        num_threads: int = 1) -> Path:
+def train_sentencepiece(
+    texts: Iterable[str],
+    output_model: str | Path,
+    *,
+    vocab_size: int = 8192,
+    model_type: str = "bpe",
+    max_sentence_bytes: int = 8192,
+    num_threads: int = 1,
+) -> Path:
     """Train a sentencepiece model over `texts` with the chat tokens reserved; returns the .model path.
 
     Ids 0/1/2 are <|pad|>, <unk>, <|endoftext|> (the EOS); <|im_start|>, <|im_end|>, the tool tags and
@@ -143,14 +155,29 @@ def train_sentencepiece(texts: Iterable[str], output_model: str | Path, *, vocab
     out.parent.mkdir(parents=True, exist_ok=True)
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=_chunks(texts, max_sentence_bytes), model_writer=model,
-        vocab_size=vocab_size, model_type=model_type, character_coverage=1.0, byte_fallback=True,
-        pad_id=0, unk_id=1, eos_id=2, bos_id=-1, pad_piece=PAD, eos_piece=EOS,
+        sentence_iterator=_chunks(texts, max_sentence_bytes),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        character_coverage=1.0,
+        byte_fallback=True,
+        pad_id=0,
+        unk_id=1,
+        eos_id=2,
+        bos_id=-1,
+        pad_piece=PAD,
+        eos_piece=EOS,
         user_defined_symbols=[IM_START, IM_END, *EXTRA_SYMBOLS],
-        normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True, split_digits=True, split_by_unicode_script=False,
+        normalization_rule_name="identity",
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        split_digits=True,
+        split_by_unicode_script=False,
         max_sentence_length=max_sentence_bytes,
-        num_threads=num_threads, minloglevel=2)
+        num_threads=num_threads,
+        minloglevel=2,
+    )
     out.write_bytes(model.getvalue())
     return out
 

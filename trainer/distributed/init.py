@@ -18,14 +18,15 @@ Process 0 hosts the coordination service. Its loss ends every process of the job
 clients abort within milliseconds); only a restart of the whole job, which resumes from the newest
 committed checkpoint, recovers from that.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from trainer.config.errors import ConfigError
 from trainer.config.schema import DistributedConfig
@@ -76,20 +77,31 @@ def resolve_settings(cfg: DistributedConfig, environ: Mapping[str, str] | None =
     """Config values win; -1 / '' / 0 fall back to the environment, then to one process."""
     env = os.environ if environ is None else environ
     address = cfg.coordinator_address or env.get("JAX_COORDINATOR_ADDRESS", "").strip()
-    count = cfg.num_processes if cfg.num_processes != -1 else (_env_int(env, "JAX_NUM_PROCESSES", "SLURM_NTASKS") or 1)
-    pid = cfg.process_id if cfg.process_id != -1 else _env_int(env, "JAX_PROCESS_ID", "SLURM_PROCID",
-                                                                   "JOB_COMPLETION_INDEX")
-    per_slice = cfg.processes_per_slice if cfg.processes_per_slice != -1 else (_env_int(env, "NODES_PER_SLICE") or 1)
-    heartbeat = cfg.heartbeat_timeout_seconds or _env_int(env, "JAX_HEARTBEAT_TIMEOUT_SECONDS") or \
-        DEFAULT_HEARTBEAT_TIMEOUT_S
+    count = (
+        cfg.num_processes if cfg.num_processes != -1 else (_env_int(env, "JAX_NUM_PROCESSES", "SLURM_NTASKS") or 1)
+    )
+    pid = (
+        cfg.process_id
+        if cfg.process_id != -1
+        else _env_int(env, "JAX_PROCESS_ID", "SLURM_PROCID", "JOB_COMPLETION_INDEX")
+    )
+    per_slice = (
+        cfg.processes_per_slice if cfg.processes_per_slice != -1 else (_env_int(env, "NODES_PER_SLICE") or 1)
+    )
+    heartbeat = (
+        cfg.heartbeat_timeout_seconds
+        or _env_int(env, "JAX_HEARTBEAT_TIMEOUT_SECONDS")
+        or DEFAULT_HEARTBEAT_TIMEOUT_S
+    )
     collective = cfg.collective_timeout_seconds
     if not collective and _COLLECTIVE_FLAG not in env.get("XLA_FLAGS", ""):
         collective = DEFAULT_COLLECTIVE_TIMEOUT_S
     problems = []
     if count > 1:
         if not address:
-            problems.append(f"{count} processes need coordinator_address (or $JAX_COORDINATOR_ADDRESS): "
-                            "host:port of process 0")
+            problems.append(
+                f"{count} processes need coordinator_address (or $JAX_COORDINATOR_ADDRESS): host:port of process 0"
+            )
         if pid is None or not 0 <= pid < count:
             problems.append(f"process_id={pid} must be in [0, {count}) (set it or $JAX_PROCESS_ID)")
         if per_slice < 1 or count % per_slice:
@@ -118,17 +130,26 @@ def initialize(settings: DistributedSettings, *, fault_tolerant: bool) -> None:
 
     if xla_bridge.backends_are_initialized():
         raise RuntimeError("trainer.distributed.initialize must run before JAX's backend is initialised")
-    os.environ["XLA_FLAGS"] = xla_flags_with_timeout(os.environ.get("XLA_FLAGS", ""),
-                                                     settings.collective_timeout_seconds)
+    os.environ["XLA_FLAGS"] = xla_flags_with_timeout(
+        os.environ.get("XLA_FLAGS", ""), settings.collective_timeout_seconds
+    )
     if fault_tolerant:
         # Before initialize: the coordination service is created recoverable only if this is already set.
         jax.config.update("jax_enable_recoverability", True)
-    log.info("joining %d-process job as process %d (coordinator %s, heartbeat timeout %d s, fault_tolerant=%s)",
-             settings.num_processes, settings.process_id, settings.coordinator_address,
-             settings.heartbeat_timeout_seconds, fault_tolerant)
-    jax.distributed.initialize(settings.coordinator_address, num_processes=settings.num_processes,
-                               process_id=settings.process_id,
-                               heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds)
+    log.info(
+        "joining %d-process job as process %d (coordinator %s, heartbeat timeout %d s, fault_tolerant=%s)",
+        settings.num_processes,
+        settings.process_id,
+        settings.coordinator_address,
+        settings.heartbeat_timeout_seconds,
+        fault_tolerant,
+    )
+    jax.distributed.initialize(
+        settings.coordinator_address,
+        num_processes=settings.num_processes,
+        process_id=settings.process_id,
+        heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds,
+    )
 
 
 def process_log_dir(run_dir: Path, settings: DistributedSettings) -> Path:

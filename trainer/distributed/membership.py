@@ -18,6 +18,7 @@ Process 0 (always alive: it hosts the service) picks it and publishes it in the 
 store; the others read it. With k processes per device set there are k! orders, so at most k! - 1
 rejoins per set of processes (5 for 3 processes); after that the job must be restarted.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,7 +27,7 @@ import itertools
 import json
 import logging
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
@@ -49,9 +50,9 @@ def signature(incarnations: dict[int, int]) -> str:
 class Formation:
     """The slices an attempt runs on, in mesh order, and what identifies it across processes."""
 
-    slices: tuple[int, ...]      # active slices, in mesh order
-    sig: str                      # signature of the active processes' incarnations
-    number: int                   # how many formations with this signature came before (same everywhere)
+    slices: tuple[int, ...]  # active slices, in mesh order
+    sig: str  # signature of the active processes' incarnations
+    number: int  # how many formations with this signature came before (same everywhere)
 
     @property
     def key(self) -> str:
@@ -61,19 +62,27 @@ class Formation:
 class Membership:
     """Live processes grouped into slices (`processes_per_slice` consecutive process ids form one)."""
 
-    def __init__(self, devices: Sequence[jax.Device], processes_per_slice: int, *, process_index: int,
-                 client, events, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        devices: Sequence[jax.Device],
+        processes_per_slice: int,
+        *,
+        process_index: int,
+        client,
+        events,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.devices = sorted(devices, key=lambda d: d.id)
         self.by_process: dict[int, list] = {}
         for d in self.devices:
             self.by_process.setdefault(d.process_index, []).append(d)
         self.per_slice = processes_per_slice
         self.me, self.client, self.events, self.clock = process_index, client, events, clock
-        self.current: dict[int, int] | None = None   # the newest round: process -> incarnation
+        self.current: dict[int, int] | None = None  # the newest round: process -> incarnation
         self.previous: dict[int, int] | None = None  # the round before it
-        self._formed: dict[str, int] = {}            # signature -> formations so far
-        self._orders_used: dict[frozenset, list[tuple]] = {}   # process 0 only
-        self._published: dict[str, list | None] = {}            # process 0 only: signature -> order
+        self._formed: dict[str, int] = {}  # signature -> formations so far
+        self._orders_used: dict[frozenset, list[tuple]] = {}  # process 0 only
+        self._published: dict[str, list | None] = {}  # process 0 only: signature -> order
 
     # ---- slices --------------------------------------------------------------------------------
 
@@ -135,8 +144,10 @@ class Membership:
                 lost = {d.process_index for d in e.failed_devices} & active
                 if lost or out is None:
                     raise
-                log.warning("process(es) %s outside this attempt failed; continuing",
-                            sorted({d.process_index for d in e.failed_devices}))
+                log.warning(
+                    "process(es) %s outside this attempt failed; continuing",
+                    sorted({d.process_index for d in e.failed_devices}),
+                )
                 return out
             self._record()
             return out
@@ -171,8 +182,10 @@ class Membership:
             if not self.stable:
                 continue  # confirm at once: every other process is about to do the same round
             if self.clock() >= deadline:
-                raise TimeoutError(f"{len(complete)} complete slice(s) {complete} < {min_slices} after "
-                                   f"{timeout_s} s; live processes {sorted(live)}")
+                raise TimeoutError(
+                    f"{len(complete)} complete slice(s) {complete} < {min_slices} after "
+                    f"{timeout_s} s; live processes {sorted(live)}"
+                )
             time.sleep(poll_s)
 
     def _form(self, sig: str, slices: list[int]) -> Formation:
@@ -180,13 +193,19 @@ class Membership:
         self._formed[sig] = number + 1
         order = json.loads(self.client.blocking_key_value_get(_ORDER_KEY + sig, _ORDER_WAIT_MS))
         if order is None:
-            raise ElasticGiveUp(f"no unused mesh device order is left for slices {slices}: each rejoin needs one "
-                                f"(stale gloo communicators); restart the job to reset")
+            raise ElasticGiveUp(
+                f"no unused mesh device order is left for slices {slices}: each rejoin needs one "
+                f"(stale gloo communicators); restart the job to reset"
+            )
         formation = Formation(tuple(order), sig, number)
         log.info("formation %s: slices %s in mesh order %s", formation.key, slices, list(order))
         if self.events is not None:
-            self.events.emit("formation", key=formation.key, mesh_order=list(order),
-                             incarnations={p: i for p, i in sorted((self.current or {}).items())})
+            self.events.emit(
+                "formation",
+                key=formation.key,
+                mesh_order=list(order),
+                incarnations={p: i for p, i in sorted((self.current or {}).items())},
+            )
         return formation
 
     def _publish_order(self, sig: str, slices: list[int]) -> None:
@@ -212,8 +231,9 @@ class Membership:
         """Wait for every process of the formation at a named coordination-service barrier. Used before an
         attempt's first collective, so that one process compiling longer than the others waits here and
         not inside a collective, whose timeout is short (collective_timeout_seconds)."""
-        self.client.wait_at_barrier(f"trainer/{name}/{formation.key}", int(timeout_s * 1000),
-                                    process_ids=self.processes(active_slices))
+        self.client.wait_at_barrier(
+            f"trainer/{name}/{formation.key}", int(timeout_s * 1000), process_ids=self.processes(active_slices)
+        )
 
     def checkpoint_options(self, active_slices: Sequence[int], formation: Formation | None):
         """Orbax multi-process options for an attempt on `active_slices`: barriers only over its processes,
@@ -222,5 +242,7 @@ class Membership:
 
         procs = set(self.processes(active_slices))
         return ocp.options.MultiprocessingOptions(
-            primary_host=min(procs), active_processes=procs,
-            barrier_sync_key_prefix=None if formation is None else f"formation_{formation.key}")
+            primary_host=min(procs),
+            active_processes=procs,
+            barrier_sync_key_prefix=None if formation is None else f"formation_{formation.key}",
+        )

@@ -9,12 +9,13 @@ other, so all of them take the same decision:
   holder contributes the values and every other device zeros, and a sum over devices delivers them
   exactly (x + 0 == x), with the data-iterator state (JSON bytes) riding along the same way.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +35,9 @@ def _device_rows(mesh: Mesh) -> tuple[NamedSharding, dict]:
 def _rows_array(mesh: Mesh, row_value: Callable[[int], np.ndarray], shape: tuple, dtype) -> jax.Array:
     """A (devices, *shape) array whose row r (on the device holding it) is row_value(r)."""
     sharding, rows = _device_rows(mesh)
-    return jax.make_array_from_callback((mesh.size, *shape), sharding,
-                                        lambda idx: row_value(idx[0].start or 0)[None].astype(dtype))
+    return jax.make_array_from_callback(
+        (mesh.size, *shape), sharding, lambda idx: row_value(idx[0].start or 0)[None].astype(dtype)
+    )
 
 
 def gather_rows(mesh: Mesh, local: np.ndarray) -> tuple[np.ndarray, list[int]]:
@@ -55,14 +57,16 @@ def broadcast_from_row(mesh: Mesh, source_row: int, values, abstract, shardings)
 
     def leaf(value, a):
         zeros = np.zeros(a.shape, a.dtype)
-        return _rows_array(mesh, lambda r: value if (r == source_row and value is not None) else zeros,
-                           a.shape, a.dtype)
+        return _rows_array(
+            mesh, lambda r: value if (r == source_row and value is not None) else zeros, a.shape, a.dtype
+        )
 
     if values is None:
         values = jax.tree.map(lambda a: None, abstract)
     rows = jax.tree.map(leaf, values, abstract, is_leaf=lambda x: x is None)
-    total = jax.jit(lambda t: jax.tree.map(lambda x: jnp.sum(x, axis=0, dtype=x.dtype), t),
-                    out_shardings=shardings)
+    total = jax.jit(
+        lambda t: jax.tree.map(lambda x: jnp.sum(x, axis=0, dtype=x.dtype), t), out_shardings=shardings
+    )
     return total(rows)
 
 
@@ -80,8 +84,10 @@ def shared_snapshot_source(snapshots, events, *, barrier: Callable[[], None] = l
         ckpt = -1 if newest_checkpoint_step is None else newest_checkpoint_step
         table, process_of_row = gather_rows(mesh, [snap.step if snap is not None else -1, ckpt, len(blob)])
         if len(set(table[:, 1])) != 1:
-            raise RuntimeError(f"processes see different newest checkpoints {sorted(set(table[:, 1]))}: "
-                               "the checkpoint directory must be one shared filesystem")
+            raise RuntimeError(
+                f"processes see different newest checkpoints {sorted(set(table[:, 1]))}: "
+                "the checkpoint directory must be one shared filesystem"
+            )
         best = int(table[:, 0].max())
         if best < 0 or best < ckpt:  # a tie goes to host RAM, as in HostSnapshots
             return None
@@ -94,13 +100,17 @@ def shared_snapshot_source(snapshots, events, *, barrier: Callable[[], None] = l
         payload = {"state": snap.state, "data": np.frombuffer(blob.ljust(size), np.uint8)} if mine else None
         abstract = {"state": abstract_state, "data": jax.ShapeDtypeStruct((size,), np.uint8)}
         replicated = NamedSharding(mesh, PartitionSpec())
-        out = broadcast_from_row(mesh, source_row, payload, abstract,
-                                 {"state": shardings, "data": replicated})
+        out = broadcast_from_row(mesh, source_row, payload, abstract, {"state": shardings, "data": replicated})
         state = jax.block_until_ready(out["state"])
         data_state = json.loads(np.asarray(out["data"]).tobytes().decode().strip() or "{}")
         nbytes = int(sum(x.nbytes for x in jax.tree.leaves(state)))
-        events.emit("snapshot_shared", step=best, source_process=process_of_row[source_row], bytes=nbytes,
-                    seconds=round(time.perf_counter() - t0, 4))
+        events.emit(
+            "snapshot_shared",
+            step=best,
+            source_process=process_of_row[source_row],
+            bytes=nbytes,
+            seconds=round(time.perf_counter() - t0, 4),
+        )
         return state, data_state, f"snapshot:{best}"
 
     return restore_source

@@ -4,6 +4,7 @@ A failure marks a slice down until its down time has passed. The step that next 
 fails with `jax.errors.JaxRuntimeError("DATA_LOSS: ...")`, the error Pathways raises when a slice is
 lost mid-computation, so pathwaysutils' classifier and the same recovery path handle it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +12,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import jax
 
@@ -46,13 +47,21 @@ def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
         if unknown or "step" not in fields or ("slice" in fields) == ("nan" in fields):
             raise ConfigError(f"fault_schedule entry {entry!r}: use step=N,slice=K[,down_s=S] or step=N,nan=1")
         try:
-            fault = Fault(int(fields["step"]), int(fields.get("slice", -1)), float(fields.get("down_s", 0)),
-                          int(fields.get("down_steps", 0)), nan="nan" in fields)
+            fault = Fault(
+                int(fields["step"]),
+                int(fields.get("slice", -1)),
+                float(fields.get("down_s", 0)),
+                int(fields.get("down_steps", 0)),
+                nan="nan" in fields,
+            )
         except ValueError:
-            raise ConfigError(f"fault_schedule entry {entry!r}: step and slice are integers, down_s seconds") from None
+            raise ConfigError(
+                f"fault_schedule entry {entry!r}: step and slice are integers, down_s seconds"
+            ) from None
         if (not fault.nan and not 0 <= fault.slice < num_slices) or fault.step < 1 or fault.down_s < 0:
-            raise ConfigError(f"fault_schedule entry {entry!r}: slice must be in [0, {num_slices}), step >= 1, "
-                              f"down_s >= 0")
+            raise ConfigError(
+                f"fault_schedule entry {entry!r}: slice must be in [0, {num_slices}), step >= 1, down_s >= 0"
+            )
         faults.append(fault)
     return faults
 
@@ -132,8 +141,14 @@ class FaultInjector:
     def _fire(self, slice_index: int, down_s: float, cause: str, down_steps: int = 0) -> None:
         self.outages.mark_down(slice_index, down_s, down_steps)
         self.last_cause = cause
-        self.events.emit("slice_killed", slice=slice_index, step=self.next_step, down_s=down_s,
-                         down_steps=down_steps, cause=cause)
+        self.events.emit(
+            "slice_killed",
+            slice=slice_index,
+            step=self.next_step,
+            down_s=down_s,
+            down_steps=down_steps,
+            cause=cause,
+        )
 
     def _chaos_requests(self):
         """(slice, down_s, cause) of each new request in chaos_dir meant for this process; every request
@@ -172,8 +187,10 @@ class FaultInjector:
                 return ""
             if mine is None:
                 return f"it is for the trainer attempt {request['target']}; this process wrote no start event here"
-            return (f"it is for the trainer attempt {request['target']}, not this one {mine}: left by an earlier "
-                    f"run of this directory")
+            return (
+                f"it is for the trainer attempt {request['target']}, not this one {mine}: left by an earlier "
+                f"run of this directory"
+            )
         if mine is not None and path.stat().st_mtime < mine["started"]:
             return f"written before this process started ({mine}): left by an earlier run of this directory"
         return ""

@@ -5,6 +5,7 @@ with a `SliceHealthChecker`. On Pathways that is pathwaysutils' own `DefaultSlic
 devices grouped by `slice_index`; locally it is `VirtualSliceHealthChecker`, which runs the same
 per-slice test computation and additionally reports the slices that the fault injector took down.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence, Set
@@ -31,8 +32,9 @@ class VirtualSliceHealthChecker(pw_elastic.DefaultSliceHealthChecker):
         return frozenset(super().validate()) - self._down
 
 
-def make_checker(slice_to_devices: Mapping[int, Sequence[jax.Device]], outages: Outages | None,
-                 *, single_controller: bool) -> pw_elastic.SliceHealthChecker:
+def make_checker(
+    slice_to_devices: Mapping[int, Sequence[jax.Device]], outages: Outages | None, *, single_controller: bool
+) -> pw_elastic.SliceHealthChecker:
     if single_controller:
         return pw_elastic.DefaultSliceHealthChecker(slice_to_devices)
     return VirtualSliceHealthChecker(slice_to_devices, outages or Outages())

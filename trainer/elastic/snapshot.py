@@ -6,6 +6,7 @@ thread while training continues. Recovery uses the newest complete snapshot unle
 checkpoint is newer (on a tie the snapshot wins: host RAM is read faster than storage), so a slice
 failure rewinds at most `snapshot_period` steps instead of `checkpoint_period`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class Snapshot:
     step: int
-    state: Any           # numpy pytree
+    state: Any  # numpy pytree
     data_state: dict
     nbytes: int
 
@@ -81,8 +82,13 @@ class HostSnapshots:
             nbytes = sum(x.nbytes for x in jax.tree.leaves(host))
             with self._lock:
                 self.latest = Snapshot(step, host, data_state, nbytes)
-            self.events.emit("snapshot_taken", step=step, bytes=nbytes,
-                             seconds=round(time.perf_counter() - t0, 4), blocking=block)
+            self.events.emit(
+                "snapshot_taken",
+                step=step,
+                bytes=nbytes,
+                seconds=round(time.perf_counter() - t0, 4),
+                blocking=block,
+            )
 
         if block:
             to_host()
@@ -106,6 +112,7 @@ class HostSnapshots:
         shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
         state = jax.device_put(snap.state, shardings)
         jax.block_until_ready(state)
-        self.events.emit("snapshot_restored", step=snap.step, bytes=snap.nbytes,
-                         seconds=round(time.perf_counter() - t0, 4))
+        self.events.emit(
+            "snapshot_restored", step=snap.step, bytes=snap.nbytes, seconds=round(time.perf_counter() - t0, 4)
+        )
         return state, snap.data_state, f"snapshot:{snap.step}"

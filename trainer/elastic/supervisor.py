@@ -18,6 +18,7 @@ Several processes (jax.distributed, no Pathways): a slice is a group of processe
 `ProcessFailureError` on every survivor at that step (a slice-down event); waiting is rounds of
 `live_devices`; a replacement seen in a step's round is a scale-up at that step, on every process.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,8 @@ import logging
 import time
 
 import jax
-from pathwaysutils.elastic import elastic as pw_elastic
 from jax.experimental.multihost_utils import ProcessFailureError
+from pathwaysutils.elastic import elastic as pw_elastic
 from pathwaysutils.elastic.manager import ScaleUpSignalError
 
 from trainer.attempt import Attempt, build_attempt
@@ -59,7 +60,7 @@ class RecoveryClock:
 class _StepHooks:
     """Runs at every step boundary of an attempt: timeline, snapshots, fault injection, scale-up."""
 
-    def __init__(self, sup: "Supervisor", active: list[int]):
+    def __init__(self, sup: Supervisor, active: list[int]):
         self.sup, self.active = sup, active
         self.first_step_seen = False
         self.next_scale_check = time.monotonic()
@@ -74,8 +75,12 @@ class _StepHooks:
                 jax.block_until_ready(attempt.state)  # the timeline's "first step" means completed
                 down = time.time() - sup.clock.detected_at
                 sup.clock.downtime_s += down
-                sup.events.emit("first_step_after_recovery", step=step, seconds_since_detection=round(down, 3),
-                                slices=self.active)
+                sup.events.emit(
+                    "first_step_after_recovery",
+                    step=step,
+                    seconds_since_detection=round(down, 3),
+                    slices=self.active,
+                )
                 sup.clock.detected_at = None
         period = sup.cfg.elastic.snapshot_period
         if period and step % period == 0:
@@ -93,8 +98,9 @@ class _StepHooks:
     def _maybe_scale_up(self, step: int, attempt: Attempt) -> None:
         sup = self.sup
         inactive = {i: sup.slice_to_devices[i] for i in sup.slice_to_devices if i not in self.active}
-        back = pw_elastic.get_active_slice_indices(inactive, make_checker(inactive, sup.outages,
-                                                                          single_controller=sup.single_controller))
+        back = pw_elastic.get_active_slice_indices(
+            inactive, make_checker(inactive, sup.outages, single_controller=sup.single_controller)
+        )
         if back:
             self._scale_up(step, attempt, back)
 
@@ -118,8 +124,17 @@ def _settle_save(checkpointer) -> None:
 
 
 class Supervisor:
-    def __init__(self, cfg: RunConfig, slices: list[list], *, paths: RunPaths, events, sinks, stop_requested,
-                 membership=None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        slices: list[list],
+        *,
+        paths: RunPaths,
+        events,
+        sinks,
+        stop_requested,
+        membership=None,
+    ):
         self.cfg, self.paths, self.events, self.sinks = cfg, paths, events, sinks
         self.stop_requested = stop_requested
         self.membership = membership  # several processes, elastic: trainer.distributed.membership.Membership
@@ -152,15 +167,22 @@ class Supervisor:
         try:
             if self.membership is not None:  # slices in mesh order, agreed by every process
                 self.formation = self.membership.wait_for_slices(
-                    self.min_slices, timeout_s=e.elastic_timeout_seconds, poll_s=e.elastic_poll_interval_seconds)
+                    self.min_slices, timeout_s=e.elastic_timeout_seconds, poll_s=e.elastic_poll_interval_seconds
+                )
                 return self._waited(list(self.formation.slices), t0)
-            active = pw_elastic.wait_for_slices(slice_count=self.min_slices, poll_interval=e.elastic_poll_interval_seconds,
-                                                timeout=e.elastic_timeout_seconds,
-                                                slice_to_devices=self.slice_to_devices, checker=self.checker)
+            active = pw_elastic.wait_for_slices(
+                slice_count=self.min_slices,
+                poll_interval=e.elastic_poll_interval_seconds,
+                timeout=e.elastic_timeout_seconds,
+                slice_to_devices=self.slice_to_devices,
+                checker=self.checker,
+            )
         except TimeoutError as err:
             self.events.emit("wait_timeout", seconds=round(time.time() - t0, 3), error=str(err))
-            raise ElasticGiveUp(f"fewer than {self.min_slices} slices healthy after "
-                                f"elastic_timeout_seconds={e.elastic_timeout_seconds}: {err}") from None
+            raise ElasticGiveUp(
+                f"fewer than {self.min_slices} slices healthy after "
+                f"elastic_timeout_seconds={e.elastic_timeout_seconds}: {err}"
+            ) from None
         return self._waited(sorted(active), t0)
 
     def _waited(self, active: list[int], t0: float) -> list[int]:
@@ -175,30 +197,64 @@ class Supervisor:
         if self.membership is not None:
             step_guard = lambda fn: self.membership.guard(fn, active)  # noqa: E731
             timeout_s = cfg.elastic.elastic_timeout_seconds
-            restore_source = shared_snapshot_source(self.snapshots, self.events, barrier=lambda: self.membership.barrier(
-                "attempt_start", self.formation, active, timeout_s=timeout_s))
+            restore_source = shared_snapshot_source(
+                self.snapshots,
+                self.events,
+                barrier=lambda: self.membership.barrier(
+                    "attempt_start", self.formation, active, timeout_s=timeout_s
+                ),
+            )
             multiprocessing = self.membership.checkpoint_options(active, self.formation)
-        attempt = build_attempt(cfg, [self.slice_to_devices[i] for i in active], checkpoint_dir=self.paths.checkpoints,
-                                events=self.events, total_slices=self.total, layout_cache=self.layouts,
-                                restore_source=restore_source, wrap_step=step_guard,
-                                checkpoint_multiprocessing=multiprocessing)
+        attempt = build_attempt(
+            cfg,
+            [self.slice_to_devices[i] for i in active],
+            checkpoint_dir=self.paths.checkpoints,
+            events=self.events,
+            total_slices=self.total,
+            layout_cache=self.layouts,
+            restore_source=restore_source,
+            wrap_step=step_guard,
+            checkpoint_multiprocessing=multiprocessing,
+        )
         with contextlib.closing(attempt):
             rewound = max(0, self.clock.last_step - attempt.start_step) if number > 1 else 0
             self.clock.steps_lost += rewound
-            self.events.emit("attempt_start", attempt=number, slices=active, start_step=attempt.start_step,
-                             source=attempt.restored_from, steps_rewound=rewound,
-                             global_batch_size=attempt.plan.global_batch_size, micro_steps=attempt.plan.micro_steps,
-                             lr_scale=attempt.plan.lr_scale)
-            log.info("attempt %d: slices=%s global_batch=%d micro_steps=%d lr_scale=%.3f from %s (rewound %d steps)",
-                     number, active, attempt.plan.global_batch_size, attempt.plan.micro_steps, attempt.plan.lr_scale,
-                     attempt.restored_from, rewound)
+            self.events.emit(
+                "attempt_start",
+                attempt=number,
+                slices=active,
+                start_step=attempt.start_step,
+                source=attempt.restored_from,
+                steps_rewound=rewound,
+                global_batch_size=attempt.plan.global_batch_size,
+                micro_steps=attempt.plan.micro_steps,
+                lr_scale=attempt.plan.lr_scale,
+            )
+            log.info(
+                "attempt %d: slices=%s global_batch=%d micro_steps=%d lr_scale=%.3f from %s (rewound %d steps)",
+                number,
+                active,
+                attempt.plan.global_batch_size,
+                attempt.plan.micro_steps,
+                attempt.plan.lr_scale,
+                attempt.restored_from,
+                rewound,
+            )
             self.nonfinite.already_skipped = frozenset(self.skip_batches)
             if self.injector is not None:
                 self.injector.at_step_boundary(attempt.start_step + 1)
             try:
-                return train_loop(attempt, self.sinks, self.events, steps=cfg.train.steps, nonfinite=self.nonfinite,
-                                  stop_requested=self.stop_requested, before_step=self.profiler.before_step,
-                                  after_step=_StepHooks(self, active), skip_batches=frozenset(self.skip_batches))
+                return train_loop(
+                    attempt,
+                    self.sinks,
+                    self.events,
+                    steps=cfg.train.steps,
+                    nonfinite=self.nonfinite,
+                    stop_requested=self.stop_requested,
+                    before_step=self.profiler.before_step,
+                    after_step=_StepHooks(self, active),
+                    skip_batches=frozenset(self.skip_batches),
+                )
             except BaseException:
                 self.failure_seen_at = time.time()  # before teardown: detection time, not teardown time
                 raise
@@ -229,9 +285,13 @@ class Supervisor:
             except jax.errors.JaxRuntimeError as err:
                 # Several processes: a collective that failed outside a step (restore, first use of a
                 # mesh) is a slice-down event too; the next membership round shows who is alive.
-                if not (self.cfg.elastic.elastic_enabled and (self.membership is not None or
-                                                              pw_elastic.is_error_due_to_slice_down(
-                                                                  err, log_traceback=False))):
+                if not (
+                    self.cfg.elastic.elastic_enabled
+                    and (
+                        self.membership is not None
+                        or pw_elastic.is_error_due_to_slice_down(err, log_traceback=False)
+                    )
+                ):
                     raise
                 self._on_slice_down(number, active, err)
 
@@ -243,21 +303,36 @@ class Supervisor:
         self.snapshots.settle()
         # Stamped with the time the error reached the train function; teardown_s is what closing the
         # failed attempt (in-flight save, iterator, profiler) took after that.
-        self.events.emit("slice_down_detected", attempt=number, last_step=self.clock.last_step, slices=active,
-                         error=str(err).splitlines()[0], failures=self.clock.failures, time=seen,
-                         teardown_s=round(time.time() - seen, 3))
+        self.events.emit(
+            "slice_down_detected",
+            attempt=number,
+            last_step=self.clock.last_step,
+            slices=active,
+            error=str(err).splitlines()[0],
+            failures=self.clock.failures,
+            time=seen,
+            teardown_s=round(time.time() - seen, 3),
+        )
         self.failure_seen_at = None
         if self.clock.failures > self.cfg.elastic.elastic_max_retries:
             self._summary()
-            raise ElasticGiveUp(f"{self.clock.failures} slice failures exceed elastic_max_retries="
-                                f"{self.cfg.elastic.elastic_max_retries}; newest committed checkpoint is intact")
+            raise ElasticGiveUp(
+                f"{self.clock.failures} slice failures exceed elastic_max_retries="
+                f"{self.cfg.elastic.elastic_max_retries}; newest committed checkpoint is intact"
+            )
 
     def _summary(self) -> None:
-        self.events.emit("elastic_summary", failures=self.clock.failures, steps_lost=self.clock.steps_lost,
-                         downtime_s=round(self.clock.downtime_s, 3))
+        self.events.emit(
+            "elastic_summary",
+            failures=self.clock.failures,
+            steps_lost=self.clock.steps_lost,
+            downtime_s=round(self.clock.downtime_s, 3),
+        )
 
 
-def run_supervised(cfg: RunConfig, slices: list[list], *, paths: RunPaths, events, sinks, stop_requested,
-                   membership=None):
-    return Supervisor(cfg, slices, paths=paths, events=events, sinks=sinks, stop_requested=stop_requested,
-                      membership=membership).run()
+def run_supervised(
+    cfg: RunConfig, slices: list[list], *, paths: RunPaths, events, sinks, stop_requested, membership=None
+):
+    return Supervisor(
+        cfg, slices, paths=paths, events=events, sinks=sinks, stop_requested=stop_requested, membership=membership
+    ).run()

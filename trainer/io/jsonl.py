@@ -4,6 +4,7 @@ A process killed mid-write leaves a last line without its newline, cut anywhere.
 line that is not a JSON object (and say how many); a writer that reopens such a file first cuts the
 torn fragment off, so its own first record starts on a fresh line instead of being glued to it.
 """
+
 from __future__ import annotations
 
 import json

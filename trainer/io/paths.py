@@ -10,6 +10,7 @@ for data, tokenizers and logs too. Rules:
 - `local_copy`: readers that only open local files (ArrayRecord's C++ reader, sentencepiece) get a
   verified copy of a remote file in a per-host cache; local files are returned as they are.
 """
+
 from __future__ import annotations
 
 import glob as globlib

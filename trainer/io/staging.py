@@ -5,14 +5,15 @@ a hidden sibling first and move it into place only once everything succeeded. An
 replaced only then (and only with overwrite); on any failure the sibling is removed and the old output
 is untouched.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 class OutputExists(FileExistsError):

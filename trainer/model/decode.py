@@ -20,6 +20,7 @@ Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then
 (the smallest set of most likely tokens whose probability reaches p), then a categorical draw with
 key fold_in(key(seed), i) for the i-th new token, so a seed reproduces a run exactly.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -133,8 +134,16 @@ def _next_token(params, tokens, cache, key, *, cfg: ModelConfig, sampling: Sampl
     return sample(logits, key, sampling), cache
 
 
-def generate(params: Params, cfg: ModelConfig, prompt_ids, max_new_tokens: int, sampling: Sampling = Sampling(),
-             *, seed: int = 0, eos_id: int | None = None) -> np.ndarray:
+def generate(
+    params: Params,
+    cfg: ModelConfig,
+    prompt_ids,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    *,
+    seed: int = 0,
+    eos_id: int | None = None,
+) -> np.ndarray:
     """New token ids [B, n] after prompts [B, P] (or one prompt [P]); n = max_new_tokens, or fewer once
     every row has produced `eos_id` (rows that finished earlier continue past their EOS: cut them)."""
     prompt = np.asarray(prompt_ids, np.int32)
@@ -145,13 +154,15 @@ def generate(params: Params, cfg: ModelConfig, prompt_ids, max_new_tokens: int, 
     params = jax.device_put(params)  # once, not per step
     cache = init_cache(cfg, prompt.shape[0], prompt.shape[1] + max_new_tokens)
     key = jax.random.key(seed)
-    token, cache = _next_token(params, jnp.asarray(prompt), cache, jax.random.fold_in(key, 0), cfg=cfg,
-                               sampling=sampling)
+    token, cache = _next_token(
+        params, jnp.asarray(prompt), cache, jax.random.fold_in(key, 0), cfg=cfg, sampling=sampling
+    )
     out = [np.asarray(token)]
     for i in range(1, max_new_tokens):
         if eos_id is not None and np.any(np.stack(out, 1) == eos_id, axis=1).all():
             break
-        token, cache = _next_token(params, token[:, None], cache, jax.random.fold_in(key, i), cfg=cfg,
-                                   sampling=sampling)
+        token, cache = _next_token(
+            params, token[:, None], cache, jax.random.fold_in(key, i), cfg=cfg, sampling=sampling
+        )
         out.append(np.asarray(token))
     return np.stack(out, axis=1)

@@ -1,4 +1,5 @@
 """Analytic parameter counts and training FLOPs of our Qwen3 parameterisation (no allocation)."""
+
 from __future__ import annotations
 
 from trainer.config.schema import ModelConfig

@@ -16,11 +16,13 @@ no sliding window, and (MoE) every layer sparse (`decoder_sparse_step=1`, no `ml
 Anything else, and a key of the wrong type, raises `HfFormatError` naming the config key (and the file,
 given as `source`).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -31,8 +33,11 @@ from trainer.model.transformer import abstract_params
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Written into exported config.json; RoPE has no length limit, this is Qwen3's published context.
 MAX_POSITION_EMBEDDINGS = 40960
-_TOP_LEVEL = {"embed_tokens": ("model.embed_tokens.weight", 0), "norm": ("model.norm.weight", 0),
-              "lm_head": ("lm_head.weight", 1)}
+_TOP_LEVEL = {
+    "embed_tokens": ("model.embed_tokens.weight", 0),
+    "norm": ("model.norm.weight", 0),
+    "lm_head": ("lm_head.weight", 1),
+}
 _EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -61,8 +66,9 @@ def model_keys_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> di
     hidden = _int(hf, "hidden_size", source)
     kv_heads = _int(hf, "num_key_value_heads", source, default=heads)
     if heads % kv_heads:
-        raise HfFormatError(f"{source}: num_key_value_heads={kv_heads} does not divide "
-                            f"num_attention_heads={heads}")
+        raise HfFormatError(
+            f"{source}: num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}"
+        )
     keys = {
         "base_num_decoder_layers": _int(hf, "num_hidden_layers", source),
         "base_emb_dim": hidden,
@@ -81,14 +87,19 @@ def model_keys_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> di
         name = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
         if hf.get(name) is None:
             raise HfFormatError(f"{source} has neither 'num_experts' nor 'num_local_experts' (qwen3_moe)")
-        keys.update(num_experts=_int(hf, name, source), num_experts_per_tok=_int(hf, "num_experts_per_tok", source),
-                    base_moe_mlp_dim=_int(hf, "moe_intermediate_size", source),
-                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                    load_balance_loss_weight=_number(hf.get("router_aux_loss_coef", 0.001),
-                                                     "router_aux_loss_coef", source))
+        keys.update(
+            num_experts=_int(hf, name, source),
+            num_experts_per_tok=_int(hf, "num_experts_per_tok", source),
+            base_moe_mlp_dim=_int(hf, "moe_intermediate_size", source),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            load_balance_loss_weight=_number(
+                hf.get("router_aux_loss_coef", 0.001), "router_aux_loss_coef", source
+            ),
+        )
         if keys["num_experts_per_tok"] > keys["num_experts"]:
-            raise HfFormatError(f"{source}: num_experts_per_tok={keys['num_experts_per_tok']} exceeds "
-                                f"{name}={keys['num_experts']}")
+            raise HfFormatError(
+                f"{source}: num_experts_per_tok={keys['num_experts_per_tok']} exceeds {name}={keys['num_experts']}"
+            )
     return keys
 
 
@@ -105,21 +116,39 @@ def hf_config(cfg: ModelConfig, torch_dtype: str) -> dict[str, Any]:
     out = {
         "architectures": [ARCHITECTURES["qwen3_moe" if moe else "qwen3"]],
         "model_type": "qwen3_moe" if moe else "qwen3",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.base_emb_dim, "intermediate_size": cfg.base_mlp_dim,
-        "num_hidden_layers": cfg.base_num_decoder_layers, "num_attention_heads": cfg.base_num_query_heads,
-        "num_key_value_heads": cfg.base_num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": MAX_POSITION_EMBEDDINGS, "rms_norm_eps": cfg.normalization_layer_epsilon,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.base_emb_dim,
+        "intermediate_size": cfg.base_mlp_dim,
+        "num_hidden_layers": cfg.base_num_decoder_layers,
+        "num_attention_heads": cfg.base_num_query_heads,
+        "num_key_value_heads": cfg.base_num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "rms_norm_eps": cfg.normalization_layer_epsilon,
         "rope_theta": cfg.rope_max_timescale,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_max_timescale},
-        "tie_word_embeddings": cfg.logits_via_embedding, "attention_bias": False, "attention_dropout": 0.0,
-        "use_sliding_window": False, "sliding_window": None, "initializer_range": 0.02, "use_cache": True,
-        "torch_dtype": torch_dtype, "dtype": torch_dtype,
+        "tie_word_embeddings": cfg.logits_via_embedding,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": torch_dtype,
+        "dtype": torch_dtype,
     }
     if moe:
-        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-                   moe_intermediate_size=cfg.base_moe_mlp_dim, norm_topk_prob=cfg.norm_topk_prob,
-                   decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
-                   router_aux_loss_coef=cfg.load_balance_loss_weight)
+        out.update(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.base_moe_mlp_dim,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            output_router_logits=False,
+            router_aux_loss_coef=cfg.load_balance_loss_weight,
+        )
     else:
         out["max_window_layers"] = cfg.base_num_decoder_layers
     return out
@@ -132,11 +161,14 @@ def _model_type(hf: Mapping[str, Any], source: str) -> str:
     supported = ", ".join(ARCHITECTURES.values())
     for arch in archs:
         if arch not in known:
-            raise HfFormatError(f"unsupported architecture {arch!r} (model_type {model_type!r}) in {source}; "
-                                f"supported: {supported}")
+            raise HfFormatError(
+                f"unsupported architecture {arch!r} (model_type {model_type!r}) in {source}; "
+                f"supported: {supported}"
+            )
     if model_type not in ARCHITECTURES:
-        raise HfFormatError(f"unsupported model_type {model_type!r} in {source} (architectures {archs}); "
-                            f"supported: {supported}")
+        raise HfFormatError(
+            f"unsupported model_type {model_type!r} in {source} (architectures {archs}); supported: {supported}"
+        )
     if archs and known[archs[0]] != model_type:
         raise HfFormatError(f"{source}: architectures {archs} does not match model_type {model_type!r}")
     return model_type
@@ -217,7 +249,7 @@ class Piece:
     def hf_shape(self, piece_shape: tuple[int, ...]) -> tuple[int, ...]:
         if not self.in_dims:
             return piece_shape
-        return (math.prod(piece_shape[self.in_dims:]), math.prod(piece_shape[:self.in_dims]))
+        return (math.prod(piece_shape[self.in_dims :]), math.prod(piece_shape[: self.in_dims]))
 
     def to_ours(self, w: np.ndarray, piece_shape: tuple[int, ...]) -> np.ndarray:
         return w.reshape(piece_shape) if not self.in_dims else w.T.reshape(piece_shape)
@@ -225,7 +257,7 @@ class Piece:
     def to_hf(self, x: np.ndarray) -> np.ndarray:
         if not self.in_dims:
             return x
-        return x.reshape(math.prod(x.shape[:self.in_dims]), -1).T
+        return x.reshape(math.prod(x.shape[: self.in_dims]), -1).T
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,13 +269,14 @@ class Leaf:
     pieces: tuple[Piece, ...]
 
     def piece_shape(self, piece: Piece) -> tuple[int, ...]:
-        return self.shape[len(piece.index):]
+        return self.shape[len(piece.index) :]
 
 
 def tensor_plan(cfg: ModelConfig) -> list[Leaf]:
     """Every param leaf of `cfg` (in the params' key order) with the HF tensors that fill it."""
-    return [Leaf(path, tuple(shape), tuple(_pieces(cfg, path)))
-            for path, shape in _leaf_shapes(abstract_params(cfg))]
+    return [
+        Leaf(path, tuple(shape), tuple(_pieces(cfg, path))) for path, shape in _leaf_shapes(abstract_params(cfg))
+    ]
 
 
 def hf_names(plan: list[Leaf]) -> set[str]:
@@ -274,8 +307,10 @@ def _pieces(cfg: ModelConfig, path: tuple[str, ...]) -> list[Piece]:
     for layer in layers:
         lead = (layer,) if stacked else ()
         if cfg.num_experts > 1 and rest[0] == "mlp" and rest[1] in _EXPERT_MATRICES:
-            out += [Piece(f"model.layers.{layer}.mlp.experts.{e}.{rest[1]}.weight", lead + (e,), in_dims)
-                    for e in range(cfg.num_experts)]
+            out += [
+                Piece(f"model.layers.{layer}.mlp.experts.{e}.{rest[1]}.weight", lead + (e,), in_dims)
+                for e in range(cfg.num_experts)
+            ]
         else:
             out.append(Piece(f"model.layers.{layer}.{sub}.weight", lead, in_dims))
     return out

@@ -12,9 +12,11 @@ Numerics follow Hugging Face `transformers` Qwen3 so that imported checkpoints a
 - Attention scores and softmax are float32; probabilities are cast back before the value matmul.
 Init (HF `initializer_range=0.02`): matrices and the embedding ~ normal(0, 0.02); norm weights = 1.
 """
+
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,15 +88,28 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
     """GQA self-attention with per-head q/k RMSNorm before RoPE (Qwen3)."""
 
-    def __init__(self, *, emb_dim: int, num_heads: int, num_kv_heads: int, head_dim: int, use_qk_norm: bool,
-                 eps: float, dtype, weight_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        *,
+        emb_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        use_qk_norm: bool,
+        eps: float,
+        dtype,
+        weight_dtype,
+        rngs: nnx.Rngs,
+    ):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps, self.dtype = eps, jnp.dtype(dtype)
         self.q_proj = matrix(rngs, (emb_dim, num_heads, head_dim), ("embed", "heads", "head_dim"), weight_dtype)
-        self.k_proj = matrix(rngs, (emb_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
-                             weight_dtype)
-        self.v_proj = matrix(rngs, (emb_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"),
-                             weight_dtype)
+        self.k_proj = matrix(
+            rngs, (emb_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), weight_dtype
+        )
+        self.v_proj = matrix(
+            rngs, (emb_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), weight_dtype
+        )
         self.o_proj = matrix(rngs, (num_heads, head_dim, emb_dim), ("heads", "head_dim", "embed"), weight_dtype)
         self.q_norm = norm_weight(rngs, head_dim, weight_dtype) if use_qk_norm else None
         self.k_norm = norm_weight(rngs, head_dim, weight_dtype) if use_qk_norm else None
@@ -138,7 +153,7 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     b, t, n, hd = q.shape
     qg = q.reshape(b, t, num_kv_heads, n // num_kv_heads, hd)
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask, scores * (hd ** -0.5), jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask, scores * (hd**-0.5), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
     return out.reshape(b, t, n, hd)

@@ -25,6 +25,7 @@ fraction of (non-padding) tokens that chose expert e among their top-k (so sum_e
 mean router probability of e. It equals k for perfectly uniform routing. The model averages it over
 layers (HF instead averages f and p over the layers first) and scales it by the loss weight.
 """
+
 from __future__ import annotations
 
 import math
@@ -79,8 +80,19 @@ def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
 class MoeMlp(nnx.Module):
     """Top-k routed SwiGLU experts; returns (output, load-balance loss of this layer)."""
 
-    def __init__(self, *, emb_dim: int, moe_mlp_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 capacity_factor: float, dtype, weight_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        *,
+        emb_dim: int,
+        moe_mlp_dim: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        capacity_factor: float,
+        dtype,
+        weight_dtype,
+        rngs: nnx.Rngs,
+    ):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.capacity_factor, self.dtype = capacity_factor, jnp.dtype(dtype)
         e, d, f = num_experts, emb_dim, moe_mlp_dim
@@ -96,7 +108,8 @@ class MoeMlp(nnx.Module):
         probs, weights, experts = route(logits, k, self.norm_topk_prob)
         capacity = expert_capacity(t, e, k, self.capacity_factor)
         slot, slot_token, counts = jax.vmap(_dispatch_plan, in_axes=(0, 0, None, None))(
-            experts, valid, e, capacity)
+            experts, valid, e, capacity
+        )
 
         dispatched = jax.vmap(_gather_rows)(x, slot_token).reshape(b, e, capacity, d)
         dispatched = constrain(dispatched, ("activation_batch", "activation_exp", None, "activation_embed"))

@@ -32,6 +32,7 @@ is the HF name minus "model." and ".weight", layer i being layers.{i} (or index 
     mlp.experts.{e}.down_proj [D, Fm]           -> mlp/down_proj[e] = W.T
     lm_head.weight            [V, D]            -> lm_head = W.T  (absent when tied)
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -41,8 +42,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.config.schema import ModelConfig
-from trainer.model.layers import (BTD, Attention, Context, Mlp, attention_mask, matrix, norm_weight, rms_norm,
-                                  rope_tables)
+from trainer.model.layers import (
+    BTD,
+    Attention,
+    Context,
+    Mlp,
+    attention_mask,
+    matrix,
+    norm_weight,
+    rms_norm,
+    rope_tables,
+)
 from trainer.model.moe import MoeMlp
 from trainer.parallel.context import constrain
 
@@ -62,15 +72,29 @@ class Block(nnx.Module):
         self.eps = cfg.normalization_layer_epsilon
         self.input_layernorm = norm_weight(rngs, d, wdt)
         self.self_attn = Attention(
-            emb_dim=d, num_heads=cfg.base_num_query_heads, num_kv_heads=cfg.base_num_kv_heads,
-            head_dim=cfg.head_dim, use_qk_norm=cfg.use_qk_norm, eps=self.eps, dtype=cfg.dtype,
-            weight_dtype=wdt, rngs=rngs)
+            emb_dim=d,
+            num_heads=cfg.base_num_query_heads,
+            num_kv_heads=cfg.base_num_kv_heads,
+            head_dim=cfg.head_dim,
+            use_qk_norm=cfg.use_qk_norm,
+            eps=self.eps,
+            dtype=cfg.dtype,
+            weight_dtype=wdt,
+            rngs=rngs,
+        )
         self.post_attention_layernorm = norm_weight(rngs, d, wdt)
         if cfg.num_experts > 1:
             self.mlp = MoeMlp(
-                emb_dim=d, moe_mlp_dim=cfg.base_moe_mlp_dim, num_experts=cfg.num_experts,
-                top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
-                capacity_factor=cfg.moe_capacity_factor, dtype=cfg.dtype, weight_dtype=wdt, rngs=rngs)
+                emb_dim=d,
+                moe_mlp_dim=cfg.base_moe_mlp_dim,
+                num_experts=cfg.num_experts,
+                top_k=cfg.num_experts_per_tok,
+                norm_topk_prob=cfg.norm_topk_prob,
+                capacity_factor=cfg.moe_capacity_factor,
+                dtype=cfg.dtype,
+                weight_dtype=wdt,
+                rngs=rngs,
+            )
         else:
             self.mlp = Mlp(emb_dim=d, mlp_dim=cfg.base_mlp_dim, dtype=cfg.dtype, weight_dtype=wdt, rngs=rngs)
 
@@ -179,8 +203,11 @@ def abstract_params(cfg: ModelConfig) -> Params:
 def param_logical_axes(cfg: ModelConfig) -> Params:
     """Same structure as init_params; each leaf a tuple of logical axis names, one per dim."""
     specs = nnx.get_partition_spec(nnx.state(_abstract_model(cfg), nnx.Param))
-    return jax.tree.map(tuple, _stringify_keys(nnx.to_pure_dict(specs)),
-                        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return jax.tree.map(
+        tuple,
+        _stringify_keys(nnx.to_pure_dict(specs)),
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+    )
 
 
 def bind(cfg: ModelConfig, params: Params) -> Transformer:
@@ -190,8 +217,9 @@ def bind(cfg: ModelConfig, params: Params) -> Transformer:
     return nnx.merge(graphdef, state)
 
 
-def forward(params: Params, cfg: ModelConfig, inputs: jax.Array, positions: jax.Array,
-            segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+def forward(
+    params: Params, cfg: ModelConfig, inputs: jax.Array, positions: jax.Array, segment_ids: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """int32 [B, T] inputs/positions/segment_ids -> (hidden [B, T, D] after the final norm in cfg.dtype,
     float32 aux loss: load_balance_loss_weight * mean over layers of the MoE balance loss; 0 if dense).
 

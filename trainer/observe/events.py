@@ -1,12 +1,14 @@
 """Run events (start, compile, checkpoint, elastic phases, finish) as one JSON object per line."""
+
 from __future__ import annotations
 
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from trainer.io.jsonl import dumps, open_append, read_jsonl
 

@@ -5,9 +5,11 @@ startup_compile (process start to the first step, plus any compile), checkpoint_
 was blocked saving, beyond waiting for the step it saves), restore, wasted_progress (steps computed
 and then rewound by a failure), waiting_for_slices, and other (detection, teardown, logging, data).
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 CAUSES = ("startup_compile", "checkpoint_save", "restore", "wasted_progress", "waiting_for_slices", "other")
 
@@ -25,35 +27,52 @@ def _durations(events: list[dict], start: str, end: str, skip_first: bool = Fals
     return total
 
 
-def account(events: Iterable[dict[str, Any]], metrics: Iterable[dict[str, Any]], *, now: float | None = None) -> dict:
+def account(
+    events: Iterable[dict[str, Any]], metrics: Iterable[dict[str, Any]], *, now: float | None = None
+) -> dict:
     events, metrics = list(events), list(metrics)
     if not events:
         return {"wall_s": 0.0, "productive_s": 0.0, "goodput": None, "badput_s": {c: 0.0 for c in CAUSES}}
     t0 = events[0]["time"]
     finish = [e for e in events if e["event"] == "finish"]
-    t1 = finish[-1]["time"] if finish else (now if now is not None else max(
-        [e["time"] for e in events] + [m["time"] for m in metrics]))
+    t1 = (
+        finish[-1]["time"]
+        if finish
+        else (now if now is not None else max([e["time"] for e in events] + [m["time"] for m in metrics]))
+    )
     wall = max(t1 - t0, 1e-9)
     last_of_step: dict[int, int] = {}
     for i, m in enumerate(metrics):
         last_of_step[m["step"]] = i
     kept = set(last_of_step.values())
     # Waiting for the step in flight before copying it is that step's device time, which is productive.
-    saving = sum(e.get("seconds", 0.0) - e.get("waited_for_step_s", 0.0) for e in events
-                 if e["event"] == "checkpoint_save_blocked")
+    saving = sum(
+        e.get("seconds", 0.0) - e.get("waited_for_step_s", 0.0)
+        for e in events
+        if e["event"] == "checkpoint_save_blocked"
+    )
     # A step's step_time_s includes the time the loop was blocked starting its save: count that once,
     # as checkpoint_save, not also as productive time.
     productive = max(0.0, sum(m["step_time_s"] for i, m in enumerate(metrics) if i in kept) - saving)
     wasted = sum(m["step_time_s"] for i, m in enumerate(metrics) if i not in kept)
     first_attempt = next((e["time"] for e in events if e["event"] == "attempt_start"), t1)
-    startup = (first_attempt - t0) + sum(e.get("seconds", 0.0) for e in events
-                                         if e["event"] == "compile_done" and e["time"] > first_attempt)
+    startup = (first_attempt - t0) + sum(
+        e.get("seconds", 0.0) for e in events if e["event"] == "compile_done" and e["time"] > first_attempt
+    )
     # The first restore (or init) belongs to startup; later ones are recoveries.
     restore = _durations(events, "restore_start", "restore_end", skip_first=True)
     waiting = _durations(events, "wait_start", "wait_end", skip_first=True)
-    bad = {"startup_compile": startup, "checkpoint_save": saving, "restore": restore,
-           "wasted_progress": wasted, "waiting_for_slices": waiting}
+    bad = {
+        "startup_compile": startup,
+        "checkpoint_save": saving,
+        "restore": restore,
+        "wasted_progress": wasted,
+        "waiting_for_slices": waiting,
+    }
     bad["other"] = max(0.0, wall - productive - sum(bad.values()))
-    return {"wall_s": wall, "productive_s": productive, "goodput": productive / wall,
-            "badput_s": {c: round(bad[c], 4) for c in CAUSES}}
-
+    return {
+        "wall_s": wall,
+        "productive_s": productive,
+        "goodput": productive / wall,
+        "badput_s": {c: round(bad[c], 4) for c in CAUSES},
+    }

@@ -20,6 +20,7 @@ With two runs (`--compare`), the loss, step-time and progress panels overlay bot
 rewind marks are those of the first run, and the recovery and goodput panels show a row per run.
 The Figure is built without pyplot (no global state, no display) and saved with the Agg renderer.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -31,8 +32,16 @@ from matplotlib.ticker import ScalarFormatter
 from matplotlib.transforms import blended_transform_factory
 
 from trainer.observe.goodput import CAUSES
-from trainer.observe.runlog import (DOWN, RESTORING, TO_FIRST_STEP, WAITING, RunLog, RunSummary,
-                                    recovery_phases, summarize)
+from trainer.observe.runlog import (
+    DOWN,
+    RESTORING,
+    TO_FIRST_STEP,
+    WAITING,
+    RunLog,
+    RunSummary,
+    recovery_phases,
+    summarize,
+)
 
 TITLE_LOSS = "Loss and learning rate"
 TITLE_STEP_TIME = "Step time and throughput"
@@ -45,11 +54,23 @@ RUN_COLORS = ("tab:blue", "black")
 RUN_STYLES = ("-", "--")  # the second run dashed, so identical curves (same seed, exact resume) both show
 STARTUP, CHECKPOINT = "startup + compile", "checkpoint save (blocking)"
 GAP = "teardown, recompile (between phases)"
-BAND_COLORS = {STARTUP: "#7f7f7f", CHECKPOINT: "#17becf", DOWN: "#d62728", WAITING: "#ff7f0e",
-               RESTORING: "#9467bd", TO_FIRST_STEP: "#bcbd22"}
-CAUSE_COLORS = {"productive": "#2ca02c", "startup_compile": BAND_COLORS[STARTUP],
-                "checkpoint_save": BAND_COLORS[CHECKPOINT], "restore": BAND_COLORS[RESTORING],
-                "wasted_progress": "#8c564b", "waiting_for_slices": BAND_COLORS[WAITING], "other": "#c7c7c7"}
+BAND_COLORS = {
+    STARTUP: "#7f7f7f",
+    CHECKPOINT: "#17becf",
+    DOWN: "#d62728",
+    WAITING: "#ff7f0e",
+    RESTORING: "#9467bd",
+    TO_FIRST_STEP: "#bcbd22",
+}
+CAUSE_COLORS = {
+    "productive": "#2ca02c",
+    "startup_compile": BAND_COLORS[STARTUP],
+    "checkpoint_save": BAND_COLORS[CHECKPOINT],
+    "restore": BAND_COLORS[RESTORING],
+    "wasted_progress": "#8c564b",
+    "waiting_for_slices": BAND_COLORS[WAITING],
+    "other": "#c7c7c7",
+}
 REWIND_COLOR = "#d62728"
 MIN_BAND_FRACTION = 0.004
 BELOW = dict(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4)  # legend under the x label
@@ -76,13 +97,33 @@ def plot_loss(ax: Axes, runs: list[RunLog], labels: list[str]) -> None:
     lr_ax = ax.twinx()
     for run, label, color, ls in zip(runs, labels, RUN_COLORS, RUN_STYLES):
         suffix = f" ({label})" if compare else ""
-        ax.plot(_col(run.surviving, "step"), _col(run.surviving, "loss"), color=color, ls=ls, lw=1.6,
-                label="loss" + suffix)
+        ax.plot(
+            _col(run.surviving, "step"),
+            _col(run.surviving, "loss"),
+            color=color,
+            ls=ls,
+            lw=1.6,
+            label="loss" + suffix,
+        )
         if run.superseded:
-            ax.scatter(_col(run.superseded, "step"), _col(run.superseded, "loss"), marker="x", s=22, color=color,
-                       alpha=0.6, label="loss of rewound steps" + suffix)
-        lr_ax.plot(_col(run.surviving, "step"), _col(run.surviving, "learning_rate"), color=color, lw=1.0,
-                   ls=":", alpha=0.8, label="learning rate" + suffix)
+            ax.scatter(
+                _col(run.superseded, "step"),
+                _col(run.superseded, "loss"),
+                marker="x",
+                s=22,
+                color=color,
+                alpha=0.6,
+                label="loss of rewound steps" + suffix,
+            )
+        lr_ax.plot(
+            _col(run.surviving, "step"),
+            _col(run.surviving, "learning_rate"),
+            color=color,
+            lw=1.0,
+            ls=":",
+            alpha=0.8,
+            label="learning rate" + suffix,
+        )
     _shade_rewinds(ax, runs[0])
     ax.set(title=TITLE_LOSS, xlabel="step", ylabel="loss")
     lr_ax.set_ylabel("learning rate")
@@ -96,14 +137,28 @@ def plot_step_time(ax: Axes, runs: list[RunLog], labels: list[str]) -> None:
     inverse of step time, and four overlaid lines would hide the comparison)."""
     compare = len(runs) > 1
     for run, label, color, ls in zip(runs, labels, RUN_COLORS, RUN_STYLES):
-        ax.plot(_col(run.surviving, "step"), _col(run.surviving, "step_time_s"), color=color, ls=ls, lw=1.4,
-                marker=".", ms=4, label="step time" + (f" ({label})" if compare else ""))
+        ax.plot(
+            _col(run.surviving, "step"),
+            _col(run.surviving, "step_time_s"),
+            color=color,
+            ls=ls,
+            lw=1.4,
+            marker=".",
+            ms=4,
+            label="step time" + (f" ({label})" if compare else ""),
+        )
     handles_ax = ax
     if not compare:
         tok_ax = ax.twinx()
         run = runs[0]
-        tok_ax.plot(_col(run.surviving, "step"), _col(run.surviving, "tokens_per_s"), color="tab:green", lw=1.0,
-                    ls="--", label="tokens/s")
+        tok_ax.plot(
+            _col(run.surviving, "step"),
+            _col(run.surviving, "tokens_per_s"),
+            color="tab:green",
+            lw=1.0,
+            ls="--",
+            label="tokens/s",
+        )
         tok_ax.set_ylabel("tokens/s")
         tok_ax.set_ylim(bottom=0)
         handles_ax = tok_ax
@@ -118,8 +173,16 @@ def plot_progress(ax: Axes, runs: list[RunLog], labels: list[str]) -> None:
     compare = len(runs) > 1
     for run, label, color, ls in zip(runs, labels, RUN_COLORS, RUN_STYLES):
         for i, attempt in enumerate(_attempt_segments(run.records)):
-            ax.plot([r["time"] - run.t0 for r in attempt], _col(attempt, "step"), color=color, ls=ls, lw=1.4, marker=".",
-                    ms=3, label=("step reached" + (f" ({label})" if compare else "")) if i == 0 else None)
+            ax.plot(
+                [r["time"] - run.t0 for r in attempt],
+                _col(attempt, "step"),
+                color=color,
+                ls=ls,
+                lw=1.4,
+                marker=".",
+                ms=3,
+                label=("step reached" + (f" ({label})" if compare else "")) if i == 0 else None,
+            )
     run = runs[0]
     span = max(max(r.t_end - r.t0 for r in runs), 1e-6)
     for name, a, b in _bands(run):
@@ -128,12 +191,25 @@ def plot_progress(ax: Axes, runs: list[RunLog], labels: list[str]) -> None:
     for t, _ in recovery_phases(run):
         if t.get("steps_rewound") is None:
             continue
-        note = f"slice {t['slice']} lost at step {t['last_step']}\n−{t['steps_rewound']} steps (resume {t['resumed_from_step']})"
-        ax.annotate(note, xy=(t["detected"] - run.t0, t["last_step"]), xytext=(-12, 22), textcoords="offset points",
-                    ha="right", fontsize=8, color=REWIND_COLOR,
-                    arrowprops=dict(arrowstyle="->", color=REWIND_COLOR, lw=0.8))
-    ax.set(title=TITLE_PROGRESS + (f" (bands: {labels[0]})" if compare else ""),
-           xlabel="seconds since the run started (wall clock)", ylabel="step")
+        note = (
+            f"slice {t['slice']} lost at step {t['last_step']}\n"
+            f"−{t['steps_rewound']} steps (resume {t['resumed_from_step']})"
+        )
+        ax.annotate(
+            note,
+            xy=(t["detected"] - run.t0, t["last_step"]),
+            xytext=(-12, 22),
+            textcoords="offset points",
+            ha="right",
+            fontsize=8,
+            color=REWIND_COLOR,
+            arrowprops=dict(arrowstyle="->", color=REWIND_COLOR, lw=0.8),
+        )
+    ax.set(
+        title=TITLE_PROGRESS + (f" (bands: {labels[0]})" if compare else ""),
+        xlabel="seconds since the run started (wall clock)",
+        ylabel="step",
+    )
     ax.set_xlim(0, span * 1.01)
     ax.set_ylim(bottom=0)
     _legend(ax, None, loc="upper left", ncol=2)
@@ -149,7 +225,7 @@ def plot_recoveries(ax: Axes, runs: list[RunLog], labels: list[str]) -> None:
         return
     origin = [t["killed"] if t["killed"] is not None else t["detected"] for _, t, _ in rows]
     right = max(max((b - o for _, _, b in phases), default=0.0) for o, (_, _, phases) in zip(origin, rows)) or 1.0
-    for i, ((label, t, phases), o) in enumerate(zip(rows, origin)):
+    for i, ((_label, t, phases), o) in enumerate(zip(rows, origin)):
         if phases:  # what no named phase covers (teardown, recompile) shows as the grey underneath
             start, stop = min(a for _, a, _ in phases) - o, max(b for _, _, b in phases) - o
             ax.barh(i, stop - start, left=start, height=0.55, color="#e0e0e0", label=GAP)
@@ -158,8 +234,10 @@ def plot_recoveries(ax: Axes, runs: list[RunLog], labels: list[str]) -> None:
             ax.barh(i, b - a, left=a, height=0.55, color=BAND_COLORS[name], label=name)
         end = max((b - o for _, _, b in phases), default=0.0)
         ax.text(end + 0.02 * right, i, _recovery_note(t), va="center", fontsize=8)
-    ax.set_yticks(range(len(rows)), [f"{label + ' ' if compare else ''}#{k}: slice {t['slice']}"
-                                     for k, (label, t, _) in enumerate(rows, 1)])
+    ax.set_yticks(
+        range(len(rows)),
+        [f"{label + ' ' if compare else ''}#{k}: slice {t['slice']}" for k, (label, t, _) in enumerate(rows, 1)],
+    )
     ax.set_ylim(len(rows) - 0.5, -0.5)  # first failure on top
     ax.set_xlim(0, right * 1.75)
     ax.set_xlabel("seconds since the slice was killed (or detected, when the kill time is unknown)")
@@ -177,24 +255,42 @@ def plot_goodput(ax: Axes, summaries: list[RunSummary], labels: list[str]) -> No
         left = 0.0
         for cause, seconds in parts:
             pct = 100.0 * seconds / wall
-            ax.barh(i, pct, left=left, height=0.55, color=CAUSE_COLORS[cause], edgecolor="white", lw=0.5,
-                    label=cause.replace("_", " "))
+            ax.barh(
+                i,
+                pct,
+                left=left,
+                height=0.55,
+                color=CAUSE_COLORS[cause],
+                edgecolor="white",
+                lw=0.5,
+                label=cause.replace("_", " "),
+            )
             if pct >= 6:
-                ax.text(left + pct / 2, i, f"{pct:.0f}%", ha="center", va="center", fontsize=8,
-                        color="white" if cause in ("productive", "wasted_progress", "restore") else "black")
+                ax.text(
+                    left + pct / 2,
+                    i,
+                    f"{pct:.0f}%",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white" if cause in ("productive", "wasted_progress", "restore") else "black",
+                )
             left += pct
         total = max(total, left)
     if total > 100.5:
         ax.axvline(100, color="black", lw=0.8, ls="--")
         ax.text(100, -0.45, "100 % ", ha="right", va="top", fontsize=8)
-    ax.set_yticks(range(len(summaries)), [f"{label}\n{s.goodput['wall_s']:.0f} s wall" for label, s in
-                                          zip(labels, summaries)])
+    ax.set_yticks(
+        range(len(summaries)),
+        [f"{label}\n{s.goodput['wall_s']:.0f} s wall" for label, s in zip(labels, summaries)],
+    )
     ax.set_ylim(len(summaries) - 0.5, -0.5)
     ax.set(title=TITLE_GOODPUT, xlabel="% of wall time", xlim=(0, max(100, total)))
     _legend(ax, None, **BELOW)
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
+
 
 def _labels(runs: list[RunLog]) -> list[str]:
     names = [r.name for r in runs]
@@ -208,8 +304,10 @@ def _headline(summaries: list[RunSummary], labels: list[str]) -> str:
     for s, label in zip(summaries, labels):
         gp = s.goodput["goodput"]
         planned = f"/{s.steps_planned}" if s.steps_planned else ""
-        parts.append(f"{label}: {s.status}, step {s.steps_done}{planned}, {s.failures} failure"
-                     f"{'' if s.failures == 1 else 's'}, goodput {'n/a' if gp is None else f'{gp:.1%}'}")
+        parts.append(
+            f"{label}: {s.status}, step {s.steps_done}{planned}, {s.failures} failure"
+            f"{'' if s.failures == 1 else 's'}, goodput {'n/a' if gp is None else f'{gp:.1%}'}"
+        )
     return "   vs   ".join(parts)
 
 
@@ -218,16 +316,20 @@ def _recovery_note(t: dict[str, Any]) -> str:
     rewound = t.get("steps_rewound")
     if rewound is None:
         return "recovering…"
-    return (f"−{rewound} steps, from {t.get('restore_source')}"
-            + ("" if first is None else f"\nfirst step at +{first:.2f} s"))
+    return f"−{rewound} steps, from {t.get('restore_source')}" + (
+        "" if first is None else f"\nfirst step at +{first:.2f} s"
+    )
 
 
 def _bands(run: RunLog) -> list[tuple[str, float, float]]:
     """Startup, blocking checkpoint saves and every recovery phase, as (name, start, end) wall times."""
     first_attempt = next((e["time"] for e in run.events if e["event"] == "attempt_start"), None)
     out = [(STARTUP, run.t0, first_attempt)] if first_attempt is not None else []
-    out += [(CHECKPOINT, e["time"] - e.get("seconds", 0.0) + e.get("waited_for_step_s", 0.0), e["time"])
-            for e in run.events if e["event"] == "checkpoint_save_blocked"]
+    out += [
+        (CHECKPOINT, e["time"] - e.get("seconds", 0.0) + e.get("waited_for_step_s", 0.0), e["time"])
+        for e in run.events
+        if e["event"] == "checkpoint_save_blocked"
+    ]
     out += [p for _, phases in recovery_phases(run) for p in phases]
     return out
 
@@ -252,8 +354,16 @@ def _shade_rewinds(ax: Axes, run: RunLog) -> None:
             continue
         lo, hi = e["start_step"] + 0.5, e["start_step"] + n + 0.5
         ax.axvspan(lo, hi, color=REWIND_COLOR, alpha=0.12, lw=0, label="steps rewound")
-        ax.text((lo + hi) / 2, 0.02, f"−{n}", transform=bottom, ha="center", va="bottom", fontsize=8,
-                color=REWIND_COLOR)
+        ax.text(
+            (lo + hi) / 2,
+            0.02,
+            f"−{n}",
+            transform=bottom,
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            color=REWIND_COLOR,
+        )
 
 
 def _visible(a: float, b: float, min_width: float) -> tuple[float, float]:

@@ -4,6 +4,7 @@ The trace covers steps skip_first_n_steps_for_profiler+1 .. +profiler_steps. If 
 the window (a slice failure), `close()` stops the trace cleanly and the next attempt starts a new
 one at its next step inside the window, under <run dir>/profile/from_step_<N>.
 """
+
 from __future__ import annotations
 
 import logging

@@ -12,6 +12,7 @@ so for a remote run directory they are written to a local mirror: `pull()` first
 bucket's logs (a restarted pod appends to what earlier pods wrote), `sync()` copies them up at each
 attempt's end and at the finish.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,8 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from etils import epath
 
@@ -53,8 +54,9 @@ def _data_tag(dataset_type: str, grain_train_files: str) -> str:
     return parts[-1] if parts else dataset_type
 
 
-def resolve_run_name(run_name: str, *, model: str, dataset_type: str, grain_train_files: str,
-                     env: Mapping[str, str] | None = None) -> tuple[str, str]:
+def resolve_run_name(
+    run_name: str, *, model: str, dataset_type: str, grain_train_files: str, env: Mapping[str, str] | None = None
+) -> tuple[str, str]:
     """(run name, why): the user's run_name, else the job's name, else `<model>-<data>`."""
     env = os.environ if env is None else env
     if run_name:
@@ -69,9 +71,9 @@ def resolve_run_name(run_name: str, *, model: str, dataset_type: str, grain_trai
 
 @dataclasses.dataclass(frozen=True)
 class RunPaths:
-    local: Path                   # logs, config.yml, TensorBoard, chaos requests
-    checkpoints: epath.Path       # <run dir>/checkpoints, local or remote
-    remote: epath.Path | None     # the run directory when it is on an object store
+    local: Path  # logs, config.yml, TensorBoard, chaos requests
+    checkpoints: epath.Path  # <run dir>/checkpoints, local or remote
+    remote: epath.Path | None  # the run directory when it is on an object store
 
     @property
     def run_dir(self) -> str:

@@ -11,6 +11,7 @@ torn last line) reads the same way as a finished one. Both files are read only t
 record without the fields a report needs (an event's name and time, a step record's step and time)
 is skipped too, so no cut can break a report.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,7 +31,12 @@ from trainer.observe.timeline import recovery_timelines
 METRICS_FILE, EVENTS_FILE = "metrics.jsonl", "events.jsonl"
 
 # Recovery phases, in the order they happen after a slice failure.
-DOWN, WAITING, RESTORING, TO_FIRST_STEP = "down → detected", "waiting for slices", "restoring", "restored → first step"
+DOWN, WAITING, RESTORING, TO_FIRST_STEP = (
+    "down → detected",
+    "waiting for slices",
+    "restoring",
+    "restored → first step",
+)
 
 
 class MissingRunFiles(UserInputError, FileNotFoundError):
@@ -43,9 +49,9 @@ class RunLog:
     name: str
     path: epath.Path
     events: list[dict[str, Any]]
-    records: list[dict[str, Any]]      # every step record, in file order
-    surviving: list[dict[str, Any]]    # the last record of each step on the final trajectory
-    superseded: list[dict[str, Any]]   # records of steps that a rewind threw away
+    records: list[dict[str, Any]]  # every step record, in file order
+    surviving: list[dict[str, Any]]  # the last record of each step on the final trajectory
+    superseded: list[dict[str, Any]]  # records of steps that a rewind threw away
 
     @property
     def t0(self) -> float:
@@ -64,7 +70,7 @@ class RunLog:
     def status(self) -> str:
         """The finish status of the newest process, or "in progress" when it has not finished."""
         last_start = max((i for i, e in enumerate(self.events) if e["event"] == "start"), default=-1)
-        finish = [e for e in self.events[last_start + 1:] if e["event"] == "finish"]
+        finish = [e for e in self.events[last_start + 1 :] if e["event"] == "finish"]
         return finish[-1].get("status", "finished") if finish else "in progress"
 
 
@@ -77,10 +83,14 @@ def load_run(run_dir: str | os.PathLike) -> RunLog:
     missing = [n for n in (METRICS_FILE, EVENTS_FILE) if not (run_dir / n).is_file()]
     if missing:
         raise MissingRunFiles(f"{run_dir} has no {' or '.join(missing)}; {expected}")
-    events = [e for e in read_jsonl(run_dir / EVENTS_FILE)
-              if isinstance(e.get("event"), str) and _is_number(e.get("time"))]
-    records = [r for r in read_jsonl(run_dir / METRICS_FILE)
-               if _is_number(r.get("step")) and _is_number(r.get("time"))]
+    events = [
+        e
+        for e in read_jsonl(run_dir / EVENTS_FILE)
+        if isinstance(e.get("event"), str) and _is_number(e.get("time"))
+    ]
+    records = [
+        r for r in read_jsonl(run_dir / METRICS_FILE) if _is_number(r.get("step")) and _is_number(r.get("time"))
+    ]
     if not events and not records:
         raise MissingRunFiles(f"{run_dir}: {METRICS_FILE} and {EVENTS_FILE} are both empty; nothing to report yet")
     surviving, superseded = split_rewound(records)
@@ -152,8 +162,8 @@ class RunSummary:
     failures: int
     steps_lost: int
     downtime_s: float
-    goodput: dict[str, Any]            # trainer.observe.goodput.account over the whole file
-    recorded: dict[str, Any]           # the newest elastic_summary / goodput events the trainer logged, if any
+    goodput: dict[str, Any]  # trainer.observe.goodput.account over the whole file
+    recorded: dict[str, Any]  # the newest elastic_summary / goodput events the trainer logged, if any
     timelines: list[dict[str, Any]]
 
 
@@ -171,7 +181,8 @@ def summarize(run: RunLog) -> RunSummary:
     tokens = [r["tokens_per_s"] for r in run.surviving if r.get("tokens_per_s")]
     recorded = {name: e for e in ev for name in ("elastic_summary", "goodput") if e["event"] == name}
     return RunSummary(
-        name=run.name, status=run.status,
+        name=run.name,
+        status=run.status,
         steps_done=run.surviving[-1]["step"] if run.surviving else 0,
         steps_planned=start.get("steps"),
         final_loss=run.surviving[-1].get("loss") if run.surviving else None,
@@ -179,8 +190,9 @@ def summarize(run: RunLog) -> RunSummary:
         median_tokens_per_s=statistics.median(tokens) if tokens else None,
         failures=sum(e["event"] == "slice_down_detected" for e in ev),
         steps_lost=sum(e.get("steps_rewound") or 0 for e in ev if e["event"] == "attempt_start"),
-        downtime_s=sum(e.get("seconds_since_detection") or 0.0 for e in ev
-                       if e["event"] == "first_step_after_recovery"),
+        downtime_s=sum(
+            e.get("seconds_since_detection") or 0.0 for e in ev if e["event"] == "first_step_after_recovery"
+        ),
         goodput=account(ev, run.records),
         recorded=recorded,
         timelines=recovery_timelines(ev),

@@ -1,4 +1,5 @@
 """Where step metrics go: metrics.jsonl, TensorBoard, the log. One interface, swappable sinks."""
+
 from __future__ import annotations
 
 import collections
@@ -62,10 +63,18 @@ class LogSink:
         if record["step"] % self.period and not record.get("last"):
             return
         mfu = record.get("mfu")
-        log.info("step=%d loss=%.4f lr=%.3e grad_norm=%.3f step_time_s=%.4f tokens_per_s=%.1f "
-                 "tflops_per_device=%.3f mfu=%s", record["step"], record["loss"], record["learning_rate"],
-                 record["grad_norm"], record["step_time_s"], record["tokens_per_s"],
-                 record["tflops_per_device"], "null" if mfu is None else f"{mfu:.3f}")
+        log.info(
+            "step=%d loss=%.4f lr=%.3e grad_norm=%.3f step_time_s=%.4f tokens_per_s=%.1f "
+            "tflops_per_device=%.3f mfu=%s",
+            record["step"],
+            record["loss"],
+            record["learning_rate"],
+            record["grad_norm"],
+            record["step_time_s"],
+            record["tokens_per_s"],
+            record["tflops_per_device"],
+            "null" if mfu is None else f"{mfu:.3f}",
+        )
 
     def close(self) -> None:
         pass
@@ -90,8 +99,10 @@ class ProgressSink:
         self._step_times.append(record["step_time_s"])
         remaining = max(self.total_steps - record["step"], 0)
         eta = statistics.median(self._step_times) * remaining
-        line = (f"step {record['step']}/{self.total_steps}  loss {record['loss']:.4f}  "
-                f"{record['tokens_per_s']:,.0f} tokens/s  ETA {_clock(eta)}")
+        line = (
+            f"step {record['step']}/{self.total_steps}  loss {record['loss']:.4f}  "
+            f"{record['tokens_per_s']:,.0f} tokens/s  ETA {_clock(eta)}"
+        )
         self.stream.write("\r" + line + " " * max(self._width - len(line), 0))
         self.stream.flush()
         self._width = len(line)
@@ -115,8 +126,10 @@ class Sinks:
         self.sinks = sinks
 
     def write(self, record: dict[str, Any]) -> None:
-        record = {k: (None if isinstance(v, float) and not math.isfinite(v) and k == "mfu" else v)
-                  for k, v in record.items()}
+        record = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) and k == "mfu" else v)
+            for k, v in record.items()
+        }
         for s in self.sinks:
             s.write(record)
 

@@ -2,6 +2,7 @@
 
 Times are seconds after the kill (or after detection when the kill time is unknown, as on Pathways).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,9 +19,14 @@ def recovery_timelines(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if name == "slice_killed":
             last_kill = e
         elif name == "slice_down_detected":
-            current = {"killed": last_kill["time"] if last_kill else None, "detected": e["time"],
-                       "slice": last_kill["slice"] if last_kill else None, "last_step": e["last_step"],
-                       "slices_before": e["slices"], "attempt": e["attempt"] + 1}
+            current = {
+                "killed": last_kill["time"] if last_kill else None,
+                "detected": e["time"],
+                "slice": last_kill["slice"] if last_kill else None,
+                "last_step": e["last_step"],
+                "slices_before": e["slices"],
+                "attempt": e["attempt"] + 1,
+            }
             last_kill = None
             out.append(current)
         elif current is None:
@@ -42,11 +48,16 @@ def recovery_timelines(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def format_timeline(t: dict[str, Any]) -> str:
     r = t["relative_s"]
-    labels = {"killed": f"slice {t['slice']} killed", "detected": "failure detected in the train function",
-              "slices_ready": f"slices ready {t.get('slices_after')}",
-              "restored": f"state restored from {t.get('restore_source')}",
-              "first_step": f"first step after recovery (step {t.get('first_step_number')})"}
+    labels = {
+        "killed": f"slice {t['slice']} killed",
+        "detected": "failure detected in the train function",
+        "slices_ready": f"slices ready {t.get('slices_after')}",
+        "restored": f"state restored from {t.get('restore_source')}",
+        "first_step": f"first step after recovery (step {t.get('first_step_number')})",
+    }
     lines = [f"  t={r[p]:+8.3f}s  {labels[p]}" for p in PHASES if r.get(p) is not None]
-    lines.append(f"  steps rewound: {t.get('steps_rewound')} (last completed {t['last_step']}, resumed from "
-                 f"{t.get('resumed_from_step')})")
+    lines.append(
+        f"  steps rewound: {t.get('steps_rewound')} (last completed {t['last_step']}, resumed from "
+        f"{t.get('resumed_from_step')})"
+    )
     return "\n".join(lines)

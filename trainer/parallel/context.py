@@ -4,11 +4,12 @@
 `constrain(x, names)` pins an activation to the mesh axes the rules give for those logical names.
 Outside any context (single device, tests of pure math) `constrain` is the identity.
 """
+
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding

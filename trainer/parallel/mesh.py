@@ -5,11 +5,12 @@ is (active slices) x ici_data_parallelism, slice-major, so dropping a slice shri
 Under Pathways a device's slice is its `slice_index`; on CPU/GPU `num_slices` groups the local devices
 into equal virtual slices so that slice failures can be emulated and tested.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 from jax.sharding import Mesh
@@ -42,33 +43,45 @@ def group_into_slices(devices: Sequence, num_slices: int) -> list[list]:
         for d in devices:
             by_slice.setdefault(d.slice_index, []).append(d)
         if len(by_slice) != num_slices:
-            raise ConfigError(f"num_slices={num_slices} but the devices belong to {len(by_slice)} slices; "
-                              f"set num_slices={len(by_slice)}")
+            raise ConfigError(
+                f"num_slices={num_slices} but the devices belong to {len(by_slice)} slices; "
+                f"set num_slices={len(by_slice)}"
+            )
         return [by_slice[k] for k in sorted(by_slice)]
     if len(devices) % num_slices:
-        raise ConfigError(f"num_slices={num_slices} does not divide the {len(devices)} devices; "
-                          f"choose a divisor of {len(devices)}")
+        raise ConfigError(
+            f"num_slices={num_slices} does not divide the {len(devices)} devices; "
+            f"choose a divisor of {len(devices)}"
+        )
     per = len(devices) // num_slices
-    return [devices[i * per:(i + 1) * per] for i in range(num_slices)]
+    return [devices[i * per : (i + 1) * per] for i in range(num_slices)]
 
 
 def resolve_ici(cfg: MeshConfig, devices_per_slice: int) -> IciShape:
     """Fill the one -1 axis so the ici axes multiply to the devices of a slice, or explain the mismatch."""
-    dims = {"data": cfg.ici_data_parallelism, "fsdp": cfg.ici_fsdp_parallelism,
-            "tensor": cfg.ici_tensor_parallelism, "expert": cfg.ici_expert_parallelism}
+    dims = {
+        "data": cfg.ici_data_parallelism,
+        "fsdp": cfg.ici_fsdp_parallelism,
+        "tensor": cfg.ici_tensor_parallelism,
+        "expert": cfg.ici_expert_parallelism,
+    }
     fixed = math.prod(v for v in dims.values() if v != -1)
     fill = [k for k, v in dims.items() if v == -1]
     if fill:
         if devices_per_slice % fixed:
-            raise ConfigError(f"ici parallelism {dims} cannot fill {devices_per_slice} devices per slice: "
-                              f"the fixed axes multiply to {fixed}, which does not divide {devices_per_slice}")
+            raise ConfigError(
+                f"ici parallelism {dims} cannot fill {devices_per_slice} devices per slice: "
+                f"the fixed axes multiply to {fixed}, which does not divide {devices_per_slice}"
+            )
         dims[fill[0]] = devices_per_slice // fixed
     shape = IciShape(**dims)
     if shape.size != devices_per_slice:
-        raise ConfigError(f"ici parallelism data={shape.data} fsdp={shape.fsdp} tensor={shape.tensor} "
-                          f"expert={shape.expert} multiplies to {shape.size}, but each slice has "
-                          f"{devices_per_slice} devices; make them multiply to {devices_per_slice} "
-                          f"(or set one to -1)")
+        raise ConfigError(
+            f"ici parallelism data={shape.data} fsdp={shape.fsdp} tensor={shape.tensor} "
+            f"expert={shape.expert} multiplies to {shape.size}, but each slice has "
+            f"{devices_per_slice} devices; make them multiply to {devices_per_slice} "
+            f"(or set one to -1)"
+        )
     return shape
 
 

@@ -1,7 +1,9 @@
 """Logical axis names -> mesh PartitionSpecs, from the config's `logical_axis_rules`."""
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -18,7 +20,9 @@ def _rule_table(rules: Sequence) -> dict[str, tuple[str, ...]]:
     return table
 
 
-def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Sequence) -> PartitionSpec:
+def logical_to_spec(
+    names: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Sequence
+) -> PartitionSpec:
     """Map each dim's logical name to mesh axes.
 
     A dim takes its rule's mesh axes in order while their product still divides the dim size, skipping
@@ -51,4 +55,7 @@ def tree_shardings(logical_tree: Any, abstract_tree: Any, mesh: Mesh, rules: Seq
     """NamedShardings for a pytree, given the same-structured trees of logical names and shapes."""
     return jax.tree.map(
         lambda names, a: NamedSharding(mesh, logical_to_spec(names, a.shape, mesh, rules)),
-        logical_tree, abstract_tree, is_leaf=lambda x: isinstance(x, tuple))
+        logical_tree,
+        abstract_tree,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )

@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from trainer import model as qwen3
 from trainer.config import ConfigError
-from trainer.parallel.context import activation_sharding
+from trainer.parallel.activations import ActivationSharding
 from trainer.parallel.mesh import build_mesh, group_into_slices, resolve_ici
 from trainer.parallel.rules import logical_to_spec, tree_shardings
 from trainer.step import loss_sums
@@ -31,8 +31,7 @@ def _loss_and_grads(cfg, devices):
     batch = {k: jax.device_put(v, batch_sh) for k, v in synthetic_batch(cfg, rows=8).items()}
 
     def objective(p, b):
-        with activation_sharding(mesh, rules):
-            total, parts = loss_sums(p, cfg.model, 0.0, b)
+        total, parts = loss_sums(p, cfg.model, 0.0, b, shard=ActivationSharding(mesh, rules))
         return total / parts["tokens"]
 
     loss, grads = jax.jit(jax.value_and_grad(objective))(params, batch)

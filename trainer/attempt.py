@@ -26,7 +26,7 @@ from trainer import model as qwen3
 from trainer.config.schema import RunConfig
 from trainer.data.pipeline import make_train_iterator
 from trainer.optim import learning_rate_schedule, make_optimizer
-from trainer.parallel.context import activation_sharding
+from trainer.parallel.activations import ActivationSharding
 from trainer.parallel.mesh import build_mesh
 from trainer.parallel.rules import logical_to_spec, tree_shardings
 from trainer.step import make_train_step
@@ -155,11 +155,11 @@ def compile_step(cfg: RunConfig, layout: Layout):
         micro_steps=plan.micro_steps,
         constrain_micro=constrain_micro,
         learning_rate=layout.lr_schedule,
+        shard=ActivationSharding(mesh, rules),
     )
 
     def traced(state, batch):
-        with activation_sharding(mesh, rules):
-            return step(state, batch)
+        return step(state, batch)
 
     replicated = NamedSharding(mesh, PartitionSpec())
     jitted = jax.jit(

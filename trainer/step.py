@@ -16,6 +16,7 @@ import optax
 
 from trainer import model as qwen3
 from trainer.config.schema import ModelConfig
+from trainer.parallel.activations import UNSHARDED, ActivationSharding
 
 # Logits are computed over at most this many tokens at once (rematerialised in the backward pass),
 # so the [tokens, vocab] float32 matrix never exists in full: 8192 x 151936 x 4 B ~ 5 GB at most,
@@ -51,9 +52,14 @@ def token_losses(params, cfg: ModelConfig, hidden, targets, mask):
     return jnp.sum(ce), jnp.sum(z)
 
 
-def loss_sums(params, cfg: ModelConfig, z_loss_multiplier: float, batch: dict) -> tuple[jax.Array, dict]:
-    """Objective summed over the batch's tokens (not averaged), so micro-steps add up exactly."""
-    hidden, aux_loss = qwen3.forward(params, cfg, batch["inputs"], batch["positions"], batch["segment_ids"])
+def loss_sums(
+    params, cfg: ModelConfig, z_loss_multiplier: float, batch: dict, *, shard: ActivationSharding = UNSHARDED
+) -> tuple[jax.Array, dict]:
+    """Objective summed over the batch's tokens (not averaged), so micro-steps add up exactly; `shard` pins
+    the model's activations to the mesh."""
+    hidden, aux_loss = qwen3.forward(
+        params, cfg, batch["inputs"], batch["positions"], batch["segment_ids"], shard=shard
+    )
     ce, z = token_losses(params, cfg, hidden, batch["targets"], batch["loss_mask"])
     tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
     objective = ce + z_loss_multiplier * z
@@ -72,13 +78,15 @@ def make_train_step(
     micro_steps: int,
     constrain_micro: Callable[[dict], dict] = lambda b: b,
     learning_rate: optax.Schedule | None = None,
+    shard: ActivationSharding = UNSHARDED,
 ):
     """Build `train_step(state, batch)`.
 
     The global batch is split into `micro_steps` equal parts run in a scan; gradients of the token-summed
     objective are accumulated and divided once by the total token count, so k micro-steps give the same
     update as one k-times larger batch. The MoE aux loss is averaged over micro-steps.
-    `constrain_micro` pins each micro-batch's sharding (the caller knows the mesh).
+    `constrain_micro` pins each micro-batch's sharding and `shard` the model's activations (the caller
+    knows the mesh).
     `learning_rate`, the optimizer's schedule, adds the rate this update used to the metrics: computed
     inside the compiled step, since evaluating an optax schedule eagerly on the host compiles each of
     its ~12 jnp ops on first use (~1 s in every new process).
@@ -88,7 +96,7 @@ def make_train_step(
         micro = constrain_micro(micro)
 
         def objective(p):
-            total, parts = loss_sums(p, cfg, z_loss_multiplier, micro)
+            total, parts = loss_sums(p, cfg, z_loss_multiplier, micro, shard=shard)
             return total + parts["aux_loss"] * parts["tokens"], parts
 
         (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(params)

@@ -3,7 +3,8 @@
 init_params(cfg, rng)            -> params (nested dict of arrays, dtype weight_dtype; jittable, cfg static)
 param_logical_axes(cfg)          -> same structure, tuples of logical axis names (no allocation)
 abstract_params(cfg)             -> same structure, jax.ShapeDtypeStruct (no allocation)
-forward(params, cfg, inputs, positions, segment_ids) -> (hidden [B,T,D] in cfg.dtype, f32 aux loss)
+forward(params, cfg, inputs, positions, segment_ids, *, shard=UNSHARDED)
+                                 -> (hidden [B,T,D] in cfg.dtype, f32 aux loss)
 logits_from_hidden(params, cfg, hidden)              -> float32 logits [..., vocab]
 count_params(cfg)                -> (total, active per token)
 training_flops_per_token(cfg, seq_len) -> float

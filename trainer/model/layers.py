@@ -2,7 +2,8 @@
 
 Layers take sizes and dtypes, never the model config. Every parameter is an `nnx.Param` created through
 `nnx.with_partitioning`, so it carries one logical axis name per dim; `parallel/` maps the names to mesh
-axes. Activations are pinned with `constrain` (the identity when no mesh is active).
+axes. Activations are pinned by an explicit `ActivationSharding` (`shard`, default `UNSHARDED`: the
+identity).
 
 Numerics follow Hugging Face `transformers` Qwen3 so that imported checkpoints agree:
 - RMSNorm normalises in float32, casts back to the activation dtype, then multiplies by the weight
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trainer.parallel.context import constrain
+from trainer.parallel.activations import UNSHARDED, ActivationSharding
 
 BTD = ("activation_batch", "activation_length", "activation_embed")
 _NORMAL = jax.nn.initializers.normal(stddev=0.02)
@@ -57,6 +58,7 @@ class Context(NamedTuple):
     sin: jax.Array  # [B, T, head_dim]
     mask: jax.Array  # [B, 1, 1, T, S] bool: same document and key index <= query index
     valid: jax.Array  # [B, T] bool: not padding (segment id > 0)
+    shard: ActivationSharding = UNSHARDED  # pins activations to the mesh (static: no arrays)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
@@ -115,10 +117,12 @@ class Attention(nnx.Module):
         self.k_norm = norm_weight(rngs, head_dim, weight_dtype) if use_qk_norm else None
 
     def __call__(self, x: jax.Array, ctx: Context) -> jax.Array:
-        q, k, v = self.project_qkv(x, ctx.cos, ctx.sin)
+        q, k, v = self.project_qkv(x, ctx.cos, ctx.sin, shard=ctx.shard)
         return self.project_out(grouped_attention(q, k, v, ctx.mask, self.num_kv_heads))
 
-    def project_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def project_qkv(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, shard: ActivationSharding = UNSHARDED
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B,T,D] -> q [B,T,N,hd], k and v [B,T,K,hd]: projected, q/k normed and rotated (the KV cache
         stores k and v exactly as returned here)."""
         dt, b, t = self.dtype, x.shape[0], x.shape[1]
@@ -129,9 +133,9 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)
-        q = constrain(apply_rope(q, cos, sin), ("activation_batch", "activation_length", "activation_heads", None))
+        q = shard(apply_rope(q, cos, sin), ("activation_batch", "activation_length", "activation_heads", None))
         kv_names = ("activation_batch", "activation_length", "activation_kv_heads", None)
-        return q, constrain(apply_rope(k, cos, sin), kv_names), constrain(v, kv_names)
+        return q, shard(apply_rope(k, cos, sin), kv_names), shard(v, kv_names)
 
     def project_out(self, out: jax.Array) -> jax.Array:
         """Attention output [B,T,N,hd] -> [B,T,D] through o_proj."""
@@ -168,11 +172,11 @@ class Mlp(nnx.Module):
         self.up_proj = matrix(rngs, (emb_dim, mlp_dim), ("embed", "mlp"), weight_dtype)
         self.down_proj = matrix(rngs, (mlp_dim, emb_dim), ("mlp", "embed"), weight_dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, shard: ActivationSharding = UNSHARDED) -> jax.Array:
         dt = self.dtype
         b, t, d = x.shape
         x2 = x.reshape(b * t, d)
         gate = (x2 @ self.gate_proj[...].astype(dt)).reshape(b, t, -1)
         up = (x2 @ self.up_proj[...].astype(dt)).reshape(b, t, -1)
-        hidden = constrain(jax.nn.silu(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
+        hidden = shard(jax.nn.silu(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
         return (hidden.reshape(b * t, -1) @ self.down_proj[...].astype(dt)).reshape(b, t, d)

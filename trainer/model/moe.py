@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.model.layers import matrix
-from trainer.parallel.context import constrain
+from trainer.parallel.activations import UNSHARDED, ActivationSharding
 
 
 def expert_capacity(tokens_per_group: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -101,7 +101,9 @@ class MoeMlp(nnx.Module):
         self.up_proj = matrix(rngs, (e, d, f), ("exp", "embed", "mlp"), weight_dtype)
         self.down_proj = matrix(rngs, (e, f, d), ("exp", "mlp", "embed"), weight_dtype)
 
-    def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(
+        self, x: jax.Array, valid: jax.Array, *, shard: ActivationSharding = UNSHARDED
+    ) -> tuple[jax.Array, jax.Array]:
         dt, e, k = self.dtype, self.num_experts, self.top_k
         b, t, d = x.shape
         logits = jnp.einsum("btd,de->bte", x, self.router[...].astype(dt), preferred_element_type=jnp.float32)
@@ -112,10 +114,10 @@ class MoeMlp(nnx.Module):
         )
 
         dispatched = jax.vmap(_gather_rows)(x, slot_token).reshape(b, e, capacity, d)
-        dispatched = constrain(dispatched, ("activation_batch", "activation_exp", None, "activation_embed"))
+        dispatched = shard(dispatched, ("activation_batch", "activation_exp", None, "activation_embed"))
         gate = jnp.einsum("becd,edf->becf", dispatched, self.gate_proj[...].astype(dt))
         up = jnp.einsum("becd,edf->becf", dispatched, self.up_proj[...].astype(dt))
-        hidden = constrain(jax.nn.silu(gate) * up, ("activation_batch", "activation_exp", None, "activation_mlp"))
+        hidden = shard(jax.nn.silu(gate) * up, ("activation_batch", "activation_exp", None, "activation_mlp"))
         expert_out = jnp.einsum("becf,efd->becd", hidden, self.down_proj[...].astype(dt))
 
         per_assignment = jax.vmap(_gather_rows)(expert_out.reshape(b, e * capacity, d), slot)  # [B, k*T, D]

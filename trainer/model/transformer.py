@@ -54,7 +54,7 @@ from trainer.model.layers import (
     rope_tables,
 )
 from trainer.model.moe import MoeMlp
-from trainer.parallel.context import constrain
+from trainer.parallel.activations import UNSHARDED, ActivationSharding
 
 Params = dict[str, Any]
 
@@ -100,16 +100,18 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, ctx: Context) -> tuple[jax.Array, jax.Array]:
         x = x + self.self_attn(rms_norm(x, self.input_layernorm[...], self.eps), ctx)
-        return self.feed_forward(constrain(x, BTD), ctx.valid)
+        return self.feed_forward(ctx.shard(x, BTD), ctx.valid, shard=ctx.shard)
 
-    def feed_forward(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def feed_forward(
+        self, x: jax.Array, valid: jax.Array, *, shard: ActivationSharding = UNSHARDED
+    ) -> tuple[jax.Array, jax.Array]:
         """The second residual half: (x + MLP(RMSNorm(x)), aux loss); the KV-cache decoder reuses it."""
         h = rms_norm(x, self.post_attention_layernorm[...], self.eps)
         if isinstance(self.mlp, MoeMlp):
-            h, aux = self.mlp(h, valid)
+            h, aux = self.mlp(h, valid, shard=shard)
         else:
-            h, aux = self.mlp(h), jnp.zeros((), jnp.float32)
-        return constrain(x + h, BTD), aux
+            h, aux = self.mlp(h, shard=shard), jnp.zeros((), jnp.float32)
+        return shard(x + h, BTD), aux
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -149,11 +151,18 @@ class Transformer(nnx.Module):
         self.norm = norm_weight(rngs, d, wdt)
         self.lm_head = None if cfg.logits_via_embedding else matrix(rngs, (d, v), ("embed", "vocab"), wdt)
 
-    def __call__(self, inputs: jax.Array, positions: jax.Array, segment_ids: jax.Array):
+    def __call__(
+        self,
+        inputs: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        shard: ActivationSharding = UNSHARDED,
+    ):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        x = constrain(jnp.take(self.embed_tokens[...], inputs, axis=0).astype(dt), BTD)
+        x = shard(jnp.take(self.embed_tokens[...], inputs, axis=0).astype(dt), BTD)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_max_timescale, dt)
-        ctx = Context(cos=cos, sin=sin, mask=attention_mask(segment_ids), valid=segment_ids > 0)
+        ctx = Context(cos=cos, sin=sin, mask=attention_mask(segment_ids), valid=segment_ids > 0, shard=shard)
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
             block = _block_fn(graphdef, cfg.remat_policy, scanned=True)
@@ -218,13 +227,20 @@ def bind(cfg: ModelConfig, params: Params) -> Transformer:
 
 
 def forward(
-    params: Params, cfg: ModelConfig, inputs: jax.Array, positions: jax.Array, segment_ids: jax.Array
+    params: Params,
+    cfg: ModelConfig,
+    inputs: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    shard: ActivationSharding = UNSHARDED,
 ) -> tuple[jax.Array, jax.Array]:
     """int32 [B, T] inputs/positions/segment_ids -> (hidden [B, T, D] after the final norm in cfg.dtype,
     float32 aux loss: load_balance_loss_weight * mean over layers of the MoE balance loss; 0 if dense).
 
-    Attention is causal and restricted to tokens with the same segment id (0 = padding)."""
-    return bind(cfg, params)(inputs, positions, segment_ids)
+    Attention is causal and restricted to tokens with the same segment id (0 = padding). `shard` pins the
+    activations to a mesh (the train step passes the attempt's; the default leaves them unconstrained)."""
+    return bind(cfg, params)(inputs, positions, segment_ids, shard=shard)
 
 
 def logits_from_hidden(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

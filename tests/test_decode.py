@@ -14,7 +14,7 @@ import pytest
 
 from trainer import model as qwen3
 from trainer.config.schema import ModelConfig
-from trainer.model import decode
+from trainer.model import generation
 
 TINY = ModelConfig(
     base_num_decoder_layers=2,
@@ -50,7 +50,7 @@ def tiny_params():
 
 @partial(jax.jit, static_argnums=1)
 def _forward_logits(params, cfg, tokens):
-    cfg = decode.for_inference(cfg)
+    cfg = generation.for_inference(cfg)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     hidden, _ = qwen3.forward(params, cfg, tokens, positions, jnp.ones_like(tokens))
     return qwen3.logits_from_hidden(params, cfg, hidden)
@@ -62,9 +62,9 @@ def test_prefill_then_cached_steps_give_the_full_forward_logits_at_every_positio
     params = _params(cfg)
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
     want = _forward_logits(params, cfg, tokens)
-    icfg = decode.for_inference(cfg)
-    step = jax.jit(partial(decode.extend, cfg=icfg))
-    cache = decode.init_cache(icfg, batch=2, max_length=12)  # longer than used: the tail stays masked
+    icfg = generation.for_inference(cfg)
+    step = jax.jit(partial(generation.extend, cfg=icfg))
+    cache = generation.init_cache(icfg, batch=2, max_length=12)  # longer than used: the tail stays masked
     logits, cache = step(params, tokens=tokens[:, :4], cache=cache)
     got = [logits]
     for t in range(4, 9):
@@ -80,25 +80,25 @@ def test_greedy_generation_equals_argmax_rollout_of_the_full_forward(tiny_params
     seq[:, :4] = prompt
     for t in range(4, 10):  # no cache: re-run the whole sequence for every token
         seq[:, t] = np.asarray(jnp.argmax(_forward_logits(tiny_params, TINY, jnp.asarray(seq))[:, t - 1], -1))
-    np.testing.assert_array_equal(decode.generate(tiny_params, TINY, prompt, 6), seq[:, 4:])
+    np.testing.assert_array_equal(generation.generate(tiny_params, TINY, prompt, 6), seq[:, 4:])
 
 
 def test_one_compiled_step_serves_every_position(tiny_params):
-    before = decode._next_token._cache_size()
-    decode.generate(tiny_params, TINY, [1, 2, 3, 4, 5, 6, 7], 10)  # shapes no other test uses
-    assert decode._next_token._cache_size() - before == 2  # the 7-token prefill and the one-token step
+    before = generation._next_token._cache_size()
+    generation.generate(tiny_params, TINY, [1, 2, 3, 4, 5, 6, 7], 10)  # shapes no other test uses
+    assert generation._next_token._cache_size() - before == 2  # the 7-token prefill and the one-token step
 
 
 def test_generation_stops_once_every_row_has_produced_eos(tiny_params):
-    first = decode.generate(tiny_params, TINY, [5, 6, 7], 8)[0]
+    first = generation.generate(tiny_params, TINY, [5, 6, 7], 8)[0]
     eos = int(first[2])
-    out = decode.generate(tiny_params, TINY, [5, 6, 7], 8, eos_id=eos)[0]
+    out = generation.generate(tiny_params, TINY, [5, 6, 7], 8, eos_id=eos)[0]
     np.testing.assert_array_equal(out, first[: list(first).index(eos) + 1])
 
 
 def test_sampling_is_reproducible_with_a_seed_and_varies_across_seeds(tiny_params):
-    sampling = decode.Sampling(temperature=1.5)
-    runs = [decode.generate(tiny_params, TINY, [5, 6, 7], 8, sampling, seed=s) for s in (0, 0, 1)]
+    sampling = generation.Sampling(temperature=1.5)
+    runs = [generation.generate(tiny_params, TINY, [5, 6, 7], 8, sampling, seed=s) for s in (0, 0, 1)]
     np.testing.assert_array_equal(runs[0], runs[1])
     assert not np.array_equal(runs[0], runs[2])
 
@@ -109,23 +109,23 @@ PROBS = np.array([0.5, 0.3, 0.15, 0.05])
 @pytest.mark.parametrize(
     "sampling,allowed",
     [
-        (decode.Sampling(temperature=0.0), {0}),
-        (decode.Sampling(temperature=1.0, top_k=2), {0, 1}),
-        (decode.Sampling(temperature=1.0, top_p=0.7), {0, 1}),  # 0.5 < 0.7 <= 0.5 + 0.3
-        (decode.Sampling(temperature=1.0, top_p=0.5), {0}),  # the top token alone reaches 0.5
-        (decode.Sampling(temperature=1.0, top_k=3, top_p=0.9), {0, 1, 2}),
-        (decode.Sampling(temperature=1.0), {0, 1, 2, 3}),
+        (generation.Sampling(temperature=0.0), {0}),
+        (generation.Sampling(temperature=1.0, top_k=2), {0, 1}),
+        (generation.Sampling(temperature=1.0, top_p=0.7), {0, 1}),  # 0.5 < 0.7 <= 0.5 + 0.3
+        (generation.Sampling(temperature=1.0, top_p=0.5), {0}),  # the top token alone reaches 0.5
+        (generation.Sampling(temperature=1.0, top_k=3, top_p=0.9), {0, 1, 2}),
+        (generation.Sampling(temperature=1.0), {0, 1, 2, 3}),
     ],
 )
 def test_sampling_draws_only_from_the_kept_tokens(sampling, allowed):
     logits = jnp.log(jnp.tile(jnp.asarray(PROBS, jnp.float32), (4000, 1)))
-    drawn = set(np.asarray(decode.sample(logits, jax.random.key(0), sampling)).tolist())
+    drawn = set(np.asarray(generation.sample(logits, jax.random.key(0), sampling)).tolist())
     assert drawn == allowed
 
 
 def test_sampling_follows_the_temperature_scaled_distribution():
     logits = jnp.log(jnp.tile(jnp.asarray(PROBS, jnp.float32), (20000, 1)))
-    drawn = np.asarray(decode.sample(logits, jax.random.key(1), decode.Sampling(temperature=2.0)))
+    drawn = np.asarray(generation.sample(logits, jax.random.key(1), generation.Sampling(temperature=2.0)))
     want = PROBS**0.5 / np.sum(PROBS**0.5)
     np.testing.assert_allclose(np.bincount(drawn, minlength=4) / drawn.size, want, atol=0.015)
 
@@ -133,7 +133,7 @@ def test_sampling_follows_the_temperature_scaled_distribution():
 @pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)])
 def test_invalid_sampling_settings_are_rejected(bad):
     with pytest.raises(ValueError):
-        decode.Sampling(**bad)
+        generation.Sampling(**bad)
 
 
 # --- the CLI -----------------------------------------------------------------------------------------
@@ -183,12 +183,12 @@ def test_decode_cli_continues_a_text_prompt_with_the_configured_tokenizer(tmp_pa
     lines = capsys.readouterr().out.strip().splitlines()
 
     tokenizer = Tokenizer(cfg.data.tokenizer_path, cfg.data.tokenizer_type)
-    want = decode.generate(
+    want = generation.generate(
         params,
         cfg.model,
         tokenizer.encode("Hello world"),
         5,
-        decode.Sampling(temperature=0.7, top_k=20),
+        generation.Sampling(temperature=0.7, top_k=20),
         seed=3,
         eos_id=tokenizer.eos_id,
     )[0].tolist()

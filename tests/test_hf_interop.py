@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 from trainer import convert
 from trainer.config import load_config
-from trainer.model import decode
+from trainer.model import generation
 from trainer.model.hf import HfFormatError, model_keys_from_hf, tensor_plan
 from trainer.step import loss_sums
 
@@ -91,7 +91,7 @@ def test_training_loss_on_the_fixture_equals_transformers_loss(converted, name):
 def test_greedy_decode_equals_transformers_greedy_continuation(converted, name):
     cfg, params = _checkpoint(converted, name)
     expected = _expected(name)
-    out = decode.generate(params, cfg, expected["prompt_ids"], len(expected["greedy_ids"]))
+    out = generation.generate(params, cfg, expected["prompt_ids"], len(expected["greedy_ids"]))
     np.testing.assert_array_equal(out[0], expected["greedy_ids"])
 
 
@@ -299,7 +299,7 @@ def test_tokenizer_json_is_copied_and_text_decoding_uses_it(tmp_path, capsys):
     )
     assert code == 0
     _, params = _checkpoint({"x": ckpt}, "x")
-    want = decode.generate(params, cfg.model, [5, 9, 33, 7], 6, eos_id=0)[0].tolist()
+    want = generation.generate(params, cfg.model, [5, 9, 33, 7], 6, eos_id=0)[0].tolist()
     want = want[: want.index(0) + 1] if 0 in want else want
     assert capsys.readouterr().out.strip().splitlines()[-1] == f"output_ids: {want}"
 

@@ -686,7 +686,7 @@ def compute_logits(params: dict, cfg, input_ids: np.ndarray) -> np.ndarray:
     import jax.numpy as jnp
 
     from trainer.model import forward, logits_from_hidden
-    from trainer.model.decode import for_inference
+    from trainer.model.generation import for_inference
 
     cfg = for_inference(dataclasses.replace(cfg, dtype="float32"))
     ids = np.asarray(input_ids)

@@ -8,7 +8,7 @@ The model comes from the config exactly as for training; the params from load_pa
 training checkpoint step dir, or a params-only checkpoint such as an hf-to-trainer output). A text
 `prompt` is encoded with tokenizer_path / tokenizer_type (BOS first if add_bos) and generation stops
 at the tokenizer's EOS; `prompt_ids` are used as given, with no tokenizer and no EOS stop.
-Decoding uses the KV cache of `trainer.model.decode` (prefill, then one compiled step per token);
+Decoding uses the KV cache of `trainer.model.generation` (prefill, then one compiled step per token);
 temperature=0 is greedy. Output: the generated text (text prompts only), then one line
 `output_ids: [...]` with the new token ids (up to and including EOS). Exit codes: 0 done, 2 bad
 config or input, found before any compute and printed as one line `python -m trainer.decode: error:
@@ -44,7 +44,7 @@ def _request(cfg):
     """(prompt ids, tokenizer or None, Sampling) from the config; ConfigError/DataError if unusable."""
     from trainer.config import ConfigError
     from trainer.data.tokenizer import Tokenizer
-    from trainer.model.decode import Sampling
+    from trainer.model.generation import Sampling
 
     d = cfg.decode
     if not cfg.checkpoint.load_parameters_path:
@@ -86,7 +86,7 @@ def _load_params(cfg):
 
 def decode(cfg) -> tuple[list[int], str | None]:
     """New token ids (cut after the first EOS) and, for text prompts, their text."""
-    from trainer.model.decode import generate
+    from trainer.model.generation import generate
 
     ids, tokenizer, sampling = _request(cfg)
     eos = tokenizer.eos_id if tokenizer is not None else None

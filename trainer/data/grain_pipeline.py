@@ -137,8 +137,8 @@ class DocumentLoader:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """The static shape of the order: rows per global batch, row length, end of data."""
+class StreamGeometry:
+    """The static shape of the row streams: one per global-batch row, row length, packing, end of data."""
 
     global_rows: int
     length: int
@@ -153,7 +153,7 @@ class RowStreams(grain.IterDataset):
         self,
         order: grain.MapDataset,
         load: DocumentLoader,
-        layout: Layout,
+        geometry: StreamGeometry,
         *,
         base: int,
         cursors: np.ndarray,
@@ -161,7 +161,7 @@ class RowStreams(grain.IterDataset):
         own: range,
     ):
         super().__init__()
-        self.order, self.load, self.layout = order, load, layout
+        self.order, self.load, self.geometry = order, load, geometry
         self.base, self.cursors, self.rows, self.own = base, cursors, rows, own
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
@@ -190,12 +190,12 @@ class RowStreamsIterator(grain.DatasetIterator):
 
     def _fill(self, row: int) -> tuple[list, bool]:
         """Advance row stream `row` by one row: its documents, and whether the stream has ended."""
-        layout, ds = self.ds.layout, self.ds
+        geometry, ds = self.ds.geometry, self.ds
         docs, used, skipped = [], 0, 0
         t = self.cursors[row]
         while True:
-            k = ds.base + row + t * layout.global_rows
-            if layout.limit is not None and k >= layout.limit:
+            k = ds.base + row + t * geometry.global_rows
+            if geometry.limit is not None and k >= geometry.limit:
                 self.cursors[row] = t
                 return docs, True
             doc = self._doc(row, k)
@@ -208,18 +208,18 @@ class RowStreamsIterator(grain.DatasetIterator):
                         "effectively empty; check text_field/messages_field and the shards"
                     )
                 continue
-            if docs and used + n > layout.length:
+            if docs and used + n > geometry.length:
                 self.pending[row] = (k, doc)  # starts this stream's next row
                 break
             docs.append(doc)
             used, t = used + n, t + 1
-            if not layout.packing or used >= layout.length:
+            if not geometry.packing or used >= geometry.length:
                 break
         self.cursors[row] = t
         return docs, False
 
     def __next__(self) -> dict[str, np.ndarray]:
-        length = self.ds.layout.length
+        length = self.ds.geometry.length
         out_rows, cursors, placed, ended, own, packed = [], [], [], [], [], []
         for row in self.ds.rows:
             docs, done = self._fill(row)
@@ -258,7 +258,7 @@ class ArrayRecordIterator:
     def __init__(
         self,
         load: DocumentLoader,
-        layout: Layout,
+        geometry: StreamGeometry,
         *,
         seed: int,
         num_epoch: int,
@@ -267,14 +267,14 @@ class ArrayRecordIterator:
         worker_count: int,
         worker_buffer_size: int,
     ):
-        rows = layout.global_rows // process_count
-        self.load, self.layout, self.seed = load, layout, seed
+        rows = geometry.global_rows // process_count
+        self.load, self.geometry, self.seed = load, geometry, seed
         self.own = range(process_index * rows, (process_index + 1) * rows)
         self.worker_count, self.worker_buffer_size = worker_count, worker_buffer_size
         order = grain.MapDataset.range(len(load.source)).shuffle(seed=seed)
         self.order = order.repeat(num_epoch) if num_epoch > 0 else order.repeat()
         self.base, self.step = 0, 0
-        self.cursors = np.zeros(layout.global_rows, np.int64)
+        self.cursors = np.zeros(geometry.global_rows, np.int64)
         self._it = None
         self._exhausted = False
 
@@ -282,13 +282,13 @@ class ArrayRecordIterator:
         ds = RowStreams(
             self.order,
             self.load,
-            self.layout,
+            self.geometry,
             base=self.base,
             cursors=self.cursors.copy(),
-            rows=list(range(self.layout.global_rows)),
+            rows=list(range(self.geometry.global_rows)),
             own=self.own,
         )
-        workers = min(self.worker_count, self.layout.global_rows)
+        workers = min(self.worker_count, self.geometry.global_rows)
         if workers > 0:
             _absl_flags_parsed()
             ds = ds.mp_prefetch(
@@ -309,7 +309,7 @@ class ArrayRecordIterator:
         if all(e["ended"].all() and not e["placed"].any() for e in elements):
             self._exhausted = True  # every row stream ran out: the state stays at the last real batch
             raise StopIteration
-        batch = {k: np.zeros((len(self.own), self.layout.length), np.int32) for k in BATCH_KEYS}
+        batch = {k: np.zeros((len(self.own), self.geometry.length), np.int32) for k in BATCH_KEYS}
         for e in elements:
             self.cursors[e["rows"]] = e["cursors"]
             local = e["own"] - self.own.start
@@ -326,7 +326,7 @@ class ArrayRecordIterator:
             "step": self.step,
             "num_records": len(self.load.source),
             "data_shuffle_seed": self.seed,
-            "global_batch_size": self.layout.global_rows,
+            "global_batch_size": self.geometry.global_rows,
             "base": int(self.base),
             "cursors": [int(c) for c in self.cursors],
         }
@@ -346,20 +346,20 @@ class ArrayRecordIterator:
                 f"and seed {self.seed}: resume with the same grain_train_files and data_shuffle_seed"
             )
         cursors = np.asarray(state["cursors"], np.int64)
-        if state["global_batch_size"] == self.layout.global_rows:
+        if state["global_batch_size"] == self.geometry.global_rows:
             self.base, self.cursors = int(state["base"]), cursors
         else:
             # A new row count has new row streams: start them all after the furthest example any old
             # stream reached. No example repeats; the few the slower old streams had not reached are skipped.
             old_rows = int(state["global_batch_size"])
             self.base = int(state["base"]) + old_rows * int(cursors.max(initial=0))
-            self.cursors = np.zeros(self.layout.global_rows, np.int64)
+            self.cursors = np.zeros(self.geometry.global_rows, np.int64)
             skipped = int((cursors.max(initial=0) - cursors).sum())
             log.warning(
                 "global batch changed from %d to %d rows: data order restarts at example %d "
                 "(%d examples skipped, none repeated)",
                 old_rows,
-                self.layout.global_rows,
+                self.geometry.global_rows,
                 self.base,
                 skipped,
             )
@@ -416,7 +416,7 @@ def make_arrayrecord_iterator(
     load = DocumentLoader(files, [count_records(f) for f in files], fmt, tok, vocab_size)
     check_documents(load, data_cfg.data_shuffle_seed)
     epochs = data_cfg.num_epoch
-    layout = Layout(
+    geometry = StreamGeometry(
         global_rows=global_batch_size,
         length=data_cfg.max_target_length,
         packing=data_cfg.packing,
@@ -424,7 +424,7 @@ def make_arrayrecord_iterator(
     )
     return ArrayRecordIterator(
         load,
-        layout,
+        geometry,
         seed=data_cfg.data_shuffle_seed,
         num_epoch=epochs,
         process_index=process_index,

@@ -279,10 +279,6 @@ def tensor_plan(cfg: ModelConfig) -> list[Leaf]:
     ]
 
 
-def hf_names(plan: list[Leaf]) -> set[str]:
-    return {p.hf_name for leaf in plan for p in leaf.pieces}
-
-
 def _leaf_shapes(tree, prefix: tuple[str, ...] = ()):
     for k in sorted(tree):
         if isinstance(tree[k], dict):

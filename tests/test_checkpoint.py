@@ -24,6 +24,7 @@ from trainer.checkpoint import (
     is_committed,
     load_full_state,
     load_parameters,
+    open_checkpointer,
     save_parameters,
 )
 from trainer.config.schema import CheckpointConfig
@@ -266,7 +267,7 @@ def test_close_reports_a_failed_background_save_without_raising_and_is_idempoten
 
 def test_should_save_on_the_period_and_on_the_final_step_only(tmp_path):
     ckpt = Checkpointer(tmp_path / "ckpt", _cfg(checkpoint_period=10))
-    off = Checkpointer(tmp_path / "off", _cfg(enable_checkpointing=False))
+    off = open_checkpointer(tmp_path / "off", _cfg(enable_checkpointing=False))
 
     assert [s for s in range(1, 31) if ckpt.should_save(s, final=False)] == [10, 20, 30]
     assert ckpt.should_save(13, final=True)

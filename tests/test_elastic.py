@@ -186,29 +186,27 @@ def test_a_non_slice_error_is_not_retried(tmp_path):
     import jax
     from helpers import micro_config
 
+    from trainer.elastic.snapshot import HostSnapshots
     from trainer.elastic.supervisor import Supervisor
     from trainer.observe.events import EventLog
 
     cfg = micro_config("num_slices=2", "elastic_enabled=true", "elastic_poll_interval_seconds=0.01")
+    calls = []
 
-    class Broken(Supervisor):
-        calls = 0
+    def broken_attempt(slices, **parts):
+        calls.append(slices)
+        raise ValueError("a bug, not a slice")
 
-        def run_attempt(self, number, active):
-            Broken.calls += 1
-            raise ValueError("a bug, not a slice")
-
-    slices = [[d] for d in jax.devices()[:2]]
-    from trainer.observe.rundir import run_paths
-
-    sup = Broken(
-        cfg,
-        slices,
-        paths=run_paths(str(tmp_path), "x"),
-        events=EventLog(None),
-        sinks=None,
-        stop_requested=lambda: False,
+    events = EventLog(None)
+    sup = Supervisor(
+        cfg.elastic,
+        [[d] for d in jax.devices()[:2]],
+        attempts=broken_attempt,
+        run_loop=lambda attempt, boundary: pytest.fail("no attempt was built"),
+        events=events,
+        profiler=None,
+        snapshots=HostSnapshots(events),
     )
     with pytest.raises(ValueError, match="a bug"):
         sup.run()
-    assert Broken.calls == 1
+    assert len(calls) == 1

@@ -316,7 +316,7 @@ def test_collective_timeout_is_added_to_xla_flags_unless_the_launcher_set_it():
 
 
 def test_process_0_gives_each_new_set_of_incarnations_a_never_used_order_with_itself_last():
-    from trainer.distributed.membership import Membership
+    from trainer.elastic.membership import Membership
 
     class Dev:
         def __init__(self, i):

@@ -7,9 +7,9 @@ from cli_harness import events, final_by_step, metrics, run_cli
 from helpers import micro_config, synthetic_batch
 
 from trainer import model as qwen3
-from trainer.attempt import init_state, state_shardings
 from trainer.optim import learning_rate_schedule, make_optimizer
 from trainer.parallel.mesh import build_mesh
+from trainer.state import init_state, state_shardings
 from trainer.step import make_train_step
 
 COMMON = ["steps=8", "checkpoint_period=2", "num_slices=1"]
@@ -23,8 +23,8 @@ def test_a_non_finite_update_is_never_applied():
         qwen3.param_logical_axes(cfg.model),
         schedule=learning_rate_schedule(cfg.optim, steps=cfg.train.steps),
     )
-    shardings, _ = state_shardings(cfg, mesh, opt)
-    state = init_state(cfg, opt, shardings)
+    shardings, _ = state_shardings(cfg.model, cfg.mesh.logical_axis_rules, mesh, opt)
+    state = init_state(cfg.model, opt, shardings, seed=cfg.train.init_weights_seed)
     emb = state["params"]
     path = jax.tree_util.tree_leaves_with_path(emb)[0][0]
     poisoned = jax.tree_util.tree_map_with_path(lambda p, x: x.at[0].set(jnp.inf) if p == path else x, emb)

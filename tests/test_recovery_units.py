@@ -6,12 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer.attempt import build_attempt
+from trainer.attempt import AttemptBuilder
 from trainer.config import load_config
 from trainer.elastic.faults import Fault, FaultInjector, Outages
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.observe.events import EventLog
 from trainer.parallel.mesh import group_into_slices
+from trainer.restore import choose_source, restore_state
+from trainer.run import train_spec
 
 
 class _Step:
@@ -62,18 +64,60 @@ def state_on_one_device():
     return state, abstract
 
 
+class _Checkpoints:
+    """A run's checkpoints with the newest committed one at `step` (None: none)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def cleanup_partial(self):
+        return []
+
+    def latest_committed_step(self):
+        return self.step
+
+    def restore(self, abstract_state):
+        state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_state)
+        return type("Restored", (), {"state": state, "data_state": {"cursor": self.step}, "step": self.step})
+
+
 @pytest.mark.parametrize("checkpoint_step, wins", [(None, True), (4, True), (6, True), (8, False)])
 def test_the_snapshot_is_restored_unless_a_checkpoint_is_newer(state_on_one_device, checkpoint_step, wins):
     state, abstract = state_on_one_device
     snaps = HostSnapshots(EventLog(None))
     snaps.take(6, state, {"cursor": 6}, block=True)
-    got = snaps.restore_source(abstract, checkpoint_step)
+    got = restore_state(
+        abstract,
+        checkpoints=_Checkpoints(checkpoint_step),
+        snapshots=snaps,
+        load_full_state_path="",
+        load_parameters_path="",
+        fresh_state=lambda params: pytest.fail("a saved state exists: nothing is initialised"),
+    )
     if not wins:
-        assert got is None
+        assert got.label == "checkpoint:8" and got.data_state == {"cursor": 8}
         return
-    restored, data_state, label = got
-    assert label == "snapshot:6" and data_state == {"cursor": 6}  # a tie goes to host RAM: the faster read
-    np.testing.assert_array_equal(restored["w"], np.arange(8.0))
+    assert got.label == "snapshot:6" and got.data_state == {"cursor": 6}  # a tie goes to host RAM: the faster read
+    np.testing.assert_array_equal(got.state["w"], np.arange(8.0))
+
+
+@pytest.mark.parametrize(
+    "snapshot, checkpoint, full, params, source",
+    [
+        (None, None, "", "", "init"),
+        (None, None, "", "p", "load_parameters_path"),
+        (None, None, "f", "p", "load_full_state_path"),
+        (None, 3, "f", "p", "checkpoint"),
+        (3, 3, "f", "p", "snapshot"),
+        (2, 3, "", "", "checkpoint"),
+        (5, None, "", "", "snapshot"),
+    ],
+)
+def test_one_restore_order_for_every_source(snapshot, checkpoint, full, params, source):
+    got = choose_source(
+        snapshot_step=snapshot, checkpoint_step=checkpoint, load_full_state_path=full, load_parameters_path=params
+    )
+    assert got == source
 
 
 def test_a_retry_on_slices_seen_before_reuses_their_layout_and_builds_fresh_state(tmp_path):
@@ -95,19 +139,19 @@ def test_a_retry_on_slices_seen_before_reuses_their_layout_and_builds_fresh_stat
         ],
     )
     slices = group_into_slices(jax.devices()[:4], 2)
-    log, cache = [], {}
-    kwargs = dict(checkpoint_dir=tmp_path / "ckpt", events=_Events(log), total_slices=2, layout_cache=cache)
-    first = build_attempt(cfg, slices, **kwargs)
+    log = []
+    build = AttemptBuilder(train_spec(cfg), checkpoint_dir=tmp_path / "ckpt", events=_Events(log))
+    first = build(slices)
     first.close()
-    second = build_attempt(cfg, slices, **kwargs)
+    second = build(slices)
     second.close()
     assert log.count("compile_done") == 1 and log.count("compile_cached") == 1
     assert second.mesh is first.mesh and second.step_fn is first.step_fn
     assert second.iterator is not first.iterator, "stateful parts are never carried over"
     assert second.state["params"] is not first.state["params"]
-    other = build_attempt(cfg, slices[:1], **kwargs)  # another slice set: its own mesh and executable
+    other = build(slices[:1])  # another slice set: its own mesh and executable
     other.close()
-    assert other.mesh.size == 2 and log.count("compile_done") == 2 and len(cache) == 2
+    assert other.mesh.size == 2 and log.count("compile_done") == 2 and len(build.plans) == 2
 
 
 def test_a_snapshot_copies_each_distinct_shard_once_and_reassembles_the_global_arrays():

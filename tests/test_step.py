@@ -4,12 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import micro_config, replace, synthetic_batch
+from helpers import micro_config, synthetic_batch
 
 from trainer import model as qwen3
-from trainer.attempt import BatchPlan, init_state, plan_batch, state_shardings
+from trainer.attempt import BatchPlan, plan_batch
 from trainer.optim import learning_rate_schedule, make_optimizer
 from trainer.parallel.mesh import build_mesh
+from trainer.state import init_state, state_shardings
 from trainer.step import LOSS_CHUNK_TOKENS, make_train_step, token_losses
 
 
@@ -20,8 +21,8 @@ def _one_step(cfg, micro_steps, batch):
         qwen3.param_logical_axes(cfg.model),
         schedule=learning_rate_schedule(cfg.optim, steps=cfg.train.steps),
     )
-    shardings, _ = state_shardings(cfg, mesh, opt)
-    state = init_state(cfg, opt, shardings)
+    shardings, _ = state_shardings(cfg.model, cfg.mesh.logical_axis_rules, mesh, opt)
+    state = init_state(cfg.model, opt, shardings, seed=cfg.train.init_weights_seed)
     step = jax.jit(
         make_train_step(cfg.model, opt, z_loss_multiplier=cfg.optim.z_loss_multiplier, micro_steps=micro_steps)
     )
@@ -93,15 +94,20 @@ def test_norm_scales_are_not_weight_decayed():
 
 def test_keep_global_uses_more_micro_steps_on_fewer_slices_and_scale_shrinks_batch_and_lr():
     cfg = micro_config("num_slices=3", "per_device_batch_size=2")
-    full = plan_batch(cfg, devices_per_slice=1, active_slices=3, batch_shards=3)
-    kept = plan_batch(cfg, devices_per_slice=1, active_slices=2, batch_shards=2)
+
+    def plan(policy="keep_global", **slices):
+        return plan_batch(
+            per_device_batch_size=cfg.data.per_device_batch_size,
+            accumulation_steps=cfg.optim.gradient_accumulation_steps,
+            num_slices=cfg.mesh.num_slices,
+            policy=policy,
+            **slices,
+        )
+
+    full = plan(devices_per_slice=1, active_slices=3, batch_shards=3)
+    kept = plan(devices_per_slice=1, active_slices=2, batch_shards=2)
     assert full == BatchPlan(6, 1, 1.0) and kept.global_batch_size == 6 and kept.lr_scale == 1.0
-    scaled = plan_batch(
-        replace(cfg, "elastic", elastic_resize_batch_policy="scale"),
-        devices_per_slice=1,
-        active_slices=2,
-        batch_shards=2,
-    )
+    scaled = plan("scale", devices_per_slice=1, active_slices=2, batch_shards=2)
     assert scaled.global_batch_size == 4 and scaled.lr_scale == pytest.approx(2 / 3)
-    odd = plan_batch(cfg, devices_per_slice=4, active_slices=1, batch_shards=4)
+    odd = plan(devices_per_slice=4, active_slices=1, batch_shards=4)
     assert odd.global_batch_size == 24 and odd.rows_per_micro % 4 == 0

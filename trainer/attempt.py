@@ -1,9 +1,10 @@
 """Build one training attempt: mesh, sharded state, compiled step, data iterator, checkpointer.
 
 Everything an attempt needs is created here and torn down by its ExitStack, so a retry after a slice
-failure starts from clean objects (no threads, arrays of a dead mesh or stale caches survive).
-The only things passed in are the config, the active slices and long-lived services (event log,
-executable cache) that the caller owns.
+failure starts from clean objects (no threads, arrays of a dead mesh or stale caches survive). What is
+passed in: the run's `TrainSpec` (config sections), the active slices, and long-lived services that
+the caller owns (event log, host snapshots). Only `AttemptBuilder.plans` outlives attempts: per slice
+set, the mesh, shardings and compiled step, which hold no device data.
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer import model as qwen3
-from trainer.config.schema import RunConfig
+from trainer.checkpoint import open_checkpointer
+from trainer.config.schema import CheckpointConfig, DataConfig, MeshConfig, ModelConfig, OptimConfig
+from trainer.data.batch import BATCH_KEYS
 from trainer.data.pipeline import make_train_iterator
 from trainer.optim import learning_rate_schedule, make_optimizer
 from trainer.parallel.activations import ActivationSharding
 from trainer.parallel.mesh import build_mesh
-from trainer.parallel.rules import logical_to_spec, tree_shardings
+from trainer.parallel.rules import logical_to_spec
+from trainer.restore import SnapshotSource, restore_state
+from trainer.state import init_state, state_around, state_shardings, tree_nbytes
 from trainer.step import make_train_step
 
 log = logging.getLogger(__name__)
@@ -38,6 +43,21 @@ CLOSE_TIMEOUT_S = 60.0
 # never arrives (the coordination service keeps waiting for a recoverable task), so do not wait long.
 # Orderly ends (finish, scale-up) settle their saves before the attempt closes.
 MULTIPROCESS_CLOSE_TIMEOUT_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+    """What every attempt of a run trains, on whatever slices: the config sections it needs."""
+
+    model: ModelConfig
+    optim: OptimConfig
+    data: DataConfig
+    mesh: MeshConfig
+    checkpoint: CheckpointConfig
+    steps: int
+    init_weights_seed: int
+    resize_batch_policy: str  # elastic_resize_batch_policy: keep_global | scale
+    config_record: dict  # the resolved config, flat: saved with every checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,24 +73,31 @@ class BatchPlan:
         return self.global_batch_size // self.micro_steps
 
 
-def plan_batch(cfg: RunConfig, *, devices_per_slice: int, active_slices: int, batch_shards: int) -> BatchPlan:
+def plan_batch(
+    *,
+    per_device_batch_size: int,
+    accumulation_steps: int,
+    num_slices: int,
+    policy: str,
+    devices_per_slice: int,
+    active_slices: int,
+    batch_shards: int,
+) -> BatchPlan:
     """Global batch and micro-steps for the active slices.
 
-    The nominal global batch is per_device_batch_size x all devices of all configured slices x
-    gradient_accumulation_steps. With fewer active slices, `keep_global` runs the same global batch
-    with more micro-steps (same math); `scale` shrinks the global batch and the learning rate in
+    The nominal global batch is per_device_batch_size x all devices of all `num_slices` configured
+    slices x accumulation_steps. With fewer active slices, policy `keep_global` runs the same global
+    batch with more micro-steps (same math); `scale` shrinks the global batch and the learning rate in
     proportion to the active slices.
     """
-    accum = cfg.optim.gradient_accumulation_steps
-    per_step = cfg.data.per_device_batch_size * devices_per_slice
-    nominal = per_step * cfg.mesh.num_slices * accum
-    policy = cfg.elastic.elastic_resize_batch_policy
-    if policy == "scale" and active_slices != cfg.mesh.num_slices:
-        global_batch = per_step * active_slices * accum
-        lr_scale = active_slices / cfg.mesh.num_slices
+    per_step = per_device_batch_size * devices_per_slice
+    nominal = per_step * num_slices * accumulation_steps
+    if policy == "scale" and active_slices != num_slices:
+        global_batch = per_step * active_slices * accumulation_steps
+        lr_scale = active_slices / num_slices
     else:
         global_batch, lr_scale = nominal, 1.0
-    micro = accum
+    micro = accumulation_steps
     while micro <= global_batch:
         rows = global_batch // micro
         if global_batch % micro == 0 and rows % batch_shards == 0:
@@ -88,96 +115,6 @@ def _batch_axes_size(mesh: Mesh, rules) -> tuple[PartitionSpec, int]:
     return spec, int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
 
 
-@dataclasses.dataclass
-class Attempt:
-    """What one attempt trains with. `close()` releases everything it owns."""
-
-    cfg: RunConfig
-    mesh: Mesh
-    plan: BatchPlan
-    state: dict
-    start_step: int
-    restored_from: str
-    step_fn: Callable
-    batch_sharding: NamedSharding
-    iterator: Any
-    checkpointer: Any
-    flops_per_step: float
-    stack: contextlib.ExitStack
-
-    def device_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in host_batch.items()}
-
-    def close(self) -> None:
-        self.stack.close()
-
-
-def state_shardings(cfg: RunConfig, mesh: Mesh, optimizer) -> tuple[Any, Any]:
-    """(shardings, abstract state) of {"step", "params", "opt_state"} on this mesh, from the logical rules."""
-    rules = cfg.mesh.logical_axis_rules
-    logical = qwen3.param_logical_axes(cfg.model)
-    abstract_params = qwen3.abstract_params(cfg.model)
-    param_sh = tree_shardings(logical, abstract_params, mesh, rules)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    opt_sh = optax.tree_map_params(
-        optimizer, lambda _, s: s, abstract_opt, param_sh, transform_non_params=lambda _: replicated
-    )
-    shardings = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
-    abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract_params, "opt_state": abstract_opt}
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    return shardings, abstract
-
-
-def init_state(cfg: RunConfig, optimizer, shardings) -> dict:
-    """Fresh parameters and optimizer state, created already sharded (never whole on one device)."""
-
-    def init(rng):
-        params = qwen3.init_params(cfg.model, rng)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
-
-    return jax.jit(init, out_shardings=shardings)(jax.random.key(cfg.train.init_weights_seed))
-
-
-def compile_step(cfg: RunConfig, layout: Layout):
-    """AOT-compile the train step for this layout's mesh and batch plan; returns (executable, seconds)."""
-    mesh, plan, batch_sharding, shardings = layout.mesh, layout.plan, layout.batch_sharding, layout.shardings
-    rules = cfg.mesh.logical_axis_rules
-    micro_spec = NamedSharding(mesh, batch_sharding.spec)
-
-    def constrain_micro(micro):
-        return {k: jax.lax.with_sharding_constraint(v, micro_spec) for k, v in micro.items()}
-
-    step = make_train_step(
-        cfg.model,
-        layout.optimizer,
-        z_loss_multiplier=cfg.optim.z_loss_multiplier,
-        micro_steps=plan.micro_steps,
-        constrain_micro=constrain_micro,
-        learning_rate=layout.lr_schedule,
-        shard=ActivationSharding(mesh, rules),
-    )
-
-    def traced(state, batch):
-        return step(state, batch)
-
-    replicated = NamedSharding(mesh, PartitionSpec())
-    jitted = jax.jit(
-        traced,
-        in_shardings=(shardings, batch_sharding),
-        out_shardings=(shardings, replicated),
-        donate_argnums=(0,),
-    )
-    length = cfg.data.max_target_length
-    abstract_batch = {
-        k: jax.ShapeDtypeStruct((plan.global_batch_size, length), jnp.int32, sharding=batch_sharding)
-        for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")
-    }
-    t0 = time.perf_counter()
-    compiled = jitted.lower(layout.abstract_state, abstract_batch).compile()
-    return compiled, time.perf_counter() - t0
-
-
 def loader_shard(batch_sharding: NamedSharding, global_rows: int) -> tuple[int, int]:
     """(index, count) of this process's block of global-batch rows under `batch_sharding`: the rows its
     devices hold, which make_array_from_process_local_data expects. Follows the mesh order, so it is
@@ -189,15 +126,15 @@ def loader_shard(batch_sharding: NamedSharding, global_rows: int) -> tuple[int, 
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """What an attempt derives from the config and its slices alone: no device data, threads or files.
+class SlicePlan:
+    """What an attempt derives from the spec and its slices alone: no device data, threads or files.
 
-    Cached per slice set across attempts, so a retry on slices seen before rebuilds none of it: not the
+    Kept per slice set across attempts, so a retry on slices seen before rebuilds none of it: not the
     compiled step, and not the mesh, shardings and abstract state either (eval_shape plus the sharding
     rules: ~50 ms on qwen3-tiny, more on bigger models)."""
 
     mesh: Mesh
-    plan: BatchPlan
+    batch: BatchPlan
     batch_sharding: NamedSharding
     loader_index: int
     loader_count: int
@@ -208,171 +145,212 @@ class Layout:
     step_fn: Callable | None = None  # set by `compiled`
     compile_s: float = 0.0
 
-    def compiled(self, cfg: RunConfig) -> Layout:
-        step_fn, seconds = compile_step(cfg, self)
+    def compiled(self, spec: TrainSpec) -> SlicePlan:
+        step_fn, seconds = compile_step(spec, self)
         return dataclasses.replace(self, step_fn=step_fn, compile_s=seconds)
 
 
-def slice_set_key(slices: list[list]) -> tuple:
-    """A set of active slices in mesh order, by device id: the layout cache's key."""
-    return tuple(tuple(d.id for d in s) for s in slices)
-
-
-def describe_layout(cfg: RunConfig, slices: list[list]) -> Layout:
+def plan_slices(spec: TrainSpec, slices: list[list]) -> SlicePlan:
     """Mesh, batch plan, loader shard, optimizer and state shardings over `slices`; not compiled yet."""
-    mesh = build_mesh(cfg.mesh, slices)
-    batch_spec, shards = _batch_axes_size(mesh, cfg.mesh.logical_axis_rules)
+    mesh = build_mesh(spec.mesh, slices)
+    batch_spec, shards = _batch_axes_size(mesh, spec.mesh.logical_axis_rules)
     batch_sharding = NamedSharding(mesh, batch_spec)
-    plan = plan_batch(cfg, devices_per_slice=len(slices[0]), active_slices=len(slices), batch_shards=shards)
-    loader_index, loader_count = loader_shard(batch_sharding, plan.global_batch_size)
-    schedule = learning_rate_schedule(cfg.optim, steps=cfg.train.steps, lr_scale=plan.lr_scale)
-    optimizer = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model), schedule=schedule)
-    shardings, abstract_state = state_shardings(cfg, mesh, optimizer)
-    return Layout(
-        mesh, plan, batch_sharding, loader_index, loader_count, schedule, optimizer, shardings, abstract_state
+    batch = plan_batch(
+        per_device_batch_size=spec.data.per_device_batch_size,
+        accumulation_steps=spec.optim.gradient_accumulation_steps,
+        num_slices=spec.mesh.num_slices,
+        policy=spec.resize_batch_policy,
+        devices_per_slice=len(slices[0]),
+        active_slices=len(slices),
+        batch_shards=shards,
+    )
+    loader_index, loader_count = loader_shard(batch_sharding, batch.global_batch_size)
+    schedule = learning_rate_schedule(spec.optim, steps=spec.steps, lr_scale=batch.lr_scale)
+    optimizer = make_optimizer(spec.optim, qwen3.param_logical_axes(spec.model), schedule=schedule)
+    shardings, abstract_state = state_shardings(spec.model, spec.mesh.logical_axis_rules, mesh, optimizer)
+    return SlicePlan(
+        mesh, batch, batch_sharding, loader_index, loader_count, schedule, optimizer, shardings, abstract_state
     )
 
 
-def build_attempt(
-    cfg: RunConfig,
-    slices: list[list],
-    *,
-    checkpoint_dir,
-    events,
-    total_slices: int,
-    layout_cache: dict | None = None,
-    restore_source: Callable | None = None,
-    wrap_step: Callable | None = None,
-    checkpoint_multiprocessing=None,
-) -> Attempt:
-    """Everything one attempt needs, on the mesh over `slices` (the active ones).
+def compile_step(spec: TrainSpec, plan: SlicePlan):
+    """AOT-compile the train step for this plan's mesh and batch; returns (executable, seconds)."""
+    mesh, batch_sharding, shardings = plan.mesh, plan.batch_sharding, plan.shardings
+    micro_spec = NamedSharding(mesh, batch_sharding.spec)
 
-    `layout_cache` (slice set -> Layout) is owned by the caller and outlives attempts; everything
-    stateful (iterator, checkpointer, device arrays) is built fresh here every time.
-    `restore_source(abstract_state, newest_checkpoint_step)` may supply a newer state than the newest
-    checkpoint (an elastic host-RAM snapshot); it returns (state, data_state, label) or None.
-    `wrap_step` wraps the compiled step (the elastic fault injector's guard).
-    `checkpoint_multiprocessing`: Orbax MultiprocessingOptions when only some processes take part.
-    """
-    stack = contextlib.ExitStack()
-    try:
-        key = slice_set_key(slices)
-        layout = None if layout_cache is None else layout_cache.get(key)
-        fresh = layout is None
-        if fresh:
-            layout = describe_layout(cfg, slices)
-        mesh, plan = layout.mesh, layout.plan
-        # Data first: a bad dataset or tokenizer must stop the run before any compile or device work.
-        iterator = make_train_iterator(
-            cfg.data,
-            vocab_size=cfg.model.vocab_size,
-            global_batch_size=plan.global_batch_size,
-            process_index=layout.loader_index,
-            process_count=layout.loader_count,
-        )
-        stack.callback(iterator.close)
-        if fresh:
-            layout = layout.compiled(cfg)
-            if layout_cache is not None:
-                layout_cache[key] = layout
-            events.emit(
-                "compile_done", seconds=round(layout.compile_s, 3), devices=mesh.size, micro_steps=plan.micro_steps
+    def constrain_micro(micro):
+        return {k: jax.lax.with_sharding_constraint(v, micro_spec) for k, v in micro.items()}
+
+    step = make_train_step(
+        spec.model,
+        plan.optimizer,
+        z_loss_multiplier=spec.optim.z_loss_multiplier,
+        micro_steps=plan.batch.micro_steps,
+        constrain_micro=constrain_micro,
+        learning_rate=plan.lr_schedule,
+        shard=ActivationSharding(mesh, spec.mesh.logical_axis_rules),
+    )
+    replicated = NamedSharding(mesh, PartitionSpec())
+    jitted = jax.jit(
+        step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=(0,)
+    )
+    rows, length = plan.batch.global_batch_size, spec.data.max_target_length
+    abstract_batch = {
+        k: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=batch_sharding) for k in BATCH_KEYS
+    }
+    t0 = time.perf_counter()
+    compiled = jitted.lower(plan.abstract_state, abstract_batch).compile()
+    return compiled, time.perf_counter() - t0
+
+
+@dataclasses.dataclass
+class Attempt:
+    """What one attempt trains with. `close()` releases everything it owns."""
+
+    mesh: Mesh
+    plan: BatchPlan
+    state: dict  # as restored; the loop carries the live state itself (each step donates its input)
+    start_step: int
+    restored_from: str
+    step_fn: Callable
+    batch_sharding: NamedSharding
+    iterator: Any
+    checkpointer: Any
+    flops_per_step: float
+    sequence_length: int
+    checkpoint_metadata: dict
+    stack: contextlib.ExitStack
+
+    def device_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in host_batch.items()}
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def slice_set_key(slices: list[list]) -> tuple:
+    """A set of active slices in mesh order, by device id: the plan cache's key."""
+    return tuple(tuple(d.id for d in s) for s in slices)
+
+
+class AttemptBuilder:
+    """Builds the attempts of one run; keeps each slice set's `SlicePlan` (compiled step) across them."""
+
+    def __init__(self, spec: TrainSpec, *, checkpoint_dir, events):
+        self.spec, self.checkpoint_dir, self.events = spec, checkpoint_dir, events
+        self.plans: dict[tuple, SlicePlan] = {}
+
+    def __call__(
+        self,
+        slices: list[list],
+        *,
+        snapshots: SnapshotSource | None = None,
+        wrap_step: Callable | None = None,
+        checkpoint_multiprocessing=None,
+    ) -> Attempt:
+        """Everything one attempt needs, on the mesh over `slices` (the active ones), fresh except the plan.
+
+        `snapshots`: host-RAM snapshots to restore from (see `trainer.restore`).
+        `wrap_step` wraps the compiled step (the fault injector's or the membership's guard).
+        `checkpoint_multiprocessing`: Orbax MultiprocessingOptions when only some processes take part.
+        """
+        spec, events = self.spec, self.events
+        stack = contextlib.ExitStack()
+        try:
+            key = slice_set_key(slices)
+            plan = self.plans.get(key)
+            fresh = plan is None
+            if fresh:
+                plan = plan_slices(spec, slices)
+            batch = plan.batch
+            # Data first: a bad dataset or tokenizer must stop the run before any compile or device work.
+            iterator = make_train_iterator(
+                spec.data,
+                vocab_size=spec.model.vocab_size,
+                global_batch_size=batch.global_batch_size,
+                process_index=plan.loader_index,
+                process_count=plan.loader_count,
             )
-        else:
-            events.emit("compile_cached", devices=mesh.size, micro_steps=plan.micro_steps)
-        optimizer, shardings, abstract_state = layout.optimizer, layout.shardings, layout.abstract_state
+            stack.callback(iterator.close)
+            if fresh:
+                plan = self.plans[key] = plan.compiled(spec)
+                events.emit(
+                    "compile_done",
+                    seconds=round(plan.compile_s, 3),
+                    devices=plan.mesh.size,
+                    micro_steps=batch.micro_steps,
+                )
+            else:
+                events.emit("compile_cached", devices=plan.mesh.size, micro_steps=batch.micro_steps)
 
-        checkpointer = None
-        if cfg.checkpoint.enable_checkpointing:
-            from trainer.checkpoint import Checkpointer
-
-            checkpointer = Checkpointer(
-                checkpoint_dir, cfg.checkpoint, on_event=events, multiprocessing=checkpoint_multiprocessing
+            checkpointer = open_checkpointer(
+                self.checkpoint_dir, spec.checkpoint, on_event=events, multiprocessing=checkpoint_multiprocessing
             )
             # A normal finish has already waited for its saves; after a failure, settle an in-flight save
             # for a bounded time (Orbax finishes or fails it in the background; it never counts until
             # committed).
-            stack.callback(
-                partial(
-                    checkpointer.close,
-                    timeout_s=CLOSE_TIMEOUT_S
-                    if checkpoint_multiprocessing is None
-                    else MULTIPROCESS_CLOSE_TIMEOUT_S,
-                )
+            close_s = CLOSE_TIMEOUT_S if checkpoint_multiprocessing is None else MULTIPROCESS_CLOSE_TIMEOUT_S
+            stack.callback(partial(checkpointer.close, timeout_s=close_s))
+            t0 = time.perf_counter()
+            events.emit("restore_start")
+            restored = restore_state(
+                plan.abstract_state,
+                checkpoints=checkpointer,
+                snapshots=snapshots,
+                load_full_state_path=spec.checkpoint.load_full_state_path,
+                load_parameters_path=spec.checkpoint.load_parameters_path,
+                fresh_state=partial(self._fresh_state, plan),
             )
-        t0 = time.perf_counter()
-        events.emit("restore_start")
-        state, data_state, source = _initial_state(
-            cfg, optimizer, shardings, abstract_state, checkpointer, restore_source
-        )
-        jax.block_until_ready(state)
-        events.emit(
-            "restore_end",
-            source=source,
-            seconds=round(time.perf_counter() - t0, 4),
-            bytes=int(sum(x.nbytes for x in jax.tree.leaves(state))),
-        )
-        if data_state is not None:
-            iterator.set_state(data_state)
-        start_step = int(jax.device_get(state["step"]))
-        flops = (
-            qwen3.training_flops_per_token(cfg.model, cfg.data.max_target_length)
-            * plan.global_batch_size
-            * cfg.data.max_target_length
-        )
-        log.info(
-            "attempt ready: mesh=%s global_batch=%d micro_steps=%d lr_scale=%.3f start_step=%d source=%s "
-            "loader_shard=%d/%d",
-            dict(mesh.shape),
-            plan.global_batch_size,
-            plan.micro_steps,
-            plan.lr_scale,
-            start_step,
-            source,
-            layout.loader_index,
-            layout.loader_count,
-        )
-        return Attempt(
-            cfg=cfg,
-            mesh=mesh,
-            plan=plan,
-            state=state,
-            start_step=start_step,
-            restored_from=source,
-            step_fn=layout.step_fn if wrap_step is None else wrap_step(layout.step_fn),
-            batch_sharding=layout.batch_sharding,
-            iterator=iterator,
-            checkpointer=checkpointer,
-            flops_per_step=flops,
-            stack=stack,
-        )
-    except BaseException:
-        stack.close()
-        raise
+            state = jax.block_until_ready(restored.state)
+            events.emit(
+                "restore_end",
+                source=restored.label,
+                seconds=round(time.perf_counter() - t0, 4),
+                bytes=tree_nbytes(state),
+            )
+            if restored.data_state is not None:
+                iterator.set_state(restored.data_state)
+            start_step = int(jax.device_get(state["step"]))
+            length = spec.data.max_target_length
+            tokens = batch.global_batch_size * length
+            log.info(
+                "attempt ready: mesh=%s global_batch=%d micro_steps=%d lr_scale=%.3f start_step=%d source=%s "
+                "loader_shard=%d/%d",
+                dict(plan.mesh.shape),
+                batch.global_batch_size,
+                batch.micro_steps,
+                batch.lr_scale,
+                start_step,
+                restored.label,
+                plan.loader_index,
+                plan.loader_count,
+            )
+            metadata = {
+                "config": spec.config_record,
+                "mesh": dict(plan.mesh.shape),
+                "global_batch_size": batch.global_batch_size,
+                "micro_steps": batch.micro_steps,
+            }
+            return Attempt(
+                mesh=plan.mesh,
+                plan=batch,
+                state=state,
+                start_step=start_step,
+                restored_from=restored.label,
+                step_fn=plan.step_fn if wrap_step is None else wrap_step(plan.step_fn),
+                batch_sharding=plan.batch_sharding,
+                iterator=iterator,
+                checkpointer=checkpointer,
+                flops_per_step=qwen3.training_flops_per_token(spec.model, length) * tokens,
+                sequence_length=length,
+                checkpoint_metadata=metadata,
+                stack=stack,
+            )
+        except BaseException:
+            stack.close()
+            raise
 
-
-def _initial_state(cfg: RunConfig, optimizer, shardings, abstract_state, checkpointer, restore_source):
-    """Newest of (snapshot, committed checkpoint); else load_parameters_path / load_full_state_path; else init."""
-    ckpt_step = None
-    if checkpointer is not None:
-        checkpointer.cleanup_partial()
-        ckpt_step = checkpointer.latest_committed_step()
-    if restore_source is not None:
-        snap = restore_source(abstract_state, ckpt_step)
-        if snap is not None:
-            return snap
-    if ckpt_step is not None:
-        restored = checkpointer.restore(abstract_state)
-        return restored.state, restored.data_state, f"checkpoint:{restored.step}"
-    if cfg.checkpoint.load_full_state_path:
-        from trainer.checkpoint import load_full_state
-
-        return load_full_state(cfg.checkpoint.load_full_state_path, abstract_state), None, "load_full_state_path"
-    if cfg.checkpoint.load_parameters_path:
-        from trainer.checkpoint import load_parameters
-
-        params = load_parameters(cfg.checkpoint.load_parameters_path, abstract_state["params"])
-        opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
-        step = jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])
-        return {"step": step, "params": params, "opt_state": opt_state}, None, "load_parameters_path"
-    return init_state(cfg, optimizer, shardings), None, "init"
+    def _fresh_state(self, plan: SlicePlan, params=None) -> dict:
+        if params is None:
+            return init_state(self.spec.model, plan.optimizer, plan.shardings, seed=self.spec.init_weights_seed)
+        return state_around(params, plan.optimizer, plan.shardings)

@@ -1,4 +1,8 @@
-"""The step loop of one attempt: batch -> compiled step -> metrics (one step late) -> maybe save."""
+"""The step loop of one attempt: batch -> compiled step -> metrics (one step late) -> maybe save.
+
+It returns what ended it, at a step boundary (`Outcome`); the supervisor decides what follows. Only a
+failure (a lost slice, a bug) leaves it as an exception.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 
@@ -19,11 +23,39 @@ from trainer.observe.sinks import Sinks
 
 log = logging.getLogger(__name__)
 
+FINISHED, PREEMPTED, SCALE_UP, ROLLBACK = "finished", "preempted", "scale_up", "rollback"
 
-@dataclasses.dataclass
-class LoopResult:
-    final_step: int
-    preempted: bool
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How an attempt's loop ended.
+
+    finished   every step ran (and the final checkpoint, if any, is committed)
+    preempted  stop_requested turned true; a final checkpoint was saved
+    scale_up   slices in `returning` came back after `step`; `state` is the live state at `step`
+    rollback   `step` produced a non-finite update and nan_policy=rollback asks to restore and skip it
+    """
+
+    kind: str
+    step: int
+    state: Any = None
+    returning: tuple[int, ...] = ()
+
+
+class Boundary(Protocol):
+    """Work between steps (`trainer.elastic.boundary.StepBoundary`)."""
+
+    def before_step(self, step: int) -> None: ...
+
+    def after_step(self, step: int, state, data_state: Callable[[], dict]) -> list[int]: ...
+
+
+class _NoBoundary:
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int, state, data_state) -> list[int]:
+        return []
 
 
 @dataclasses.dataclass
@@ -35,8 +67,8 @@ class _Pending:
     fingerprint: str
 
 
-class MetricsReader:
-    """Turns a finished step's device metrics into the metrics.jsonl record.
+class StepRecords:
+    """Turns a finished step's device metrics into its metrics.jsonl record (no I/O, no policy).
 
     Step time is the interval between consecutive steps' metrics becoming ready on the host; reading
     step s happens after step s+1 was dispatched, so the device is never idle waiting for logging.
@@ -44,25 +76,24 @@ class MetricsReader:
 
     def __init__(
         self,
-        attempt: Attempt,
-        sinks: Sinks,
-        nonfinite: NonFinitePolicy,
         *,
-        clock: Callable[[], float] = time.perf_counter,
+        flops_per_step: float,
+        tokens_per_step: int,
+        global_batch_size: int,
+        devices: int,
+        peak_tflops: float | None,
+        timer: Callable[[], float] = time.perf_counter,
     ):
-        self.attempt, self.sinks, self.nonfinite, self.clock = attempt, sinks, nonfinite, clock
-        self.last_ready = clock()
-        cfg = attempt.cfg
-        self.peak = peak_tflops(attempt.mesh.devices.flat[0].device_kind, cfg.observe.peak_tflops_per_device)
-        self.tokens_per_step = attempt.plan.global_batch_size * cfg.data.max_target_length
+        self.flops_per_step, self.tokens_per_step, self.devices = flops_per_step, tokens_per_step, devices
+        self.global_batch_size, self.peak, self.timer = global_batch_size, peak_tflops, timer
+        self.last_ready = timer()
 
-    def read(self, pending: _Pending, *, last: bool = False) -> dict[str, Any]:
+    def record(self, pending: _Pending, *, skipped_steps: int) -> dict[str, Any]:
         m = jax.device_get(pending.metrics)
-        now = self.clock()
+        now = self.timer()
         step_time, self.last_ready = now - self.last_ready, now
-        devices = self.attempt.mesh.size
-        tflops = self.attempt.flops_per_step / step_time / devices / 1e12
-        record = {
+        tflops = self.flops_per_step / step_time / self.devices / 1e12
+        return {
             "step": pending.step,
             "loss": float(m["loss"]),
             "learning_rate": float(m["learning_rate"]),
@@ -71,104 +102,107 @@ class MetricsReader:
             "tokens_per_s": self.tokens_per_step / step_time,
             "tflops_per_device": tflops,
             "mfu": None if self.peak is None else tflops / self.peak,
-            "global_batch_size": self.attempt.plan.global_batch_size,
+            "global_batch_size": self.global_batch_size,
             "pid": os.getpid(),
             "time": time.time(),
             "batch_fingerprint": pending.fingerprint,
             "loss_tokens": int(m["tokens"]),
             "z_loss": float(m["z_loss"]),
             "aux_loss": float(m["aux_loss"]),
-            "devices": devices,
+            "devices": self.devices,
             "finite": bool(m["finite"]),
-            "skipped_steps": self.nonfinite.skipped_steps,
+            "skipped_steps": skipped_steps,
         }
-        if last:
-            record["last"] = True
-        self.sinks.write(record)
-        self.nonfinite.check(record)
-        return record
 
 
 def train_loop(
     attempt: Attempt,
-    sinks: Sinks,
-    events,
     *,
     steps: int,
+    sinks: Sinks,
+    events,
     nonfinite: NonFinitePolicy,
+    peak_tflops_per_device: float = 0.0,
+    boundary: Boundary | None = None,
     stop_requested: Callable[[], bool] = lambda: False,
-    before_step: Callable[[int], None] = lambda step: None,
-    after_step: Callable[[int, Attempt], None] = lambda step, attempt: None,
-    skip_batches: frozenset[int] = frozenset(),
-) -> LoopResult:
-    """Run steps start_step+1 .. `steps`. Returns early (preempted) when `stop_requested()` turns true.
+) -> Outcome:
+    """Run steps start_step+1 .. `steps` (a batch `nonfinite` rolled back is skipped).
 
-    `skip_batches`: steps whose batch is discarded once (nan_policy=rollback), the next batch used instead.
-    """
-    reader = MetricsReader(attempt, sinks, nonfinite)
-    ckpt, state, step = attempt.checkpointer, attempt.state, attempt.start_step
+    `peak_tflops_per_device` overrides the device's known peak for MFU (0: look it up)."""
+    boundary = boundary or _NoBoundary()
+    records = StepRecords(
+        flops_per_step=attempt.flops_per_step,
+        tokens_per_step=attempt.plan.global_batch_size * attempt.sequence_length,
+        global_batch_size=attempt.plan.global_batch_size,
+        devices=attempt.mesh.size,
+        peak_tflops=peak_tflops(attempt.mesh.devices.flat[0].device_kind, peak_tflops_per_device),
+    )
+
+    def finish_record(pending: _Pending, *, last: bool = False) -> bool:
+        """Write the record of `pending`; True when nan_policy asks for a rollback to before it."""
+        record = records.record(pending, skipped_steps=nonfinite.skipped_steps)
+        if last:
+            record["last"] = True
+        sinks.write(record)
+        return nonfinite.check(record)
+
+    ckpt, iterator, state, step = attempt.checkpointer, attempt.iterator, attempt.state, attempt.start_step
     pending: _Pending | None = None
     try:
         while step < steps:
-            if step + 1 in skip_batches:
-                next(attempt.iterator)  # the batch that produced a non-finite update is skipped
-            before_step(step + 1)
-            host_batch = next(attempt.iterator)
+            if nonfinite.skips(step + 1):
+                next(iterator)  # the batch that produced a non-finite update is skipped
+            boundary.before_step(step + 1)
+            host_batch = next(iterator)
             fp = fingerprint(host_batch)
             state, metrics = attempt.step_fn(state, attempt.device_batch(host_batch))
             step += 1
-            attempt.state = state  # the donated input is gone; keep the live state reachable for savers
             if pending is not None:
-                reader.read(pending)  # blocks on step-1 only, while `step` runs on the device
+                done, pending = pending, None
+                if finish_record(done):  # blocks on step-1 only, while `step` runs on the device
+                    return Outcome(ROLLBACK, done.step)
             pending = _Pending(step, metrics, fp)
             final = step == steps
             # The iterator has yielded exactly `step` batches: its state pairs with this model state.
-            if ckpt is not None and ckpt.should_save(step, final=final):
+            if ckpt.should_save(step, final=final):
                 t0 = time.perf_counter()
                 jax.block_until_ready(state)  # the save copies it; timed apart from the save's own work
                 waited = time.perf_counter() - t0
-                if ckpt.save(step, state, attempt.iterator.get_state(), _metadata(attempt)):
+                if ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata):
                     events.emit(
                         "checkpoint_save_blocked",
                         step=step,
                         seconds=round(time.perf_counter() - t0, 4),
                         waited_for_step_s=round(waited, 4),
                     )
-            after_step(step, attempt)
+            returning = boundary.after_step(step, state, iterator.get_state)
+            if returning:
+                done, pending = pending, None
+                if finish_record(done):
+                    return Outcome(ROLLBACK, done.step)
+                return Outcome(SCALE_UP, step, state, tuple(sorted(returning)))
             if stop_requested() and not final:
-                reader.read(pending, last=True)
-                pending = None
-                if ckpt is not None:
-                    ckpt.save(step, state, attempt.iterator.get_state(), _metadata(attempt), force=True)
-                    ckpt.wait()
+                done, pending = pending, None
+                if finish_record(done, last=True):
+                    return Outcome(ROLLBACK, done.step)
+                ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata, force=True)
+                ckpt.wait()
                 events.emit("preempted", step=step)
-                return LoopResult(step, preempted=True)
+                return Outcome(PREEMPTED, step)
     except BaseException:
-        # A failure or scale-up signal ends the attempt; the step before it did complete: keep its record.
-        _flush_best_effort(reader, pending)
+        # A failure ends the attempt; the step before it did complete: keep its record.
+        _write_best_effort(records, sinks, nonfinite, pending)
         raise
-    if pending is not None:
-        reader.read(pending, last=True)
-    if ckpt is not None:
-        ckpt.wait()
-    return LoopResult(step, preempted=False)
+    if pending is not None and finish_record(pending, last=True):
+        return Outcome(ROLLBACK, pending.step)
+    ckpt.wait()
+    return Outcome(FINISHED, step)
 
 
-def _flush_best_effort(reader: MetricsReader, pending: _Pending | None) -> None:
+def _write_best_effort(records: StepRecords, sinks: Sinks, nonfinite: NonFinitePolicy, pending) -> None:
     if pending is None:
         return
     try:
-        reader.read(pending)
+        sinks.write(records.record(pending, skipped_steps=nonfinite.skipped_steps))
     except Exception as e:  # its device buffers may be gone with the failed slice
         log.warning("metrics of step %d lost with the failure: %s", pending.step, e)
-
-
-def _metadata(attempt: Attempt) -> dict:
-    from trainer.config.loader import to_flat_dict
-
-    return {
-        "config": to_flat_dict(attempt.cfg),
-        "mesh": dict(attempt.mesh.shape),
-        "global_batch_size": attempt.plan.global_batch_size,
-        "micro_steps": attempt.plan.micro_steps,
-    }

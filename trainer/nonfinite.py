@@ -4,8 +4,8 @@ The train step never applies such an update (it keeps the previous params and op
 this only decides what happens next, on the host, when the step's metrics are read:
   stop       raise NonFiniteError: exit 1 with a clear message; the last checkpoint is untouched
   skip_step  carry on; the step is counted in `skipped_steps` and logged as an event
-  rollback   raise RollbackRequested: the run restores its newest snapshot or checkpoint and skips
-             the offending batch (a second non-finite result at the same step stops the run)
+  rollback   the loop returns a rollback outcome: the supervisor restores the newest snapshot or
+             checkpoint and the batch is skipped (a second non-finite result at the same step stops the run)
 """
 
 from __future__ import annotations
@@ -15,23 +15,23 @@ class NonFiniteError(RuntimeError):
     """Training produced a non-finite loss or gradient under nan_policy=stop (or rollback did not help)."""
 
 
-class RollbackRequested(Exception):
-    """Restore the newest snapshot or checkpoint and skip the batch of `step`."""
-
-    def __init__(self, step: int):
-        super().__init__(f"non-finite loss/gradients at step {step}: rolling back and skipping its batch")
-        self.step = step
-
-
 class NonFinitePolicy:
-    def __init__(self, policy: str, events, *, already_skipped: frozenset[int] = frozenset()):
-        self.policy, self.events = policy, events
-        self.already_skipped = already_skipped
-        self.skipped_steps = 0
+    """Applies nan_policy to each step's metrics record, and remembers the batches rolled back."""
 
-    def check(self, record: dict) -> None:
+    def __init__(self, policy: str, events):
+        self.policy, self.events = policy, events
+        self.skipped_steps = 0
+        self.rolled_back: set[int] = set()  # steps whose batch every later pass over them skips
+
+    def skips(self, step: int) -> bool:
+        """Whether the batch of `step` is discarded (its update was non-finite and rolled back)."""
+        return step in self.rolled_back
+
+    def check(self, record: dict) -> bool:
+        """True when the run must roll back to before `record["step"]` (nan_policy=rollback); raises
+        NonFiniteError under stop, or when rolling back the same step did not help."""
         if record.get("finite", True):
-            return
+            return False
         step = record["step"]
         self.events.emit(
             "nonfinite_step",
@@ -42,9 +42,10 @@ class NonFinitePolicy:
         )
         if self.policy == "skip_step":
             self.skipped_steps += 1
-            return
-        if self.policy == "rollback" and step not in self.already_skipped:
-            raise RollbackRequested(step)
+            return False
+        if self.policy == "rollback" and step not in self.rolled_back:
+            self.rolled_back.add(step)
+            return True
         raise NonFiniteError(
             f"non-finite loss or gradients at step {step} (nan_policy={self.policy}); the update "
             f"was not applied and the newest committed checkpoint is intact. Lower the learning "

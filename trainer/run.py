@@ -1,4 +1,9 @@
-"""Run a resolved config: runtime setup -> devices grouped into slices -> the supervisor runs the attempts."""
+"""Run a resolved config: runtime setup -> devices grouped into slices -> the supervisor runs the attempts.
+
+The composition root: the only module below `trainer.train` that reads the whole RunConfig. It hands
+each part its own section (attempts get a `TrainSpec`, the supervisor `ElasticConfig`, the profiler
+`ObserveConfig`) and wires the parts together.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +11,25 @@ import contextlib
 import logging
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TextIO
 
 import jax
 
+from trainer.attempt import AttemptBuilder, TrainSpec
+from trainer.config.errors import ConfigError
+from trainer.config.loader import to_flat_dict
 from trainer.config.schema import RunConfig
-from trainer.distributed import DistributedSettings, initialize, leave, process_slices, resolve_settings
-from trainer.elastic.supervisor import run_supervised
+from trainer.distributed import DistributedSettings, coordination_client, initialize, leave, resolve_settings
+from trainer.elastic.faults import FaultInjector, Outages, parse_fault_schedule
+from trainer.elastic.membership import Membership
+from trainer.elastic.snapshot import HostSnapshots
+from trainer.elastic.supervisor import Supervisor
 from trainer.io.paths import resolve
-from trainer.loop import LoopResult
+from trainer.loop import Outcome, train_loop
+from trainer.nonfinite import NonFinitePolicy
+from trainer.observe.profiler import StepProfiler
 from trainer.observe.rundir import RunPaths
 from trainer.observe.sinks import JsonlSink, LogSink, ProgressSink, Sinks, TensorBoardSink
 from trainer.parallel.mesh import group_into_slices
@@ -50,9 +64,95 @@ def setup_runtime(cfg: RunConfig) -> DistributedSettings:
     return settings
 
 
-def run(
-    cfg: RunConfig, *, paths: RunPaths, events, stop_requested: Callable[[], bool] = lambda: False
-) -> LoopResult:
+def train_spec(cfg: RunConfig) -> TrainSpec:
+    """The sections of the config every attempt needs (nothing below this module takes RunConfig)."""
+    return TrainSpec(
+        model=cfg.model,
+        optim=cfg.optim,
+        data=cfg.data,
+        mesh=cfg.mesh,
+        checkpoint=cfg.checkpoint,
+        steps=cfg.train.steps,
+        init_weights_seed=cfg.train.init_weights_seed,
+        resize_batch_policy=cfg.elastic.elastic_resize_batch_policy,
+        config_record=to_flat_dict(cfg),
+    )
+
+
+def build_supervisor(
+    cfg: RunConfig,
+    slices: list[list],
+    *,
+    paths: RunPaths,
+    events,
+    sinks: Sinks,
+    stop_requested: Callable[[], bool],
+    membership=None,
+) -> Supervisor:
+    """The supervisor with every part it drives, each built from its own section of the config."""
+    single_controller = cfg.mesh.enable_single_controller
+    outages = injector = None
+    if not single_controller:
+        outages = Outages()  # local virtual slices: which are down
+        if membership is None:
+            faults = parse_fault_schedule(cfg.elastic.fault_schedule, len(slices))
+            injector = FaultInjector(faults, outages, paths.local / "chaos", events)
+    run_loop = partial(
+        _loop,
+        steps=cfg.train.steps,
+        sinks=sinks,
+        events=events,
+        nonfinite=NonFinitePolicy(cfg.observe.nan_policy, events),
+        peak_tflops_per_device=cfg.observe.peak_tflops_per_device,
+        stop_requested=stop_requested,
+    )
+    return Supervisor(
+        cfg.elastic,
+        slices,
+        attempts=AttemptBuilder(train_spec(cfg), checkpoint_dir=paths.checkpoints, events=events),
+        run_loop=run_loop,
+        events=events,
+        profiler=StepProfiler(cfg.observe, paths.local / "profile", events),
+        snapshots=HostSnapshots(events),
+        injector=injector,
+        outages=outages,
+        membership=membership,
+        single_controller=single_controller,
+        sync=paths.sync,
+    )
+
+
+def _loop(attempt, boundary, **kwargs) -> Outcome:
+    return train_loop(attempt, boundary=boundary, **kwargs)
+
+
+def process_slices(cfg: RunConfig, settings: DistributedSettings, events):
+    """Several processes: (devices of each slice, Membership or None). Slices are groups of
+    processes_per_slice processes; the Membership (live processes, rounds, mesh orders) only when
+    elastic_enabled."""
+    membership = Membership(
+        jax.devices(),
+        settings.processes_per_slice,
+        process_index=jax.process_index(),
+        client=coordination_client(),
+        events=events,
+    )
+    if cfg.mesh.num_slices != membership.num_slices:
+        raise ConfigError(
+            f"num_slices={cfg.mesh.num_slices} but {settings.num_processes} processes with "
+            f"processes_per_slice={settings.processes_per_slice} form {membership.num_slices} "
+            f"slices; set num_slices={membership.num_slices}"
+        )
+    if cfg.elastic.fault_schedule:
+        raise ConfigError(
+            "fault_schedule injects virtual-slice failures in one process; with several "
+            "processes, kill one (scripts/launch_local.py, scripts/multiprocess_demo.py)"
+        )
+    return membership.slice_devices(), (membership if cfg.elastic.elastic_enabled else None)
+
+
+def run(cfg: RunConfig, *, paths: RunPaths, events, stop_requested: Callable[[], bool] = lambda: False) -> Outcome:
+    """Train `cfg` to the end (or until stopped); returns how it ended."""
     settings = setup_runtime(cfg)
     membership = None
     try:
@@ -61,7 +161,7 @@ def run(
         else:
             slices = group_into_slices(jax.devices(), cfg.mesh.num_slices)
         with contextlib.closing(make_sinks(cfg, paths.local)) as sinks:
-            return run_supervised(
+            supervisor = build_supervisor(
                 cfg,
                 slices,
                 paths=paths,
@@ -70,6 +170,7 @@ def run(
                 stop_requested=stop_requested,
                 membership=membership,
             )
+            return supervisor.run()
     finally:
         if settings.multi_process:
             leave(settings)  # process 0 last: its exit takes the coordination service down

@@ -140,6 +140,7 @@ def _train(cfg, paths, checked, config_text: str) -> int:
     from trainer.elastic.errors import ElasticGiveUp
     from trainer.errors import UserInputError
     from trainer.hostmem import hugepages_requested
+    from trainer.loop import PREEMPTED
     from trainer.observe.events import EventLog
     from trainer.run import run
 
@@ -162,16 +163,16 @@ def _train(cfg, paths, checked, config_text: str) -> int:
     stop.install()
     try:
         outcome = run(cfg, paths=paths, events=events, stop_requested=stop)
-        if outcome.preempted:
+        if outcome.kind == PREEMPTED:
             saved = (
                 "checkpoint saved; rerun the same command to resume"
                 if cfg.checkpoint.enable_checkpointing
                 else "no checkpoint saved (enable_checkpointing=false): a rerun starts over"
             )
-            code, status, line = EXIT_OK, "preempted", f"preempted step={outcome.final_step}: {saved}"
+            code, status, line = EXIT_OK, "preempted", f"preempted step={outcome.step}: {saved}"
         else:
-            code, status, line = EXIT_OK, "finished", f"finished step={outcome.final_step} run_dir={paths.run_dir}"
-        fields = {"step": outcome.final_step}
+            code, status, line = EXIT_OK, "finished", f"finished step={outcome.step} run_dir={paths.run_dir}"
+        fields = {"step": outcome.step}
     except UserInputError as e:
         status = _input_status(e)
         print(f"{status.replace('_', ' ')}: {e}", file=sys.stderr)

@@ -26,12 +26,21 @@ Reading a step without this package::
 "Committed" is defined once, in `commit.is_committed`.
 """
 
-from trainer.checkpoint.checkpointer import Checkpointer, CheckpointRestoreError, CheckpointSaveError, Restored
+from trainer.checkpoint.checkpointer import (
+    Checkpointer,
+    CheckpointRestoreError,
+    CheckpointSaveError,
+    NoCheckpoints,
+    Restored,
+    open_checkpointer,
+)
 from trainer.checkpoint.commit import is_committed
 from trainer.checkpoint.params import load_full_state, load_parameters, save_parameters
 
 __all__ = [
     "Checkpointer",
+    "NoCheckpoints",
+    "open_checkpointer",
     "Restored",
     "CheckpointSaveError",
     "CheckpointRestoreError",

@@ -25,18 +25,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from trainer.checkpoint import commit
 from trainer.config.schema import CheckpointConfig
+from trainer.state import tree_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +73,47 @@ class _InFlight:
     nbytes: int
 
 
-def array_bytes(tree) -> int:
-    """Bytes of the arrays (or ShapeDtypeStructs) in `tree`, at their global shapes."""
-    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
-
-
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:500]
+
+
+def open_checkpointer(
+    directory: epath.PathLike,
+    cfg: CheckpointConfig,
+    *,
+    on_event: Callable[[str, dict], None] = lambda name, fields: None,
+    multiprocessing: ocp.options.MultiprocessingOptions | None = None,
+):
+    """The run's checkpoints: a `Checkpointer`, or `NoCheckpoints` under enable_checkpointing=false
+    (the one place that setting is read)."""
+    if not cfg.enable_checkpointing:
+        return NoCheckpoints()
+    return Checkpointer(directory, cfg, on_event=on_event, multiprocessing=multiprocessing)
+
+
+class NoCheckpoints:
+    """enable_checkpointing=false: nothing is saved, and there is never a checkpoint to restore."""
+
+    def should_save(self, step: int, *, final: bool) -> bool:
+        return False
+
+    def save(self, step: int, state, data_state: dict, metadata: dict, *, force: bool = False) -> bool:
+        return False
+
+    def wait(self) -> None:
+        pass
+
+    def close(self, *, timeout_s: float | None = None) -> None:
+        pass
+
+    def cleanup_partial(self) -> list[str]:
+        return []
+
+    def latest_committed_step(self) -> int | None:
+        return None
+
+    def restore(self, abstract_state):
+        raise CheckpointRestoreError("enable_checkpointing=false: this run keeps no checkpoints")
 
 
 class Checkpointer:
@@ -177,8 +210,6 @@ class Checkpointer:
         step; in continuous mode whenever no save is still being written. Call it every step: it is
         also where a finished async save is noticed."""
         self._poll()
-        if not self._cfg.enable_checkpointing:
-            return False
         if self._inflight is not None and self._inflight.step == step:
             return False
         if final:
@@ -190,15 +221,13 @@ class Checkpointer:
     def save(self, step: int, state, data_state: dict, metadata: dict, *, force: bool = False) -> bool:
         """Start saving `state` (a pytree of jax.Arrays), `data_state` and `metadata` (JSON-able) as `step`.
 
-        The caller decides when (should_save). Returns False, saving nothing, when checkpointing is
-        disabled or `step` is already committed or being written. First waits for the previous save;
-        if that one failed, raises its CheckpointSaveError instead of saving (the next call saves),
-        unless `force` (the SIGTERM save: a fresh checkpoint matters more; the failure stays logged).
-        Returns once the arrays are copied off the devices (async) or once committed (sync).
+        The caller decides when (should_save). Returns False, saving nothing, when `step` is already
+        committed or being written. First waits for the previous save; if that one failed, raises its
+        CheckpointSaveError instead of saving (the next call saves), unless `force` (the SIGTERM save: a
+        fresh checkpoint matters more; the failure stays logged). Returns once the arrays are copied off
+        the devices (async) or once committed (sync).
         """
         self._poll()
-        if not self._cfg.enable_checkpointing:
-            return False
         if self._inflight is not None and self._inflight.step == step:
             return False
         self._settle()  # Orbax would wait for the previous save anyway; this reports how it ended
@@ -220,7 +249,7 @@ class Checkpointer:
         except Exception as e:
             self._record_failure(step, e)
             self._raise_failure()
-        self._inflight = _InFlight(step, started, array_bytes(state))
+        self._inflight = _InFlight(step, started, tree_nbytes(state))
         if not self._cfg.async_checkpointing:
             self.wait()
         return True
@@ -307,7 +336,7 @@ class Checkpointer:
         }
         out = self._manager.restore(step, args=ocp.args.Composite(**items))
         state = jax.block_until_ready(out[STATE])  # read errors surface here, inside the fallback
-        seconds, nbytes = self._clock() - started, array_bytes(state)
+        seconds, nbytes = self._clock() - started, tree_nbytes(state)
         self._emit("checkpoint_restore_done", step=step, seconds=round(seconds, 4), bytes=nbytes)
         return Restored(step, state, out[DATA], out[METADATA], nbytes, seconds)
 

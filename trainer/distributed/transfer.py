@@ -1,20 +1,13 @@
-"""Agreeing on the restore point of a multi-process attempt and handing a host snapshot to processes without it.
+"""Small collectives over every device of a mesh, for values that live on some processes only.
 
-Every process of a new formation calls the restore source together (it runs collectives on the new
-mesh). They gather (snapshot step, newest checkpoint step, size of the data-iterator state) from each
-other, so all of them take the same decision:
-- the newest snapshot is not newer than the checkpoint: restore the checkpoint (Orbax, every process);
-- every process holds it (survivors continuing after a loss): each puts its own copy on its devices;
-- some lack it (a replacement that just joined): it is sent from the first holder in mesh order. The
-  holder contributes the values and every other device zeros, and a sum over devices delivers them
-  exactly (x + 0 == x), with the data-iterator state (JSON bytes) riding along the same way.
+`gather_rows`: each process's small int vector, seen by all. `broadcast_from_row`: a pytree held by
+one process put on the shardings of every process's devices: the holder contributes the values and
+every other device zeros, and a sum over devices delivers them exactly (x + 0 == x).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 from collections.abc import Callable
 
 import jax
@@ -68,49 +61,3 @@ def broadcast_from_row(mesh: Mesh, source_row: int, values, abstract, shardings)
         lambda t: jax.tree.map(lambda x: jnp.sum(x, axis=0, dtype=x.dtype), t), out_shardings=shardings
     )
     return total(rows)
-
-
-def shared_snapshot_source(snapshots, events, *, barrier: Callable[[], None] = lambda: None) -> Callable:
-    """A `restore_source(abstract_state, newest_checkpoint_step)` for build_attempt on many processes.
-    `barrier` runs first: every process has compiled, and the collectives below start together."""
-
-    def restore_source(abstract_state, newest_checkpoint_step):
-        barrier()
-        snapshots.settle()
-        snap = snapshots.latest
-        shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
-        mesh = jax.tree.leaves(shardings)[0].mesh
-        blob = json.dumps(snap.data_state).encode() if snap is not None else b""
-        ckpt = -1 if newest_checkpoint_step is None else newest_checkpoint_step
-        table, process_of_row = gather_rows(mesh, [snap.step if snap is not None else -1, ckpt, len(blob)])
-        if len(set(table[:, 1])) != 1:
-            raise RuntimeError(
-                f"processes see different newest checkpoints {sorted(set(table[:, 1]))}: "
-                "the checkpoint directory must be one shared filesystem"
-            )
-        best = int(table[:, 0].max())
-        if best < 0 or best < ckpt:  # a tie goes to host RAM, as in HostSnapshots
-            return None
-        if (table[:, 0] == best).all():
-            return snapshots.restore_source(abstract_state, newest_checkpoint_step)
-        t0 = time.perf_counter()
-        source_row = int(np.argmax(table[:, 0] == best))
-        mine = snap is not None and snap.step == best
-        size = int(table[:, 2].max())
-        payload = {"state": snap.state, "data": np.frombuffer(blob.ljust(size), np.uint8)} if mine else None
-        abstract = {"state": abstract_state, "data": jax.ShapeDtypeStruct((size,), np.uint8)}
-        replicated = NamedSharding(mesh, PartitionSpec())
-        out = broadcast_from_row(mesh, source_row, payload, abstract, {"state": shardings, "data": replicated})
-        state = jax.block_until_ready(out["state"])
-        data_state = json.loads(np.asarray(out["data"]).tobytes().decode().strip() or "{}")
-        nbytes = int(sum(x.nbytes for x in jax.tree.leaves(state)))
-        events.emit(
-            "snapshot_shared",
-            step=best,
-            source_process=process_of_row[source_row],
-            bytes=nbytes,
-            seconds=round(time.perf_counter() - t0, 4),
-        )
-        return state, data_state, f"snapshot:{best}"
-
-    return restore_source

@@ -8,7 +8,8 @@ per-slice test computation and additionally reports the slices that the fault in
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence, Set
+import time
+from collections.abc import Callable, Mapping, Sequence, Set
 
 import jax
 from pathwaysutils.elastic import elastic as pw_elastic
@@ -38,3 +39,30 @@ def make_checker(
     if single_controller:
         return pw_elastic.DefaultSliceHealthChecker(slice_to_devices)
     return VirtualSliceHealthChecker(slice_to_devices, outages or Outages())
+
+
+class ReturnPoller:
+    """Inactive slices that are healthy again, by the same health check as `wait_for_slices`, asked at
+    most every `interval_s` (a check runs a small computation on each inactive slice)."""
+
+    def __init__(
+        self,
+        slice_to_devices: Mapping[int, Sequence[jax.Device]],
+        active: Sequence[int],
+        outages: Outages | None,
+        *,
+        single_controller: bool,
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.inactive = {i: d for i, d in slice_to_devices.items() if i not in set(active)}
+        self.outages, self.single_controller = outages, single_controller
+        self.interval_s, self.clock = interval_s, clock
+        self.next_check = clock()
+
+    def __call__(self) -> list[int]:
+        if not self.inactive or self.clock() < self.next_check:
+            return []
+        self.next_check = self.clock() + self.interval_s
+        checker = make_checker(self.inactive, self.outages, single_controller=self.single_controller)
+        return sorted(pw_elastic.get_active_slice_indices(self.inactive, checker))

@@ -2,9 +2,9 @@
 
 `take` makes an on-device copy of each distinct shard of the state (cheap, asynchronous: the next step
 may donate the original; replicas are copied once) and copies it to host memory on a background
-thread while training continues. Recovery uses the newest complete snapshot unless a committed
-checkpoint is newer (on a tie the snapshot wins: host RAM is read faster than storage), so a slice
-failure rewinds at most `snapshot_period` steps instead of `checkpoint_period`.
+thread while training continues. Recovery restores the newest complete snapshot by the
+restore order of `trainer.restore` (unless a committed checkpoint is newer), so a slice failure rewinds
+at most `snapshot_period` steps instead of `checkpoint_period`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from trainer.state import tree_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class HostSnapshots:
             except Exception as e:  # a snapshot lost with its slice is simply not used
                 log.warning("snapshot of step %d failed: %s", step, e)
                 return
-            nbytes = sum(x.nbytes for x in jax.tree.leaves(host))
+            nbytes = tree_nbytes(host)
             with self._lock:
                 self.latest = Snapshot(step, host, data_state, nbytes)
             self.events.emit(
@@ -102,17 +104,19 @@ class HostSnapshots:
             self._thread.join()
             self._thread = None
 
-    def restore_source(self, abstract_state, newest_checkpoint_step: int | None):
-        """(state on the current mesh, data_state, label) unless there is no snapshot or a newer checkpoint."""
+    def newest_step(self, abstract_state=None, checkpoint_step: int | None = None) -> int | None:
+        """Step of the newest complete snapshot (after any in-flight copy); `trainer.restore` decides
+        whether it beats the checkpoint."""
         self.settle()
+        return None if self.latest is None else self.latest.step
+
+    def load(self, abstract_state) -> tuple[Any, dict]:
+        """The newest snapshot on the shardings of `abstract_state`, and its data-iterator state."""
         snap = self.latest
-        if snap is None or (newest_checkpoint_step is not None and snap.step < newest_checkpoint_step):
-            return None
         t0 = time.perf_counter()
         shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
-        state = jax.device_put(snap.state, shardings)
-        jax.block_until_ready(state)
+        state = jax.block_until_ready(jax.device_put(snap.state, shardings))
         self.events.emit(
             "snapshot_restored", step=snap.step, bytes=snap.nbytes, seconds=round(time.perf_counter() - t0, 4)
         )
-        return state, snap.data_state, f"snapshot:{snap.step}"
+        return state, snap.data_state

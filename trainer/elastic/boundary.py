@@ -1,0 +1,73 @@
+"""What an attempt does between two steps, besides training: the elastic bookkeeping.
+
+One `StepBoundary` per attempt, built by the supervisor from explicit parts; the train loop calls
+`before_step` and `after_step` and acts on what `after_step` returns (slices to scale up onto). In
+order, after step N has been dispatched:
+1. the profiler window;
+2. the recovery timeline: the first step completed after a failure ends its downtime;
+3. a host-RAM snapshot every `snapshot_period` steps (taken asynchronously);
+4. fault injection (local virtual slices): faults due before step N+1 fire here;
+5. returning slices: the membership round (several processes, every step) or a health check of the
+   inactive slices (at most every poll interval); any found are returned, for the supervisor to act on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+
+
+@dataclasses.dataclass
+class RecoveryStats:
+    """Counters across attempts: the last completed step, failures, steps lost, and downtime (from the
+    moment a failure reached the train function to the first completed step after it)."""
+
+    last_step: int = 0
+    failed_at: float | None = None  # wall time of the failure not yet recovered from
+    downtime_s: float = 0.0
+    steps_lost: int = 0
+    failures: int = 0
+
+
+class StepBoundary:
+    def __init__(
+        self,
+        *,
+        active: Sequence[int],
+        stats: RecoveryStats,
+        events,
+        profiler,
+        snapshots,
+        snapshot_period: int,
+        injector=None,
+        returning: Callable[[], list[int]] = list,
+        wall_time: Callable[[], float] = time.time,
+    ):
+        self.active, self.stats, self.events, self.profiler = list(active), stats, events, profiler
+        self.snapshots, self.snapshot_period, self.injector = snapshots, snapshot_period, injector
+        self.returning, self.wall_time = returning, wall_time
+
+    def before_step(self, step: int) -> None:
+        self.profiler.before_step(step)
+
+    def after_step(self, step: int, state, data_state: Callable[[], dict]) -> list[int]:
+        """Bookkeeping after `step` was dispatched (`state` is its output, maybe still running);
+        returns the slices that came back (empty: carry on)."""
+        self.stats.last_step = step
+        self.profiler.after_step(step, state)
+        if self.stats.failed_at is not None:
+            jax.block_until_ready(state)  # the timeline's "first step" means completed
+            down = self.wall_time() - self.stats.failed_at
+            self.stats.downtime_s += down
+            self.stats.failed_at = None
+            self.events.emit(
+                "first_step_after_recovery", step=step, seconds_since_detection=round(down, 3), slices=self.active
+            )
+        if self.snapshot_period and step % self.snapshot_period == 0:
+            self.snapshots.take(step, state, data_state())
+        if self.injector is not None:
+            self.injector.at_step_boundary(step + 1, in_flight=state)
+        return self.returning()

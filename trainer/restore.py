@@ -1,0 +1,112 @@
+"""Which saved state an attempt starts from: the one restore order, for every source and every run.
+
+    host snapshot  if it is at least as new as the newest committed checkpoint (a tie goes to the
+                   snapshot: host RAM is read faster than storage)
+    checkpoint     the newest committed step of this run
+    load_full_state_path, then load_parameters_path   (a new run started from other weights)
+    init           fresh parameters
+
+`choose_source` is that rule as a pure function; `restore_state` applies it. Single- and multi-process
+runs differ only in their `SnapshotSource`: one process reads its own host copy
+(`trainer.elastic.snapshot.HostSnapshots`), several agree on the newest copy any of them holds and
+send it to the ones without (`trainer.elastic.shared_snapshots.SharedSnapshots`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+SNAPSHOT, CHECKPOINT, FULL_STATE, PARAMETERS, INIT = (
+    "snapshot",
+    "checkpoint",
+    "load_full_state_path",
+    "load_parameters_path",
+    "init",
+)
+
+
+def choose_source(
+    *,
+    snapshot_step: int | None,
+    checkpoint_step: int | None,
+    load_full_state_path: str = "",
+    load_parameters_path: str = "",
+) -> str:
+    """The restore order (see the module doc) for what exists now."""
+    if snapshot_step is not None and (checkpoint_step is None or snapshot_step >= checkpoint_step):
+        return SNAPSHOT
+    if checkpoint_step is not None:
+        return CHECKPOINT
+    if load_full_state_path:
+        return FULL_STATE
+    if load_parameters_path:
+        return PARAMETERS
+    return INIT
+
+
+class SnapshotSource(Protocol):
+    """Host-RAM snapshots as a restore source (every process of the attempt calls both, in order)."""
+
+    def newest_step(self, abstract_state, checkpoint_step: int | None) -> int | None:
+        """The step of the newest snapshot the attempt can restore (the same on every process); the
+        abstract state names the attempt's mesh."""
+
+    def load(self, abstract_state) -> tuple[Any, dict]:
+        """(state on the shardings of `abstract_state`, data-iterator state) of that snapshot."""
+
+
+class SavedState(Protocol):
+    """What restore needs of the run's checkpoints (`trainer.checkpoint.open_checkpointer`)."""
+
+    def cleanup_partial(self) -> list[str]: ...
+
+    def latest_committed_step(self) -> int | None: ...
+
+    def restore(self, abstract_state): ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    state: Any
+    data_state: dict | None  # None: the data iterator starts from the beginning
+    label: str  # "snapshot:120", "checkpoint:100", "load_parameters_path", "init", ...
+
+
+def restore_state(
+    abstract_state,
+    *,
+    checkpoints: SavedState,
+    snapshots: SnapshotSource | None,
+    load_full_state_path: str,
+    load_parameters_path: str,
+    fresh_state: Callable[[Any], Any],
+) -> Restored:
+    """The attempt's starting state by `choose_source`. `fresh_state(params or None)`: a full train state
+    around loaded params (new optimizer state, step 0), or wholly initialised when None."""
+    checkpoints.cleanup_partial()
+    checkpoint_step = checkpoints.latest_committed_step()
+    snapshot_step = None if snapshots is None else snapshots.newest_step(abstract_state, checkpoint_step)
+    source = choose_source(
+        snapshot_step=snapshot_step,
+        checkpoint_step=checkpoint_step,
+        load_full_state_path=load_full_state_path,
+        load_parameters_path=load_parameters_path,
+    )
+    if source == SNAPSHOT:
+        state, data_state = snapshots.load(abstract_state)
+        return Restored(state, data_state, f"snapshot:{snapshot_step}")
+    if source == CHECKPOINT:
+        restored = checkpoints.restore(abstract_state)
+        return Restored(restored.state, restored.data_state, f"checkpoint:{restored.step}")
+    if source == FULL_STATE:
+        from trainer.checkpoint import load_full_state
+
+        return Restored(load_full_state(load_full_state_path, abstract_state), None, FULL_STATE)
+    if source == PARAMETERS:
+        from trainer.checkpoint import load_parameters
+
+        params = load_parameters(load_parameters_path, abstract_state["params"])
+        return Restored(fresh_state(params), None, PARAMETERS)
+    return Restored(fresh_state(None), None, INIT)

@@ -1,0 +1,56 @@
+"""The train state {"step", "params", "opt_state"}: its shardings on a mesh, a fresh one, and its size."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from trainer import model as qwen3
+from trainer.config.schema import ModelConfig
+from trainer.parallel.rules import tree_shardings
+
+
+def state_shardings(model: ModelConfig, rules: Sequence, mesh: Mesh, optimizer) -> tuple[Any, Any]:
+    """(shardings, abstract state) of the train state on this mesh, from the logical axis rules."""
+    logical = qwen3.param_logical_axes(model)
+    abstract_params = qwen3.abstract_params(model)
+    param_sh = tree_shardings(logical, abstract_params, mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    opt_sh = optax.tree_map_params(
+        optimizer, lambda _, s: s, abstract_opt, param_sh, transform_non_params=lambda _: replicated
+    )
+    shardings = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
+    abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract_params, "opt_state": abstract_opt}
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return shardings, abstract
+
+
+def init_state(model: ModelConfig, optimizer, shardings, *, seed: int) -> dict:
+    """Fresh parameters and optimizer state, created already sharded (never whole on one device)."""
+
+    def init(rng):
+        params = qwen3.init_params(model, rng)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+
+    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+
+
+def state_around(params, optimizer, shardings) -> dict:
+    """A step-0 train state around loaded `params`: a new optimizer state, sharded like the rest."""
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])
+    return {"step": step, "params": params, "opt_state": opt_state}
+
+
+def tree_nbytes(tree) -> int:
+    """Bytes of the arrays (device, host, or ShapeDtypeStructs) in `tree` at their global shapes: what a
+    save, restore, snapshot or transfer moves."""
+    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))

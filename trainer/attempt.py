@@ -237,7 +237,9 @@ class AttemptBuilder:
     """Builds the attempts of one run; keeps each slice set's `SlicePlan` (compiled step) across them."""
 
     def __init__(self, spec: TrainSpec, *, checkpoint_dir, events):
-        self.spec, self.checkpoint_dir, self.events = spec, checkpoint_dir, events
+        self.spec = spec
+        self.checkpoint_dir = checkpoint_dir
+        self.events = events
         self.plans: dict[tuple, SlicePlan] = {}
 
     def __call__(

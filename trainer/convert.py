@@ -109,7 +109,9 @@ class SafetensorsDir:
             raise MissingInput(
                 f"no *.safetensors in {self.dir} (only safetensors are read, never pickled .bin/.pt files)"
             )
-        self._handles, self._where, self._meta = [], {}, {}
+        self._handles = []
+        self._where = {}
+        self._meta = {}
         for f in files:
             if not f.is_file():
                 raise MissingInput(f"{f} is listed in {index} but does not exist")

@@ -84,8 +84,12 @@ class StepRecords:
         peak_tflops: float | None,
         timer: Callable[[], float] = time.perf_counter,
     ):
-        self.flops_per_step, self.tokens_per_step, self.devices = flops_per_step, tokens_per_step, devices
-        self.global_batch_size, self.peak, self.timer = global_batch_size, peak_tflops, timer
+        self.flops_per_step = flops_per_step
+        self.tokens_per_step = tokens_per_step
+        self.devices = devices
+        self.global_batch_size = global_batch_size
+        self.peak = peak_tflops
+        self.timer = timer
         self.last_ready = timer()
 
     def record(self, pending: _Pending, *, skipped_steps: int) -> dict[str, Any]:

@@ -19,7 +19,8 @@ class NonFinitePolicy:
     """Applies nan_policy to each step's metrics record, and remembers the batches rolled back."""
 
     def __init__(self, policy: str, events):
-        self.policy, self.events = policy, events
+        self.policy = policy
+        self.events = events
         self.skipped_steps = 0
         self.rolled_back: set[int] = set()  # steps whose batch every later pass over them skips
 

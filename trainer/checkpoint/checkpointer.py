@@ -132,7 +132,9 @@ class Checkpointer:
     ):
         self._manager = None  # first, so that close() works on a half-built object
         self.directory = epath.Path(directory)
-        self._cfg, self._on_event, self._clock = cfg, on_event, clock
+        self._cfg = cfg
+        self._on_event = on_event
+        self._clock = clock
         self._inflight: _InFlight | None = None
         self._failure: CheckpointSaveError | None = None  # newest failed save, not raised yet
         keep = cfg.max_num_checkpoints_to_keep

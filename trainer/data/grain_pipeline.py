@@ -110,7 +110,10 @@ class DocumentLoader:
     """Source record index -> (ids, mask) document; errors name the shard and the record."""
 
     def __init__(self, files: list[str], counts: list[int], fmt: DocumentFormat, tok: Tokenizer, vocab_size: int):
-        self.files, self.fmt, self.tok, self.vocab_size = files, fmt, tok, vocab_size
+        self.files = files
+        self.fmt = fmt
+        self.tok = tok
+        self.vocab_size = vocab_size
         self.ends = list(np.cumsum(counts))
         self.source = grain.sources.ArrayRecordDataSource(files)
 
@@ -161,8 +164,13 @@ class RowStreams(grain.IterDataset):
         own: range,
     ):
         super().__init__()
-        self.order, self.load, self.geometry = order, load, geometry
-        self.base, self.cursors, self.rows, self.own = base, cursors, rows, own
+        self.order = order
+        self.load = load
+        self.geometry = geometry
+        self.base = base
+        self.cursors = cursors
+        self.rows = rows
+        self.own = own
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
         """Grain calls this in worker w of W with slice(w, None, W): the worker owns those row streams."""
@@ -268,12 +276,16 @@ class ArrayRecordIterator:
         worker_buffer_size: int,
     ):
         rows = geometry.global_rows // process_count
-        self.load, self.geometry, self.seed = load, geometry, seed
+        self.load = load
+        self.geometry = geometry
+        self.seed = seed
         self.own = range(process_index * rows, (process_index + 1) * rows)
-        self.worker_count, self.worker_buffer_size = worker_count, worker_buffer_size
+        self.worker_count = worker_count
+        self.worker_buffer_size = worker_buffer_size
         order = grain.MapDataset.range(len(load.source)).shuffle(seed=seed)
         self.order = order.repeat(num_epoch) if num_epoch > 0 else order.repeat()
-        self.base, self.step = 0, 0
+        self.base = 0
+        self.step = 0
         self.cursors = np.zeros(geometry.global_rows, np.int64)
         self._it = None
         self._exhausted = False

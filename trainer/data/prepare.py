@@ -419,7 +419,8 @@ class Progress:
     """A one-line progress report on stderr (redrawn on a terminal, a line every 10 s otherwise)."""
 
     def __init__(self, total_files: int, stream=sys.stderr):
-        self.total_files, self.stream = total_files, stream
+        self.total_files = total_files
+        self.stream = stream
         self.tty = getattr(stream, "isatty", lambda: False)()
         self.start = self.last = time.monotonic()
 

@@ -32,7 +32,8 @@ class SyntheticIterator:
     ):
         if global_batch_size % process_count:
             raise ValueError(f"global batch {global_batch_size} does not split over {process_count} processes")
-        self.seq_len, self.seed = seq_len, seed
+        self.seq_len = seq_len
+        self.seed = seed
         self.global_batch_size = global_batch_size
         rows = global_batch_size // process_count
         self.row_range = range(process_index * rows, (process_index + 1) * rows)

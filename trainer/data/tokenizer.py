@@ -66,7 +66,9 @@ class Tokenizer:
         return {"path": self.path, "kind": self.kind}
 
     def __setstate__(self, state):
-        self.path, self.kind, self._impl = state["path"], state["kind"], None
+        self.path = state["path"]
+        self.kind = state["kind"]
+        self._impl = None
         self._load()
 
     def _load(self) -> None:

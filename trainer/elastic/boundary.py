@@ -46,9 +46,15 @@ class StepBoundary:
         returning: Callable[[], list[int]] = list,
         wall_time: Callable[[], float] = time.time,
     ):
-        self.active, self.stats, self.events, self.profiler = list(active), stats, events, profiler
-        self.snapshots, self.snapshot_period, self.injector = snapshots, snapshot_period, injector
-        self.returning, self.wall_time = returning, wall_time
+        self.active = list(active)
+        self.stats = stats
+        self.events = events
+        self.profiler = profiler
+        self.snapshots = snapshots
+        self.snapshot_period = snapshot_period
+        self.injector = injector
+        self.returning = returning
+        self.wall_time = wall_time
 
     def before_step(self, step: int) -> None:
         self.profiler.before_step(step)

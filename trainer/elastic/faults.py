@@ -115,7 +115,9 @@ class FaultInjector:
     def __init__(self, faults: list[Fault], outages: Outages, chaos_dir: Path | None, events):
         self.pending = sorted((f for f in faults if not f.nan), key=lambda f: f.step)
         self.nan_steps = {f.step for f in faults if f.nan}
-        self.outages, self.chaos_dir, self.events = outages, chaos_dir, events
+        self.outages = outages
+        self.chaos_dir = chaos_dir
+        self.events = events
         self.last_cause = ""
         self.next_step = 1
         self._own_attempt: dict | None = None  # see _attempt

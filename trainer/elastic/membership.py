@@ -77,7 +77,10 @@ class Membership:
         for d in self.devices:
             self.by_process.setdefault(d.process_index, []).append(d)
         self.per_slice = processes_per_slice
-        self.me, self.client, self.events, self.clock = process_index, client, events, clock
+        self.me = process_index
+        self.client = client
+        self.events = events
+        self.clock = clock
         self.current: dict[int, int] | None = None  # the newest round: process -> incarnation
         self.previous: dict[int, int] | None = None  # the round before it
         self._formed: dict[str, int] = {}  # signature -> formations so far
@@ -111,7 +114,8 @@ class Membership:
             new[d.process_index] = int(incarnation)
         if entry is not None:  # this process's first rounds: entry and exit of one live_devices call
             self.current = new if entry == set(new) else None
-        self.previous, self.current = self.current, new
+        self.previous = self.current
+        self.current = new
         return new
 
     def round(self) -> dict[int, int]:

@@ -31,7 +31,9 @@ class SharedSnapshots:
     `barrier` runs first: every process has compiled, and the collectives start together."""
 
     def __init__(self, snapshots: HostSnapshots, events, *, barrier: Callable[[], None] = lambda: None):
-        self.snapshots, self.events, self.barrier = snapshots, events, barrier
+        self.snapshots = snapshots
+        self.events = events
+        self.barrier = barrier
         self.mesh = None
         self._table: np.ndarray | None = None
         self._process_of_row: list[int] = []

@@ -56,8 +56,10 @@ class ReturnPoller:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.inactive = {i: d for i, d in slice_to_devices.items() if i not in set(active)}
-        self.outages, self.single_controller = outages, single_controller
-        self.interval_s, self.clock = interval_s, clock
+        self.outages = outages
+        self.single_controller = single_controller
+        self.interval_s = interval_s
+        self.clock = clock
         self.next_check = clock()
 
     def __call__(self) -> list[int]:

@@ -79,9 +79,16 @@ class Supervisor:
         single_controller: bool = False,
         sync: Callable[[], None] = lambda: None,
     ):
-        self.elastic, self.attempts, self.run_loop = elastic, attempts, run_loop
-        self.events, self.profiler, self.snapshots, self.sync = events, profiler, snapshots, sync
-        self.injector, self.outages, self.membership = injector, outages, membership
+        self.elastic = elastic
+        self.attempts = attempts
+        self.run_loop = run_loop
+        self.events = events
+        self.profiler = profiler
+        self.snapshots = snapshots
+        self.sync = sync
+        self.injector = injector
+        self.outages = outages
+        self.membership = membership
         self.single_controller = single_controller
         self.slice_to_devices = dict(enumerate(slices))
         self.total = len(slices)

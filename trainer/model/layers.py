@@ -103,7 +103,9 @@ class Attention(nnx.Module):
         weight_dtype,
         rngs: nnx.Rngs,
     ):
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
         self.eps, self.dtype = eps, jnp.dtype(dtype)
         self.q_proj = matrix(rngs, (emb_dim, num_heads, head_dim), ("embed", "heads", "head_dim"), weight_dtype)
         self.k_proj = matrix(

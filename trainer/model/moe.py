@@ -93,7 +93,9 @@ class MoeMlp(nnx.Module):
         weight_dtype,
         rngs: nnx.Rngs,
     ):
-        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
         self.capacity_factor, self.dtype = capacity_factor, jnp.dtype(dtype)
         e, d, f = num_experts, emb_dim, moe_mlp_dim
         self.router = matrix(rngs, (d, e), ("embed", None), weight_dtype)

@@ -22,7 +22,8 @@ class EventLog:
     """
 
     def __init__(self, path: Path | None, *, clock: Callable[[], float] = time.time):
-        self.path, self.clock = path, clock
+        self.path = path
+        self.clock = clock
         self._lock = threading.Lock()
         self._file = open_append(path) if path is not None else None
 

@@ -22,7 +22,8 @@ class StepProfiler:
         self.enabled = cfg.profiler == "xplane"
         self.first = cfg.skip_first_n_steps_for_profiler + 1
         self.last = cfg.skip_first_n_steps_for_profiler + cfg.profiler_steps
-        self.logdir, self.events = logdir, events
+        self.logdir = logdir
+        self.events = events
         self.active = False
         self.done = False
 

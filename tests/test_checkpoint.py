@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -203,6 +204,31 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_committed_one(tm
     [failed] = events.named("checkpoint_restore_failed")
     assert failed["step"] == 20 and failed["error"]
     assert [f["step"] for f in events.named("checkpoint_restore_start")] == [20, 10]
+    ckpt.close()
+
+
+def test_an_unreadable_step_is_set_aside_and_saved_again_when_training_reaches_it(tmp_path, mesh4):
+    events = Events()
+    root = tmp_path / "ckpt"
+    ckpt = Checkpointer(root, _cfg(), on_event=events)
+    for step in (10, 20):
+        ckpt.save(step, _state(mesh4, P("fsdp"), step), {"position": step}, {})
+        ckpt.wait()
+    for data_dir in (root / "20" / "state").glob("**/d"):
+        for chunk in data_dir.iterdir():
+            chunk.write_bytes(chunk.read_bytes()[:3])
+
+    assert ckpt.restore(_abstract(_state(mesh4, P("fsdp")), mesh4, P("fsdp"))).step == 10
+    [aside] = events.named("checkpoint_set_aside")
+    assert aside["step"] == 20 and aside["reason"]
+    assert not (root / "20").exists() and Path(aside["path"]).is_dir(), "kept for inspection, not deleted"
+    assert ckpt.committed_steps() == [10] and ckpt.cleanup_partial() == [], "neither a step nor a partial"
+    # Training from step 10 reaches step 20 again: it is saved, not skipped as "already committed".
+    assert ckpt.save(20, _state(mesh4, P("fsdp"), 20), {"position": 20}, {})
+    ckpt.wait()
+    again = ckpt.restore(_abstract(_state(mesh4, P("fsdp")), mesh4, P("fsdp")))
+    assert again.step == 20 and again.data_state == {"position": 20}
+    _assert_same(again.state, _state(mesh4, P("fsdp"), 20))
     ckpt.close()
 
 

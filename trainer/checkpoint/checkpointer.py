@@ -301,7 +301,8 @@ class Checkpointer:
     def restore(self, abstract_state, step: int | None = None) -> Restored | None:
         """Restore the newest committed step (or `step`, which must be committed) onto the shardings of
         `abstract_state` (jax.ShapeDtypeStruct leaves with .sharding, any mesh). A step that fails to
-        read is logged and emitted, and the next older committed step is tried. Returns None if there
+        read is logged and emitted, moved aside (`_set_aside`: saved again when training reaches it), and
+        the next older committed step is tried. Returns None if there
         is no committed step; raises CheckpointRestoreError if every one failed. A JaxRuntimeError
         (a device or slice failure, not a bad checkpoint) propagates at once."""
         self._settle()
@@ -320,12 +321,29 @@ class Checkpointer:
                 raise
             except Exception as e:
                 self._emit("checkpoint_restore_failed", logging.ERROR, step=candidate, error=_describe(e))
+                self._set_aside(candidate, e)
                 first_error = first_error or e
         if first_error is None:
             return None
         raise CheckpointRestoreError(
             f"no committed checkpoint in {self.directory} could be restored (tried {steps[::-1]})"
         ) from first_error
+
+    def _set_aside(self, step: int, error: Exception) -> None:
+        """Move an unreadable committed step to `<step>.unreadable-<unix time>` (kept for inspection; no
+        longer a step, partial or committed), so the run saves that step again when it reaches it instead
+        of skipping it as "already committed". Only the primary host moves it."""
+        if self._primary_host is not None and jax.process_index() != self._primary_host:
+            return
+        path = commit.step_dir(self.directory, step)
+        aside = path.parent / f"{path.name}{commit.UNREADABLE_SUFFIX}{int(time.time())}"
+        try:
+            path.rename(aside)
+        except OSError as e:  # another process moved it, or storage refuses: restore goes on regardless
+            log.warning("unreadable checkpoint step=%d not moved aside: %s", step, _describe(e))
+            return
+        self._manager.reload()
+        self._emit("checkpoint_set_aside", logging.WARNING, step=step, path=str(aside), reason=_describe(error))
 
     def _restore_step(self, step: int, abstract_state) -> Restored:
         self._emit("checkpoint_restore_start", step=step)

@@ -6,7 +6,9 @@ to `<step>`, on object stores (gs://) into `<step>` itself, which has no rename.
 filesystem "finalized" is the same test, `is_committed` below. Everything else in the checkpoints
 directory that looks like a step is partial: an `<step>.orbax-checkpoint-tmp*` directory left by a
 killed save, or a `<step>` directory without the marker (an object-store save that never finished, or
-an interrupted copy). Paths go through etils.epath, so local and gs:// paths work alike.
+an interrupted copy). A `<step>.unreadable-<time>` directory is neither: a committed step that failed to
+restore, moved aside by the checkpointer and kept for inspection. Paths go through etils.epath, so
+local and gs:// paths work alike.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from etils import epath
 
 COMMIT_MARKER = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE  # "commit_success.txt"
 TMP_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
+UNREADABLE_SUFFIX = ".unreadable-"  # <step>.unreadable-<unix time>: a committed step that failed to read
 _STEP_DIR = re.compile(r"(\d+)")
 _TMP_STEP_DIR = re.compile(r"(\d+)" + re.escape(TMP_SUFFIX) + r".*")
 

@@ -1,7 +1,7 @@
 """Checkpoint cost: loop time blocked per save, step-time overhead at a period, restore speed vs disk.
 
     python benchmarks/checkpoint_overhead.py [--model qwen3-tiny] [--period 100] [--steps N] [--ab]
-                                             [key=value ...]
+                                             [--tier persistent|local] [key=value ...]
 
 Runs the CLI with async Orbax checkpoints every `--period` steps (default 100: the reference run's
 checkpoint_period) and reports:
@@ -13,6 +13,8 @@ checkpoint_period) and reports:
   cross-check (run-to-run noise here is a few percent);
 - the restore time of the newest checkpoint (the run resumed for one more step) next to this disk's
   sequential write (fsync) and read bandwidth, measured on a file of the checkpoint's size.
+`--tier local` measures the local checkpoint tier instead (local_checkpoint_directory on this machine's
+disk, saving every `--period` steps, persistent checkpoints off so the restore reads the local tier).
 Extra `key=value` arguments go to the trainer (e.g. checkpoint_compression=false). TRAINER_SMOKE=1 runs
 it all at minimal sizes (see cli_runs).
 """
@@ -72,6 +74,7 @@ def main() -> None:
     p.add_argument("--period", type=int, default=100)
     p.add_argument("--steps", type=int, default=0, help="default: 3 periods + 5 steps (3 measured saves)")
     p.add_argument("--ab", action="store_true", help="also run without checkpoints and compare mean step times")
+    p.add_argument("--tier", choices=["persistent", "local"], default="persistent", help="the tier to measure")
     p.add_argument("extra", nargs="*", help="more key=value for the trainer")
     args = p.parse_args()
     args.period = smoke_cap(args.period, 2)
@@ -80,24 +83,32 @@ def main() -> None:
         [f"model={args.model}", f"steps={steps}", "log_period=1000", *args.extra], **SMOKE_SHAPE
     )
     announce_smoke(f"checkpoint period {args.period}, {steps} steps, {SMOKE_SHAPE_TEXT}")
-    ckpt_args = [*common, f"checkpoint_period={args.period}", "max_num_checkpoints_to_keep=2"]
+    prefix = "local_" if args.tier == "local" else ""  # the local tier's events carry this prefix
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        if args.tier == "local":
+            tier = [f"local_checkpoint_directory={root / 'node_local'}", f"local_checkpoint_period={args.period}"]
+            ckpt_args = [*common, "enable_checkpointing=false", *tier]
+        else:
+            ckpt_args = [*common, f"checkpoint_period={args.period}", "max_num_checkpoints_to_keep=2"]
         ckpt = run(root, "ckpt", ckpt_args)
         events = read_jsonl(ckpt / "events.jsonl")
-        blocked = [e for e in events if e["event"] == "checkpoint_save_blocked"]
-        saved = [e for e in events if e["event"] == "checkpoint_save_committed"]
-        excess, base = excess_step_time(ckpt, "checkpoint_save_start", "checkpoint_save_committed")
+        blocked = [e for e in events if e["event"] == f"{prefix}checkpoint_save_blocked"]
+        saved = [e for e in events if e["event"] == f"{prefix}checkpoint_save_committed"]
+        start, end = f"{prefix}checkpoint_save_start", f"{prefix}checkpoint_save_committed"
+        excess, base = excess_step_time(ckpt, start, end)
+        waited = [e.get("waited_for_step_s", 0.0) for e in blocked]  # the local tier does not wait apart
         per_save = smoke_median(excess)
         out = {
             "model": args.model,
+            "tier": args.tier,
             "checkpoint_period": args.period,
             "steps": steps,
             "extra": args.extra,
             "saves": len(saved),
             "baseline_step_time_s": round(base, 4),
             "median_loop_blocked_per_save_s": round(median([e["seconds"] for e in blocked]), 4),
-            "median_of_which_waiting_for_the_step_s": round(median([e["waited_for_step_s"] for e in blocked]), 4),
+            "median_of_which_waiting_for_the_step_s": round(median(waited), 4),
             "median_async_save_s": round(median([e["seconds"] for e in saved]), 3),
             "extra_step_time_per_save_s": [round(x, 3) for x in excess],
             "step_time_overhead_at_period": None
@@ -111,6 +122,7 @@ def main() -> None:
             out["ab_step_time_overhead"] = round(mean(step_times(ckpt)) / mean(step_times(plain)) - 1, 4)
         run(root, "ckpt", [*ckpt_args, f"steps={steps + 1}", f"learning_rate_schedule_steps={steps}"])
         restore = [e for e in read_jsonl(ckpt / "events.jsonl") if e["event"] == "restore_end"][-1]
+        assert restore["source"].startswith("local:" if prefix else "checkpoint:"), restore
         nbytes = restore["bytes"]
         write_mb, read_mb = disk_bandwidth(root, nbytes)
     out.update(

@@ -147,3 +147,32 @@ def test_a_failing_checkpoint_write_exits_non_zero_never_0(tmp_path):
     proc = run_cli(tmp_path, "w", *COMMON, devices=1)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("STATUS: failed")
+
+
+def _local_committed(local_root):
+    run = local_root / "k"
+    if not run.is_dir():
+        return []
+    return sorted(int(p.name) for p in run.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists())
+
+
+def test_kill_9_resumes_from_the_newer_local_tier_and_matches_an_uninterrupted_run(baseline, tmp_path):
+    local_root = tmp_path / "node_local"
+    tier = [f"local_checkpoint_directory={local_root}", "local_checkpoint_period=1"]
+
+    def ready(run):  # a local step newer than every persistent one (period 3) is committed
+        return any(s > 6 and s % 3 for s in _local_committed(local_root))
+
+    _kill_when(tmp_path, "k", ready, *tier)
+    persistent = _committed(tmp_path / "k")[-1]
+    local = _local_committed(local_root)[-1]
+    assert local > persistent
+    proc = run_cli(tmp_path, "k", *COMMON, *tier, devices=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resuming from step {local}" in proc.stdout + proc.stderr
+    evs = events(tmp_path / "k")
+    start = [e for e in evs if e["event"] == "attempt_start"][-1]
+    assert start["source"] == f"local:{local}" and start["start_step"] == local
+    assert any(e["event"] == "local_checkpoint_save_committed" for e in evs)
+    _assert_same_run(tmp_path / "k", baseline)
+    assert len(_local_committed(local_root)) <= 2, "max_num_local_checkpoints_to_keep bounds the local disk use"

@@ -93,6 +93,9 @@ def test_values_that_follow_other_keys_stay_as_given():
         (["model=/missing.yml"], "model file not found"),
         (["fault_schedule=garbage"], "fault_schedule entry 'garbage'"),
         (["dcn_data_parallelism=3", "num_slices=2"], "no longer a config key"),
+        (["local_checkpoint_period=5"], "needs both local_checkpoint_directory and local_checkpoint_period"),
+        (["local_checkpoint_directory=/mnt/ssd"], "needs both local_checkpoint_directory"),
+        (["local_checkpoint_directory=gs://b/x", "local_checkpoint_period=5"], "must be node-local storage"),
     ],
 )
 def test_bad_input_raises_a_config_error_that_names_the_problem(override, message):

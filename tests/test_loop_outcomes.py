@@ -78,6 +78,7 @@ def _attempt(nan_at=(), start=0):
         batch_sharding=NamedSharding(mesh, PartitionSpec()),
         iterator=_Batches(start),
         checkpointer=NoCheckpoints(),
+        local_checkpointer=NoCheckpoints(),
         flops_per_step=1.0,
         sequence_length=4,
         checkpoint_metadata={},

@@ -120,6 +120,22 @@ def test_one_restore_order_for_every_source(snapshot, checkpoint, full, params, 
     assert got == source
 
 
+@pytest.mark.parametrize(
+    "snapshot, local, checkpoint, source",
+    [
+        (None, 7, 6, "local"),
+        (None, 6, 6, "local"),  # a tie goes to the faster read
+        (None, 5, 6, "checkpoint"),
+        (7, 7, 6, "snapshot"),
+        (6, 7, 6, "local"),
+        (None, 7, None, "local"),
+    ],
+)
+def test_the_local_tier_wins_when_it_is_the_newest(snapshot, local, checkpoint, source):
+    got = choose_source(snapshot_step=snapshot, local_step=local, checkpoint_step=checkpoint)
+    assert got == source
+
+
 def test_a_retry_on_slices_seen_before_reuses_their_layout_and_builds_fresh_state(tmp_path):
     cfg = load_config(
         "base.yml",

@@ -24,7 +24,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer import model as qwen3
-from trainer.checkpoint import open_checkpointer
+from trainer.checkpoint import NoCheckpoints, open_checkpointer
 from trainer.config.schema import CheckpointConfig, DataConfig, MeshConfig, ModelConfig, OptimConfig
 from trainer.data.batch import BATCH_KEYS
 from trainer.data.pipeline import make_train_iterator
@@ -216,6 +216,7 @@ class Attempt:
     batch_sharding: NamedSharding
     iterator: Any
     checkpointer: Any
+    local_checkpointer: Any  # the local tier, or NoCheckpoints
     flops_per_step: float
     sequence_length: int
     checkpoint_metadata: dict
@@ -236,9 +237,10 @@ def slice_set_key(slices: list[list]) -> tuple:
 class AttemptBuilder:
     """Builds the attempts of one run; keeps each slice set's `SlicePlan` (compiled step) across them."""
 
-    def __init__(self, spec: TrainSpec, *, checkpoint_dir, events):
+    def __init__(self, spec: TrainSpec, *, checkpoint_dir, events, local_checkpoint_dir=None):
         self.spec = spec
         self.checkpoint_dir = checkpoint_dir
+        self.local_checkpoint_dir = local_checkpoint_dir  # the local tier (None: off)
         self.events = events
         self.plans: dict[tuple, SlicePlan] = {}
 
@@ -293,12 +295,15 @@ class AttemptBuilder:
             # committed).
             close_s = CLOSE_TIMEOUT_S if checkpoint_multiprocessing is None else MULTIPROCESS_CLOSE_TIMEOUT_S
             stack.callback(partial(checkpointer.close, timeout_s=close_s))
+            local = self._local_tier()
+            stack.callback(partial(local.close, timeout_s=close_s))
             t0 = time.perf_counter()
             events.emit("restore_start")
             restored = restore_state(
                 plan.abstract_state,
                 checkpoints=checkpointer,
                 snapshots=snapshots,
+                local_checkpoints=local,
                 load_full_state_path=spec.checkpoint.load_full_state_path,
                 load_parameters_path=spec.checkpoint.load_parameters_path,
                 fresh_state=partial(self._fresh_state, plan),
@@ -343,6 +348,7 @@ class AttemptBuilder:
                 batch_sharding=plan.batch_sharding,
                 iterator=iterator,
                 checkpointer=checkpointer,
+                local_checkpointer=local,
                 flops_per_step=qwen3.training_flops_per_token(spec.model, length) * tokens,
                 sequence_length=length,
                 checkpoint_metadata=metadata,
@@ -351,6 +357,25 @@ class AttemptBuilder:
         except BaseException:
             stack.close()
             raise
+
+    def _local_tier(self):
+        """The local checkpoint tier: the same checkpointer on node-local storage, on its own period and
+        retention; its events are the persistent tier's with a `local_` prefix."""
+        c = self.spec.checkpoint
+        if self.local_checkpoint_dir is None:
+            return NoCheckpoints()
+        settings = dataclasses.replace(
+            c,
+            enable_checkpointing=True,
+            checkpoint_period=c.local_checkpoint_period,
+            max_num_checkpoints_to_keep=c.max_num_local_checkpoints_to_keep,
+            enable_continuous_checkpointing=False,
+            checkpoint_compression=False,  # node-local disk: less CPU per save matters more than size
+        )
+        events = self.events
+        return open_checkpointer(
+            self.local_checkpoint_dir, settings, on_event=lambda name, fields: events(f"local_{name}", fields)
+        )
 
     def _fresh_state(self, plan: SlicePlan, params=None) -> dict:
         if params is None:

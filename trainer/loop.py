@@ -150,7 +150,8 @@ def train_loop(
         sinks.write(record)
         return nonfinite.check(record)
 
-    ckpt, iterator, state, step = attempt.checkpointer, attempt.iterator, attempt.state, attempt.start_step
+    ckpt, local = attempt.checkpointer, attempt.local_checkpointer
+    iterator, state, step = attempt.iterator, attempt.state, attempt.start_step
     pending: _Pending | None = None
     try:
         while step < steps:
@@ -179,6 +180,12 @@ def train_loop(
                         seconds=round(time.perf_counter() - t0, 4),
                         waited_for_step_s=round(waited, 4),
                     )
+            elif local.should_save(step, final=False):  # the local tier, on steps the persistent one skips
+                t0 = time.perf_counter()
+                if local.save(step, state, iterator.get_state(), attempt.checkpoint_metadata):
+                    events.emit(
+                        "local_checkpoint_save_blocked", step=step, seconds=round(time.perf_counter() - t0, 4)
+                    )
             returning = boundary.after_step(step, state, iterator.get_state)
             if returning:
                 done, pending = pending, None
@@ -199,6 +206,7 @@ def train_loop(
         raise
     if pending is not None and finish_record(pending, last=True):
         return Outcome(ROLLBACK, pending.step)
+    local.wait()
     ckpt.wait()
     return Outcome(FINISHED, step)
 

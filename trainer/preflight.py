@@ -96,15 +96,19 @@ def data_problems(cfg: RunConfig) -> None:
     load_tokenizer(cfg.data, cfg.model.vocab_size)
 
 
-def check(cfg: RunConfig, checkpoints: epath.Path) -> Preflight:
+def check(cfg: RunConfig, checkpoints: epath.Path, *, local_checkpoints: epath.Path | None = None) -> Preflight:
     """Raise a UserInputError (ConfigError, DataError, ...) naming an unusable input; say where the run
-    starts from."""
+    starts from (the newest committed step of the persistent or the local checkpoint tier)."""
     from trainer.checkpoint import commit
 
-    steps = commit.committed_steps(checkpoints) if cfg.checkpoint.enable_checkpointing else []
-    resume = steps[-1] if steps else None
+    candidates = []  # (step, its directory)
+    if cfg.checkpoint.enable_checkpointing:
+        candidates += [(s, checkpoints) for s in commit.committed_steps(checkpoints)]
+    if local_checkpoints is not None:
+        candidates += [(s, local_checkpoints) for s in commit.committed_steps(local_checkpoints)]
+    resume, root = max(candidates, key=lambda c: c[0]) if candidates else (None, None)
     if resume is not None:
-        problems = resumed_shape_problems(cfg, commit.step_dir(checkpoints, resume))
+        problems = resumed_shape_problems(cfg, commit.step_dir(root, resume))
         if problems:
             raise ConfigError("cannot resume: " + "; ".join(problems))
     else:

@@ -1,8 +1,8 @@
 """Which saved state an attempt starts from: the one restore order, for every source and every run.
 
-    host snapshot  if it is at least as new as the newest committed checkpoint (a tie goes to the
-                   snapshot: host RAM is read faster than storage)
-    checkpoint     the newest committed step of this run
+    host snapshot  \
+    local tier      } the newest of the three; a tie goes to the faster read (snapshot, then local)
+    checkpoint     /  (the newest committed step of this run's persistent checkpoints)
     load_full_state_path, then load_parameters_path   (a new run started from other weights)
     init           fresh parameters
 
@@ -18,8 +18,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
-SNAPSHOT, CHECKPOINT, FULL_STATE, PARAMETERS, INIT = (
+SNAPSHOT, LOCAL, CHECKPOINT, FULL_STATE, PARAMETERS, INIT = (
     "snapshot",
+    "local",
     "checkpoint",
     "load_full_state_path",
     "load_parameters_path",
@@ -31,14 +32,20 @@ def choose_source(
     *,
     snapshot_step: int | None,
     checkpoint_step: int | None,
+    local_step: int | None = None,
     load_full_state_path: str = "",
     load_parameters_path: str = "",
 ) -> str:
     """The restore order (see the module doc) for what exists now."""
-    if snapshot_step is not None and (checkpoint_step is None or snapshot_step >= checkpoint_step):
-        return SNAPSHOT
-    if checkpoint_step is not None:
-        return CHECKPOINT
+    saved = [
+        (step, rank, source)
+        for rank, (step, source) in enumerate(
+            [(snapshot_step, SNAPSHOT), (local_step, LOCAL), (checkpoint_step, CHECKPOINT)]
+        )
+        if step is not None
+    ]
+    if saved:
+        return max(saved, key=lambda s: (s[0], -s[1]))[2]  # newest step; on a tie the faster read
     if load_full_state_path:
         return FULL_STATE
     if load_parameters_path:
@@ -79,6 +86,7 @@ def restore_state(
     *,
     checkpoints: SavedState,
     snapshots: SnapshotSource | None,
+    local_checkpoints: SavedState | None = None,
     load_full_state_path: str,
     load_parameters_path: str,
     fresh_state: Callable[[Any], Any],
@@ -87,16 +95,33 @@ def restore_state(
     around loaded params (new optimizer state, step 0), or wholly initialised when None."""
     checkpoints.cleanup_partial()
     checkpoint_step = checkpoints.latest_committed_step()
-    snapshot_step = None if snapshots is None else snapshots.newest_step(abstract_state, checkpoint_step)
+    local_step = None
+    if local_checkpoints is not None:
+        local_checkpoints.cleanup_partial()
+        local_step = local_checkpoints.latest_committed_step()
+    newest_saved = max((s for s in (checkpoint_step, local_step) if s is not None), default=None)
+    snapshot_step = None if snapshots is None else snapshots.newest_step(abstract_state, newest_saved)
     source = choose_source(
         snapshot_step=snapshot_step,
         checkpoint_step=checkpoint_step,
+        local_step=local_step,
         load_full_state_path=load_full_state_path,
         load_parameters_path=load_parameters_path,
     )
     if source == SNAPSHOT:
         state, data_state = snapshots.load(abstract_state)
         return Restored(state, data_state, f"snapshot:{snapshot_step}")
+    if source == LOCAL:
+        restored = _local_or_none(local_checkpoints, abstract_state)
+        if restored is not None and restored.step >= (checkpoint_step or 0):
+            return Restored(restored.state, restored.data_state, f"local:{restored.step}")
+        # No local step newer than the persistent one read: the order goes on without the local tier.
+        source = choose_source(
+            snapshot_step=None,
+            checkpoint_step=checkpoint_step,
+            load_full_state_path=load_full_state_path,
+            load_parameters_path=load_parameters_path,
+        )
     if source == CHECKPOINT:
         restored = checkpoints.restore(abstract_state)
         return Restored(restored.state, restored.data_state, f"checkpoint:{restored.step}")
@@ -110,3 +135,13 @@ def restore_state(
         params = load_parameters(load_parameters_path, abstract_state["params"])
         return Restored(fresh_state(params), None, PARAMETERS)
     return Restored(fresh_state(None), None, INIT)
+
+
+def _local_or_none(local_checkpoints: SavedState, abstract_state):
+    """The newest readable local step, or None when none reads (the persistent tier is next)."""
+    from trainer.checkpoint import CheckpointRestoreError
+
+    try:
+        return local_checkpoints.restore(abstract_state)
+    except CheckpointRestoreError:
+        return None

@@ -109,7 +109,12 @@ def build_supervisor(
     return Supervisor(
         cfg.elastic,
         slices,
-        attempts=AttemptBuilder(train_spec(cfg), checkpoint_dir=paths.checkpoints, events=events),
+        attempts=AttemptBuilder(
+            train_spec(cfg),
+            checkpoint_dir=paths.checkpoints,
+            local_checkpoint_dir=paths.local_checkpoints,
+            events=events,
+        ),
         run_loop=run_loop,
         events=events,
         profiler=StepProfiler(cfg.observe, paths.local / "profile", events),
@@ -142,6 +147,11 @@ def process_slices(cfg: RunConfig, settings: DistributedSettings, events):
             f"num_slices={cfg.mesh.num_slices} but {settings.num_processes} processes with "
             f"processes_per_slice={settings.processes_per_slice} form {membership.num_slices} "
             f"slices; set num_slices={membership.num_slices}"
+        )
+    if cfg.checkpoint.local_checkpoint_directory:
+        raise ConfigError(
+            "the local checkpoint tier (local_checkpoint_directory) runs in one process; with several "
+            "processes leave it unset (snapshot_period keeps in-process recovery cheap)"
         )
     if cfg.elastic.fault_schedule:
         raise ConfigError(

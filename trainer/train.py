@@ -122,8 +122,11 @@ def _prepare(cfg):
         dataset_type=cfg.data.dataset_type,
         grain_train_files=cfg.data.grain_train_files,
     )
-    paths = _process_paths(run_paths(cfg.train.base_output_directory, name), cfg)
-    checked = preflight.check(cfg, paths.checkpoints)
+    paths = run_paths(
+        cfg.train.base_output_directory, name, local_checkpoint_directory=cfg.checkpoint.local_checkpoint_directory
+    )
+    paths = _process_paths(paths, cfg)
+    checked = preflight.check(cfg, paths.checkpoints, local_checkpoints=paths.local_checkpoints)
     where = f"resuming from step {checked.resume_step}" if checked.resume_step is not None else "new run"
     logging.getLogger("trainer.train").info(
         "event=run_dir run_dir=%s run_name=%s named_by=%s start=%s",

@@ -202,6 +202,20 @@ class CheckpointConfig:
         "zstd-compress checkpoint arrays (Orbax's default): smaller files for more host CPU per save. "
         "false costs ~40% less CPU time per save (where host cores are scarce, e.g. CPU training).",
     )
+    local_checkpoint_directory: str = key(
+        "",
+        "Node-local directory (local SSD, RAM disk) for the local checkpoint tier: frequent checkpoints "
+        "that survive the process, not the node. The run's steps go under <dir>/<run name>. '' = off.",
+    )
+    local_checkpoint_period: int = key(
+        0,
+        "Save to local_checkpoint_directory every this many steps (0 = off). A start or retry restores "
+        "the newest of host snapshot, local and persistent checkpoint. One process only.",
+        minimum=0,
+    )
+    max_num_local_checkpoints_to_keep: int = key(
+        2, "Committed local checkpoints kept (oldest deleted first): bounds the local disk use.", minimum=1
+    )
     load_parameters_path: str = key(
         "",
         "If the run has no checkpoint yet: start from these params only (a checkpoint step dir or a "

@@ -75,6 +75,16 @@ def _run_problems(cfg: RunConfig) -> list[str]:
             "set at most one of load_parameters_path (params only) and load_full_state_path "
             "(params + optimizer state + step)"
         )
+    if "://" in c.local_checkpoint_directory:
+        problems.append(
+            f"local_checkpoint_directory={c.local_checkpoint_directory!r} must be node-local storage (a path "
+            "on this machine: local SSD or RAM disk); the persistent tier goes to base_output_directory"
+        )
+    if bool(c.local_checkpoint_directory) != (c.local_checkpoint_period > 0):
+        problems.append(
+            "the local checkpoint tier needs both local_checkpoint_directory and local_checkpoint_period > 0 "
+            f"(got {c.local_checkpoint_directory!r} and {c.local_checkpoint_period}); set both, or neither"
+        )
     for rule in mesh.logical_axis_rules:
         if not (
             isinstance(rule, (list, tuple))

@@ -74,6 +74,7 @@ class RunPaths:
     local: Path  # logs, config.yml, TensorBoard, chaos requests
     checkpoints: epath.Path  # <run dir>/checkpoints, local or remote
     remote: epath.Path | None  # the run directory when it is on an object store
+    local_checkpoints: epath.Path | None = None  # <local_checkpoint_directory>/<run name>: the local tier
 
     @property
     def run_dir(self) -> str:
@@ -113,13 +114,17 @@ class RunPaths:
             log.warning("could not sync run logs to %s: %s", self.remote, e)
 
 
-def run_paths(base_output_directory: str, run_name: str) -> RunPaths:
-    """The run's paths; a local base directory is made absolute (relative to the working directory)."""
+def run_paths(base_output_directory: str, run_name: str, *, local_checkpoint_directory: str = "") -> RunPaths:
+    """The run's paths; a local base directory is made absolute (relative to the working directory).
+    `local_checkpoint_directory` (node-local storage) holds the local checkpoint tier under the run name."""
     base = resolve(base_output_directory)
+    tier = epath.Path(resolve(local_checkpoint_directory)) / run_name if local_checkpoint_directory else None
     if is_remote(base_output_directory):
         remote = base / run_name
         bucket = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(remote))
         local = Path(os.environ.get("TRAINER_LOCAL_RUN_ROOT", tempfile.gettempdir())) / "trainer_runs" / bucket
-        return RunPaths(local=local, checkpoints=remote / "checkpoints", remote=remote)
+        return RunPaths(local=local, checkpoints=remote / "checkpoints", remote=remote, local_checkpoints=tier)
     local = Path(os.fspath(base)) / run_name
-    return RunPaths(local=local, checkpoints=epath.Path(local) / "checkpoints", remote=None)
+    return RunPaths(
+        local=local, checkpoints=epath.Path(local) / "checkpoints", remote=None, local_checkpoints=tier
+    )

@@ -186,7 +186,8 @@ def test_cleanup_partial_removes_every_partial_step_and_restore_never_reads_one(
     ckpt.close()
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_committed_one(tmp_path, mesh4):
+def _steps_10_and_20_with_20_corrupt(tmp_path, mesh4):
+    """(checkpointer, its root, its events) after committing steps 10 and 20, then truncating 20's arrays."""
     events = Events()
     root = tmp_path / "ckpt"
     ckpt = Checkpointer(root, _cfg(), on_event=events)
@@ -196,6 +197,11 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_committed_one(tm
     for data_dir in (root / "20" / "state").glob("**/d"):
         for chunk in data_dir.iterdir():
             chunk.write_bytes(chunk.read_bytes()[:3])
+    return ckpt, root, events
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_committed_one(tmp_path, mesh4):
+    ckpt, _, events = _steps_10_and_20_with_20_corrupt(tmp_path, mesh4)
 
     restored = ckpt.restore(_abstract(_state(mesh4, P("fsdp")), mesh4, P("fsdp")))
 
@@ -208,15 +214,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_committed_one(tm
 
 
 def test_an_unreadable_step_is_set_aside_and_saved_again_when_training_reaches_it(tmp_path, mesh4):
-    events = Events()
-    root = tmp_path / "ckpt"
-    ckpt = Checkpointer(root, _cfg(), on_event=events)
-    for step in (10, 20):
-        ckpt.save(step, _state(mesh4, P("fsdp"), step), {"position": step}, {})
-        ckpt.wait()
-    for data_dir in (root / "20" / "state").glob("**/d"):
-        for chunk in data_dir.iterdir():
-            chunk.write_bytes(chunk.read_bytes()[:3])
+    ckpt, root, events = _steps_10_and_20_with_20_corrupt(tmp_path, mesh4)
 
     assert ckpt.restore(_abstract(_state(mesh4, P("fsdp")), mesh4, P("fsdp"))).step == 10
     [aside] = events.named("checkpoint_set_aside")

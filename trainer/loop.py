@@ -142,17 +142,23 @@ def train_loop(
         peak_tflops=peak_tflops(attempt.mesh.devices.flat[0].device_kind, peak_tflops_per_device),
     )
 
-    def finish_record(pending: _Pending, *, last: bool = False) -> bool:
-        """Write the record of `pending`; True when nan_policy asks for a rollback to before it."""
-        record = records.record(pending, skipped_steps=nonfinite.skipped_steps)
-        if last:
-            record["last"] = True
-        sinks.write(record)
-        return nonfinite.check(record)
-
     ckpt, local = attempt.checkpointer, attempt.local_checkpointer
     iterator, state, step = attempt.iterator, attempt.state, attempt.start_step
     pending: _Pending | None = None
+
+    def settle(*, last: bool = False) -> Outcome | None:
+        """Write the pending step's record (blocks on that step only); a rollback Outcome when nan_policy
+        asks to go back to before it."""
+        nonlocal pending
+        done, pending = pending, None
+        if done is None:
+            return None
+        record = records.record(done, skipped_steps=nonfinite.skipped_steps)
+        if last:
+            record["last"] = True
+        sinks.write(record)
+        return Outcome(ROLLBACK, done.step) if nonfinite.check(record) else None
+
     try:
         while step < steps:
             if nonfinite.skips(step + 1):
@@ -162,10 +168,8 @@ def train_loop(
             fp = fingerprint(host_batch)
             state, metrics = attempt.step_fn(state, attempt.device_batch(host_batch))
             step += 1
-            if pending is not None:
-                done, pending = pending, None
-                if finish_record(done):  # blocks on step-1 only, while `step` runs on the device
-                    return Outcome(ROLLBACK, done.step)
+            if rollback := settle():  # blocks on step-1 only, while `step` runs on the device
+                return rollback
             pending = _Pending(step, metrics, fp)
             final = step == steps
             # The iterator has yielded exactly `step` batches: its state pairs with this model state.
@@ -188,14 +192,10 @@ def train_loop(
                     )
             returning = boundary.after_step(step, state, iterator.get_state)
             if returning:
-                done, pending = pending, None
-                if finish_record(done):
-                    return Outcome(ROLLBACK, done.step)
-                return Outcome(SCALE_UP, step, state, tuple(sorted(returning)))
+                return settle() or Outcome(SCALE_UP, step, state, tuple(sorted(returning)))
             if stop_requested() and not final:
-                done, pending = pending, None
-                if finish_record(done, last=True):
-                    return Outcome(ROLLBACK, done.step)
+                if rollback := settle(last=True):
+                    return rollback
                 ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata, force=True)
                 ckpt.wait()
                 events.emit("preempted", step=step)
@@ -204,8 +204,8 @@ def train_loop(
         # A failure ends the attempt; the step before it did complete: keep its record.
         _write_best_effort(records, sinks, nonfinite, pending)
         raise
-    if pending is not None and finish_record(pending, last=True):
-        return Outcome(ROLLBACK, pending.step)
+    if rollback := settle(last=True):
+        return rollback
     local.wait()
     ckpt.wait()
     return Outcome(FINISHED, step)

@@ -98,7 +98,7 @@ def build_supervisor(
             faults = parse_fault_schedule(cfg.elastic.fault_schedule, len(slices))
             injector = FaultInjector(faults, outages, paths.local / "chaos", events)
     run_loop = partial(
-        _loop,
+        train_loop,
         steps=cfg.train.steps,
         sinks=sinks,
         events=events,
@@ -125,10 +125,6 @@ def build_supervisor(
         single_controller=single_controller,
         sync=paths.sync,
     )
-
-
-def _loop(attempt, boundary, **kwargs) -> Outcome:
-    return train_loop(attempt, boundary=boundary, **kwargs)
 
 
 def process_slices(cfg: RunConfig, settings: DistributedSettings, events):

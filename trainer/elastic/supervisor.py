@@ -58,7 +58,7 @@ class Supervisor:
     """The recovery policy. Its parts come in built (`trainer.run.build_supervisor`):
 
     attempts   slices -> Attempt (`trainer.attempt.AttemptBuilder`)
-    run_loop   (attempt, boundary) -> Outcome (`trainer.loop.train_loop` with the run's sinks and policy)
+    run_loop   (attempt, boundary=...) -> Outcome (`trainer.loop.train_loop` with the run's sinks and policy)
     injector   the fault injector on local virtual slices (`outages` are its down slices), or None
     membership live processes when several run elastically, or None
     """
@@ -69,7 +69,7 @@ class Supervisor:
         slices: list[list],
         *,
         attempts: Callable[..., Attempt],
-        run_loop: Callable[[Attempt, StepBoundary], Outcome],
+        run_loop: Callable[..., Outcome],
         events,
         profiler,
         snapshots: HostSnapshots,
@@ -197,7 +197,7 @@ class Supervisor:
             if self.injector is not None:
                 self.injector.at_step_boundary(attempt.start_step + 1)
             try:
-                outcome = self.run_loop(attempt, self._boundary(active))
+                outcome = self.run_loop(attempt, boundary=self._boundary(active))
                 if outcome.kind == SCALE_UP:
                     self._hand_over(attempt, outcome, active)
                 return outcome

@@ -1,4 +1,4 @@
-"""Small shared pieces for tests: a micro model config and a synthetic global batch."""
+"""Small shared pieces for tests: a micro model config, a synthetic global batch, a fresh train state."""
 
 from __future__ import annotations
 
@@ -57,3 +57,19 @@ def shard_records(directory) -> list[dict]:
         records += [json.loads(r) for r in reader.read(list(range(reader.num_records())))]
         reader.close()
     return records
+
+
+def fresh_state_on_one_device(cfg):
+    """(optimizer, fresh train state) of `cfg` on the first device, built as an attempt builds them."""
+    import jax
+
+    from trainer import model as qwen3
+    from trainer.optim import learning_rate_schedule, make_optimizer
+    from trainer.parallel.mesh import build_mesh
+    from trainer.state import init_state, state_shardings
+
+    mesh = build_mesh(cfg.mesh, [jax.devices()[:1]])
+    schedule = learning_rate_schedule(cfg.optim, steps=cfg.train.steps)
+    opt = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model), schedule=schedule)
+    shardings, _ = state_shardings(cfg.model, cfg.mesh.logical_axis_rules, mesh, opt)
+    return opt, init_state(cfg.model, opt, shardings, seed=cfg.train.init_weights_seed)

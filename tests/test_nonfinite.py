@@ -4,12 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from cli_harness import events, final_by_step, metrics, run_cli
-from helpers import micro_config, synthetic_batch
+from helpers import fresh_state_on_one_device, micro_config, synthetic_batch
 
-from trainer import model as qwen3
-from trainer.optim import learning_rate_schedule, make_optimizer
-from trainer.parallel.mesh import build_mesh
-from trainer.state import init_state, state_shardings
 from trainer.step import make_train_step
 
 COMMON = ["steps=8", "checkpoint_period=2", "num_slices=1"]
@@ -17,14 +13,7 @@ COMMON = ["steps=8", "checkpoint_period=2", "num_slices=1"]
 
 def test_a_non_finite_update_is_never_applied():
     cfg = micro_config()
-    mesh = build_mesh(cfg.mesh, [jax.devices()[:1]])
-    opt = make_optimizer(
-        cfg.optim,
-        qwen3.param_logical_axes(cfg.model),
-        schedule=learning_rate_schedule(cfg.optim, steps=cfg.train.steps),
-    )
-    shardings, _ = state_shardings(cfg.model, cfg.mesh.logical_axis_rules, mesh, opt)
-    state = init_state(cfg.model, opt, shardings, seed=cfg.train.init_weights_seed)
+    opt, state = fresh_state_on_one_device(cfg)
     emb = state["params"]
     path = jax.tree_util.tree_leaves_with_path(emb)[0][0]
     poisoned = jax.tree_util.tree_map_with_path(lambda p, x: x.at[0].set(jnp.inf) if p == path else x, emb)

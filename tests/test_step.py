@@ -4,25 +4,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import micro_config, synthetic_batch
+from helpers import fresh_state_on_one_device, micro_config, synthetic_batch
 
 from trainer import model as qwen3
 from trainer.attempt import BatchPlan, plan_batch
-from trainer.optim import learning_rate_schedule, make_optimizer
-from trainer.parallel.mesh import build_mesh
-from trainer.state import init_state, state_shardings
+from trainer.optim import learning_rate_schedule
 from trainer.step import LOSS_CHUNK_TOKENS, make_train_step, token_losses
 
 
 def _one_step(cfg, micro_steps, batch):
-    mesh = build_mesh(cfg.mesh, [jax.devices()[:1]])
-    opt = make_optimizer(
-        cfg.optim,
-        qwen3.param_logical_axes(cfg.model),
-        schedule=learning_rate_schedule(cfg.optim, steps=cfg.train.steps),
-    )
-    shardings, _ = state_shardings(cfg.model, cfg.mesh.logical_axis_rules, mesh, opt)
-    state = init_state(cfg.model, opt, shardings, seed=cfg.train.init_weights_seed)
+    opt, state = fresh_state_on_one_device(cfg)
     step = jax.jit(
         make_train_step(cfg.model, opt, z_loss_multiplier=cfg.optim.z_loss_multiplier, micro_steps=micro_steps)
     )

@@ -11,6 +11,8 @@ import time
 import pytest
 from cli_harness import assert_same_data_order, assert_same_params, cli_env, command, events, metrics, run_cli
 
+from trainer.checkpoint.commit import committed_steps
+
 STEPS = 12
 COMMON = [f"steps={STEPS}", "checkpoint_period=3", "num_slices=1"]
 
@@ -50,8 +52,7 @@ def _kill_when(root, name, ready, *extra):
 
 
 def _committed(run):
-    ck = run / "checkpoints"
-    return sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists())
+    return committed_steps(run / "checkpoints")
 
 
 def _in_flight_save_after_a_commit(run):
@@ -150,10 +151,7 @@ def test_a_failing_checkpoint_write_exits_non_zero_never_0(tmp_path):
 
 
 def _local_committed(local_root):
-    run = local_root / "k"
-    if not run.is_dir():
-        return []
-    return sorted(int(p.name) for p in run.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists())
+    return committed_steps(local_root / "k")  # the trainer's own commit rule, on the local tier's directory
 
 
 def test_kill_9_resumes_from_the_newer_local_tier_and_matches_an_uninterrupted_run(baseline, tmp_path):

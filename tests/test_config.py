@@ -96,6 +96,20 @@ def test_values_that_follow_other_keys_stay_as_given():
         (["local_checkpoint_period=5"], "needs both local_checkpoint_directory and local_checkpoint_period"),
         (["local_checkpoint_directory=/mnt/ssd"], "needs both local_checkpoint_directory"),
         (["local_checkpoint_directory=gs://b/x", "local_checkpoint_period=5"], "must be node-local storage"),
+        (
+            ["dataset_type=arrayrecord", "grain_train_files=a/*,0.7;b/*,-0.3"],
+            "grain_train_files entry 'b/*,-0.3': weight -0.3 is negative",
+        ),
+        (["dataset_type=arrayrecord", "grain_train_files=a/*,0;b/*,0"], "every weight is 0"),
+        (["dataset_type=arrayrecord", "grain_train_files=a/*,0.7;b/*,most"], "entry 'b/*,most' is not"),
+        (["eval_interval=0"], "eval_interval=0: set -1 (off)"),
+        (["target_eval_loss=2.5"], "target_eval_loss=2.5 needs evaluation: set eval_interval"),
+        (["eval_interval=10"], "eval_steps=-1 means one pass over grain_eval_files"),
+        (["grain_eval_files=x/*.arrayrecord"], "is read with dataset_type=arrayrecord only"),
+        (
+            ["dataset_type=arrayrecord", "grain_train_files=d/*.arrayrecord", "eval_interval=10"],
+            "eval_interval=10 with dataset_type=arrayrecord needs grain_eval_files",
+        ),
     ],
 )
 def test_bad_input_raises_a_config_error_that_names_the_problem(override, message):

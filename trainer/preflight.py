@@ -50,8 +50,8 @@ def _saved_model(step_dir: epath.Path) -> dict | None:
         return None
 
 
-def resumed_shape_problems(cfg: RunConfig, step_dir: epath.Path) -> list[str]:
-    saved = _saved_model(step_dir)
+def resumed_shape_problems(cfg: RunConfig, saved: dict | None, *, where: str) -> list[str]:
+    """Differences in shape-defining model keys between the saved run config `saved` and `cfg`."""
     if not saved:
         return []
     given = dataclasses.asdict(cfg.model)
@@ -63,9 +63,8 @@ def resumed_shape_problems(cfg: RunConfig, step_dir: epath.Path) -> list[str]:
     if not diffs:
         return []
     return [
-        f"the run directory {step_dir.parent.parent} holds a checkpoint (step {step_dir.name}) of another "
-        f"model shape ({'; '.join(diffs)}); to start a new run give it another run_name=..., or drop the "
-        "changed keys to resume it"
+        f"the run directory holds a checkpoint ({where}) of another model shape ({'; '.join(diffs)}); "
+        "to start a new run give it another run_name=..., or drop the changed keys to resume it"
     ]
 
 
@@ -91,24 +90,39 @@ def data_problems(cfg: RunConfig) -> None:
     if cfg.data.dataset_type != "arrayrecord":
         return
     from trainer.data.grain_pipeline import load_tokenizer, resolve_files
+    from trainer.data.mixture import parse_mixture
 
-    resolve_files(cfg.data.grain_train_files)
+    for source in parse_mixture(cfg.data.grain_train_files):
+        resolve_files(source.pattern)
     load_tokenizer(cfg.data, cfg.model.vocab_size)
+    if cfg.eval.eval_interval > 0:
+        from trainer.data.errors import DataError
+
+        try:
+            resolve_files(cfg.eval.grain_eval_files)
+        except DataError as e:
+            raise DataError(f"grain_eval_files={cfg.eval.grain_eval_files!r}: {e}") from None
 
 
 def check(cfg: RunConfig, checkpoints: epath.Path, *, local_checkpoints: epath.Path | None = None) -> Preflight:
     """Raise a UserInputError (ConfigError, DataError, ...) naming an unusable input; say where the run
     starts from (the newest committed step of the persistent or the local checkpoint tier)."""
-    from trainer.checkpoint import commit
+    from trainer.checkpoint import commit, local_store
 
-    candidates = []  # (step, its directory)
+    candidates = []  # (newest step, its directory, the model config saved with it)
     if cfg.checkpoint.enable_checkpointing:
-        candidates += [(s, checkpoints) for s in commit.committed_steps(checkpoints)]
+        steps = commit.committed_steps(checkpoints)
+        if steps:
+            candidates.append((steps[-1], checkpoints, _saved_model(commit.step_dir(checkpoints, steps[-1]))))
     if local_checkpoints is not None:
-        candidates += [(s, local_checkpoints) for s in commit.committed_steps(local_checkpoints)]
-    resume, root = max(candidates, key=lambda c: c[0]) if candidates else (None, None)
+        steps = local_store.committed_steps(local_checkpoints)
+        if steps:
+            candidates.append(
+                (steps[-1], local_checkpoints, local_store.saved_config(local_checkpoints, steps[-1]))
+            )
+    resume, root, saved = max(candidates, key=lambda c: c[0]) if candidates else (None, None, None)
     if resume is not None:
-        problems = resumed_shape_problems(cfg, commit.step_dir(root, resume))
+        problems = resumed_shape_problems(cfg, saved, where=f"{root}, step {resume}")
         if problems:
             raise ConfigError("cannot resume: " + "; ".join(problems))
     else:

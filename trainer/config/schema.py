@@ -97,6 +97,12 @@ class ModelConfig:
         "Activation rematerialisation: none | full | minimal (save matmul outputs).",
         choices=("none", "full", "minimal"),
     )
+    attention: str = key(
+        "autoselected",
+        "Attention kernel: dot_product (einsum, memory ~ T^2) | flash (blockwise JAX, memory ~ T, any "
+        "backend) | cudnn_flash (GPU) | splash (TPU) | autoselected (best for the backend, logged).",
+        choices=("autoselected", "dot_product", "flash", "cudnn_flash", "splash"),
+    )
 
 
 @dataclass(frozen=True)
@@ -129,7 +135,8 @@ class DataConfig:
     grain_train_files: str = key(
         "",
         "arrayrecord: glob(s) of ArrayRecord shards, comma-separated "
-        "(e.g. data/fc_sample/*.arrayrecord; relative to cwd, else the repo; ~; gs://).",
+        "(e.g. data/fc_sample/*.arrayrecord; relative to cwd, else the repo; ~; gs://); a weighted "
+        "mixture as 'pattern_a,0.7;pattern_b,0.3' (relative weights >= 0).",
     )
     tokenizer_path: str = key(
         "data/tokenizer/fc_sp8k.model",
@@ -209,8 +216,8 @@ class CheckpointConfig:
     )
     local_checkpoint_period: int = key(
         0,
-        "Save to local_checkpoint_directory every this many steps (0 = off). A start or retry restores "
-        "the newest of host snapshot, local and persistent checkpoint. One process only.",
+        "Write the host snapshot to local_checkpoint_directory every this many steps (0 = off). A start "
+        "or retry restores the newest of host snapshot, local and persistent checkpoint.",
         minimum=0,
     )
     max_num_local_checkpoints_to_keep: int = key(
@@ -225,6 +232,33 @@ class CheckpointConfig:
         "",
         "If the run has no checkpoint yet: start from this checkpoint step dir's full train state "
         "(params, optimizer state, step).",
+    )
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation: loss on an eval set the run never trains on, at a fixed step interval."""
+
+    eval_interval: int = key(-1, "Evaluate every this many steps (and at the last step); -1 = off.", minimum=-1)
+    eval_steps: int = key(
+        -1,
+        "Eval batches per evaluation; -1 = one whole pass over grain_eval_files (arrayrecord). The "
+        "synthetic held-out stream is endless: set >= 1.",
+        minimum=-1,
+    )
+    eval_start_step: int = key(0, "No evaluation before this step (the last step always evaluates).", minimum=0)
+    grain_eval_files: str = key(
+        "",
+        "arrayrecord: glob(s) of the held-out ArrayRecord shards (same format, tokenizer and SFT "
+        "settings as grain_train_files); required when eval_interval > 0.",
+    )
+    eval_per_device_batch_size: int = key(
+        0, "Eval sequences per device of all configured slices; 0 = per_device_batch_size.", minimum=0
+    )
+    target_eval_loss: float = key(
+        0.0,
+        "Stop early (checkpoint, exit 0) once an eval loss is <= this; 0 = off. Needs eval_interval > 0.",
+        minimum=0.0,
     )
 
 
@@ -373,6 +407,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -388,6 +423,7 @@ def section_classes() -> dict[str, type]:
         "data": DataConfig,
         "optim": OptimConfig,
         "checkpoint": CheckpointConfig,
+        "eval": EvalConfig,
         "elastic": ElasticConfig,
         "observe": ObserveConfig,
         "distributed": DistributedConfig,

@@ -6,6 +6,7 @@ import dataclasses
 
 from trainer.config.errors import ConfigError
 from trainer.config.schema import RunConfig, section_classes
+from trainer.errors import UserInputError
 
 
 def _field_constraints(cfg: RunConfig) -> list[str]:
@@ -85,6 +86,13 @@ def _run_problems(cfg: RunConfig) -> list[str]:
             "the local checkpoint tier needs both local_checkpoint_directory and local_checkpoint_period > 0 "
             f"(got {c.local_checkpoint_directory!r} and {c.local_checkpoint_period}); set both, or neither"
         )
+    if cfg.data.dataset_type == "arrayrecord":
+        from trainer.data.mixture import parse_mixture
+
+        try:
+            parse_mixture(cfg.data.grain_train_files)
+        except UserInputError as err:
+            problems.append(str(err))
     for rule in mesh.logical_axis_rules:
         if not (
             isinstance(rule, (list, tuple))
@@ -96,8 +104,38 @@ def _run_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def _eval_problems(cfg: RunConfig) -> list[str]:
+    ev, data, problems = cfg.eval, cfg.data, []
+    if ev.eval_interval == 0:
+        problems.append("eval_interval=0: set -1 (off) or the number of steps between evaluations")
+    if ev.eval_steps == 0:
+        problems.append("eval_steps=0: set -1 (one pass over grain_eval_files) or the eval batches per evaluation")
+    if ev.target_eval_loss > 0 and ev.eval_interval < 1:
+        problems.append(
+            f"target_eval_loss={ev.target_eval_loss} needs evaluation: set eval_interval (e.g. eval_interval=100)"
+        )
+    if data.dataset_type != "arrayrecord" and ev.grain_eval_files:
+        problems.append(
+            f"grain_eval_files={ev.grain_eval_files!r} is read with dataset_type=arrayrecord only; "
+            "synthetic runs evaluate on their own held-out stream: leave grain_eval_files unset"
+        )
+    if ev.eval_interval < 1:
+        return problems
+    if data.dataset_type == "arrayrecord" and not ev.grain_eval_files.strip():
+        problems.append(
+            f"eval_interval={ev.eval_interval} with dataset_type=arrayrecord needs grain_eval_files: "
+            "glob(s) of held-out shards the run does not train on"
+        )
+    if data.dataset_type == "synthetic" and ev.eval_steps < 1:
+        problems.append(
+            "eval_steps=-1 means one pass over grain_eval_files, but the synthetic held-out stream is "
+            "endless: set eval_steps >= 1 (e.g. eval_steps=10)"
+        )
+    return problems
+
+
 def validate(cfg: RunConfig) -> None:
     """Raise one ConfigError listing every problem found."""
-    problems = _field_constraints(cfg) + _model_problems(cfg) + _run_problems(cfg)
+    problems = _field_constraints(cfg) + _model_problems(cfg) + _run_problems(cfg) + _eval_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

@@ -22,12 +22,25 @@ element per step; Grain interleaves them round-robin, so worker count never chan
 Running out: with num_epoch >= 1 a row stream ends after the last example of the last epoch; its
 rows are then padding, and the iterator stops when every row stream has ended (every process sees
 that at the same step). num_epoch <= 0 repeats forever: `steps` bounds training.
+
+Mixtures (`grain_train_files="a,0.7;b,0.3"`, trainer.data.mixture): each source has its own shuffled,
+repeated order over its own records, and `order` is Grain's `MapDataset.mix` of them: a deterministic
+weighted interleave in which global example k comes from source i at position p_i(k) of that source's
+order. Everything above holds unchanged, because `order` is still a pure function of k: each source's
+position is implied by the row cursors (the examples consumed so far), so restarts, kill -9, other
+process counts and elastic resizes resume the mixture exactly like one source. Realised proportions:
+any run of n consecutive examples holds n * w_i +- 1 of source i (Grain's weights are integers scaled
+from the given ones, 100 for the smallest, so a weight is exact to 1%); a batch draws on consecutive
+examples of each row stream, so the examples of a run deviate from the weights by at most about one
+example per row stream and source. With num_epoch >= 1 the mixture ends when its first source has been
+read num_epoch times (Grain's mix length), so no source repeats more often than asked.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
@@ -39,13 +52,15 @@ from etils import epath
 from trainer.data.batch import BATCH_KEYS
 from trainer.data.errors import DataError
 from trainer.data.formatting import DocumentFormat, RecordError
+from trainer.data.mixture import parse_mixture
 from trainer.data.packing import empty_row, pack_row, pairs
 from trainer.data.tokenizer import Tokenizer
 from trainer.io.paths import expand_globs, local_copy, looked_at
 
 log = logging.getLogger(__name__)
 STATE_KIND = "arrayrecord_row_streams"
-STATE_VERSION = 1
+STATE_VERSION = 1  # a mixture adds "mixture": [[records, weight], ...] per source; one source has none
+MIX_WINDOW = 256  # examples whose order a mixture shuffles together (see data_order)
 
 
 # ---- files and records --------------------------------------------------------------------------
@@ -107,10 +122,23 @@ def count_records(path: str) -> int:
 
 
 class DocumentLoader:
-    """Source record index -> (ids, mask) document; errors name the shard and the record."""
+    """Record index -> (ids, mask) document; errors name the shard and the record.
 
-    def __init__(self, files: list[str], counts: list[int], fmt: DocumentFormat, tok: Tokenizer, vocab_size: int):
+    Record indices run over the shards of every mixture source in turn; `source_records[i]` is the
+    number of records of source i (one source: all of them)."""
+
+    def __init__(
+        self,
+        files: list[str],
+        counts: list[int],
+        fmt: DocumentFormat,
+        tok: Tokenizer,
+        vocab_size: int,
+        *,
+        source_records: list[int] | None = None,
+    ):
         self.files = files
+        self.source_records = source_records or [int(sum(counts))]
         self.fmt = fmt
         self.tok = tok
         self.vocab_size = vocab_size
@@ -270,6 +298,7 @@ class ArrayRecordIterator:
         *,
         seed: int,
         num_epoch: int,
+        weights: list[float],
         process_index: int,
         process_count: int,
         worker_count: int,
@@ -282,8 +311,9 @@ class ArrayRecordIterator:
         self.own = range(process_index * rows, (process_index + 1) * rows)
         self.worker_count = worker_count
         self.worker_buffer_size = worker_buffer_size
-        order = grain.MapDataset.range(len(load.source)).shuffle(seed=seed)
-        self.order = order.repeat(num_epoch) if num_epoch > 0 else order.repeat()
+        self.order = data_order(load.source_records, weights, seed=seed, num_epoch=num_epoch)
+        # [[records, weight], ...] of each source, in the state so a resume checks it reads the same mixture
+        self.mixture = [[n, w] for n, w in zip(load.source_records, weights)] if len(weights) > 1 else None
         self.base = 0
         self.step = 0
         self.cursors = np.zeros(geometry.global_rows, np.int64)
@@ -341,6 +371,7 @@ class ArrayRecordIterator:
             "global_batch_size": self.geometry.global_rows,
             "base": int(self.base),
             "cursors": [int(c) for c in self.cursors],
+            **({"mixture": self.mixture} if self.mixture else {}),
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -356,6 +387,12 @@ class ArrayRecordIterator:
                 f"the checkpoint's data order was over {state['num_records']} records with "
                 f"data_shuffle_seed={state['data_shuffle_seed']}; now {len(self.load.source)} records "
                 f"and seed {self.seed}: resume with the same grain_train_files and data_shuffle_seed"
+            )
+        if state.get("mixture") != self.mixture:
+            raise DataError(
+                f"the checkpoint's data mixture was {_describe(state.get('mixture'))}, now "
+                f"{_describe(self.mixture)} ([records, weight] per grain_train_files entry): the data order "
+                "would differ; resume with the grain_train_files it was saved with"
             )
         cursors = np.asarray(state["cursors"], np.int64)
         if state["global_batch_size"] == self.geometry.global_rows:
@@ -390,6 +427,31 @@ class ArrayRecordIterator:
         self._close_pipeline()
 
 
+def _describe(mixture) -> str:
+    return "one source" if not mixture else str([[n, round(w, 6)] for n, w in mixture])
+
+
+def data_order(source_records: list[int], weights: list[float], *, seed: int, num_epoch: int) -> grain.MapDataset:
+    """Global example index -> record index: each source shuffled (reseeded every epoch) and repeated
+    num_epoch times (<= 0: forever), then mixed by weight. One source keeps the plain shuffled order."""
+    orders, start = [], 0
+    for i, n in enumerate(source_records):
+        # Source 0 uses the seed itself, so a one-source run keeps the order it always had.
+        order = grain.MapDataset.range(start, start + n).shuffle(seed=(seed + i) % 2**32)
+        orders.append(order.repeat(num_epoch) if num_epoch > 0 else order.repeat())
+        start += n
+    if len(orders) == 1:
+        return orders[0]
+    mixed = grain.MapDataset.mix(orders, weights)
+    # Grain's interleave is periodic (0.5/0.5 is ABAB...), and row j of a batch reads every R-th example:
+    # unshuffled, whole rows would come from one source. Shuffling within windows of MIX_WINDOW examples
+    # breaks that and keeps each window's proportions exact. A finite mixture drops its last partial window.
+    window = min(MIX_WINDOW, len(mixed))
+    if len(mixed) < sys.maxsize:
+        mixed = mixed[: len(mixed) - len(mixed) % window]
+    return grain.experimental.WindowShuffleMapDataset(mixed, window_size=window, seed=seed)
+
+
 def _absl_flags_parsed() -> None:
     """Grain's worker processes read absl flags, which raise unless parsed; outside an absl app
     (our CLI, tests) nobody parses them, so take their defaults."""
@@ -422,23 +484,35 @@ def make_arrayrecord_iterator(
         add_eos=data_cfg.add_eos,
         max_len=data_cfg.max_target_length,
     )
-    sources = resolve_files(data_cfg.grain_train_files)
-    check_pretokenized_with(tok, sources)
-    files = local_shards(sources, data_cfg.data_cache_dir)
-    load = DocumentLoader(files, [count_records(f) for f in files], fmt, tok, vocab_size)
-    check_documents(load, data_cfg.data_shuffle_seed)
+    mixture = parse_mixture(data_cfg.grain_train_files)
+    shards = [resolve_files(source.pattern) for source in mixture]
+    check_pretokenized_with(tok, [f for files in shards for f in files])
+    files = [local_shards(s, data_cfg.data_cache_dir) for s in shards]
+    counts = [[count_records(f) for f in source_files] for source_files in files]
+    load = DocumentLoader(
+        [f for source_files in files for f in source_files],
+        [n for source_counts in counts for n in source_counts],
+        fmt,
+        tok,
+        vocab_size,
+        source_records=[sum(c) for c in counts],
+    )
+    weights = [source.weight for source in mixture]
     epochs = data_cfg.num_epoch
+    order = data_order(load.source_records, weights, seed=data_cfg.data_shuffle_seed, num_epoch=epochs)
+    check_documents(load, order)
     geometry = StreamGeometry(
         global_rows=global_batch_size,
         length=data_cfg.max_target_length,
         packing=data_cfg.packing,
-        limit=epochs * len(load.source) if epochs > 0 else None,
+        limit=len(order) if epochs > 0 else None,
     )
     return ArrayRecordIterator(
         load,
         geometry,
         seed=data_cfg.data_shuffle_seed,
         num_epoch=epochs,
+        weights=weights,
         process_index=process_index,
         process_count=process_count,
         worker_count=data_cfg.grain_worker_count,
@@ -485,10 +559,9 @@ def check_pretokenized_with(tok: Tokenizer, files: list[epath.Path]) -> None:
             )
 
 
-def check_documents(load: DocumentLoader, seed: int, sample: int = 32) -> None:
+def check_documents(load: DocumentLoader, order: grain.MapDataset, sample: int = 32) -> None:
     """The first record of every shard and the first records of the order must load (fields, template,
     ids in range), and not all of them may be empty."""
-    order = grain.MapDataset.range(len(load.source)).shuffle(seed=seed)
     indices = sorted({0, *load.ends[:-1], *(order[i] for i in range(min(sample, len(order))))})
     if all(pairs(load(int(i))[0]) == 0 for i in indices):
         raise DataError(

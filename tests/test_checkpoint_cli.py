@@ -11,6 +11,7 @@ import time
 import pytest
 from cli_harness import assert_same_data_order, assert_same_params, cli_env, command, events, metrics, run_cli
 
+from trainer.checkpoint import local_store
 from trainer.checkpoint.commit import committed_steps
 
 STEPS = 12
@@ -151,7 +152,7 @@ def test_a_failing_checkpoint_write_exits_non_zero_never_0(tmp_path):
 
 
 def _local_committed(local_root):
-    return committed_steps(local_root / "k")  # the trainer's own commit rule, on the local tier's directory
+    return local_store.committed_steps(local_root / "k")  # the local tier's own commit rule
 
 
 def test_kill_9_resumes_from_the_newer_local_tier_and_matches_an_uninterrupted_run(baseline, tmp_path):
@@ -172,5 +173,7 @@ def test_kill_9_resumes_from_the_newer_local_tier_and_matches_an_uninterrupted_r
     start = [e for e in evs if e["event"] == "attempt_start"][-1]
     assert start["source"] == f"local:{local}" and start["start_step"] == local
     assert any(e["event"] == "local_checkpoint_save_committed" for e in evs)
+    resumed = [e for e in evs if e["event"] == "restart_resumed"][-1]  # steps lost to the kill, counted
+    assert resumed["source"] == f"local:{local}" and 0 <= resumed["steps_lost"] == resumed["last_step"] - local
     _assert_same_run(tmp_path / "k", baseline)
     assert len(_local_committed(local_root)) <= 2, "max_num_local_checkpoints_to_keep bounds the local disk use"

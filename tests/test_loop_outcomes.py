@@ -78,7 +78,6 @@ def _attempt(nan_at=(), start=0):
         batch_sharding=NamedSharding(mesh, PartitionSpec()),
         iterator=_Batches(start),
         checkpointer=NoCheckpoints(),
-        local_checkpointer=NoCheckpoints(),
         flops_per_step=1.0,
         sequence_length=4,
         checkpoint_metadata={},
@@ -173,8 +172,8 @@ class _Snapshots:
     def __init__(self):
         self.taken = []
 
-    def take(self, step, state, data_state, *, block=False):
-        self.taken.append((step, data_state))
+    def take(self, step, state, data_state, *, block=False, persist=False):
+        self.taken.append((step, data_state) + (("persist",) if persist else ()))
 
 
 def test_the_boundary_snapshots_on_its_period_ends_downtime_once_and_reports_returning_slices():
@@ -198,3 +197,24 @@ def test_the_boundary_snapshots_on_its_period_ends_downtime_once_and_reports_ret
     recovered = events.named("first_step_after_recovery")
     assert len(recovered) == 1 and recovered[0]["step"] == 3 and recovered[0]["seconds_since_detection"] == 3.5
     assert stats.downtime_s == 3.5 and stats.failed_at is None
+
+
+def test_the_boundary_writes_the_local_tier_on_its_own_period():
+    snapshots = _Snapshots()
+    boundary = StepBoundary(
+        active=[0],
+        stats=RecoveryStats(),
+        events=_Events(),
+        profiler=_Profiler(),
+        snapshots=snapshots,
+        snapshot_period=2,
+        local_checkpoint_period=3,
+    )
+    for s in range(1, 7):
+        boundary.after_step(s, jnp.int32(s), lambda s=s: {"yielded": s})
+    assert snapshots.taken == [
+        (2, {"yielded": 2}),
+        (3, {"yielded": 3}, "persist"),
+        (4, {"yielded": 4}),
+        (6, {"yielded": 6}, "persist"),
+    ]

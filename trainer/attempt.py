@@ -24,17 +24,18 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer import model as qwen3
-from trainer.checkpoint import NoCheckpoints, open_checkpointer
-from trainer.config.schema import CheckpointConfig, DataConfig, MeshConfig, ModelConfig, OptimConfig
+from trainer.checkpoint import open_checkpointer
+from trainer.config.schema import CheckpointConfig, DataConfig, EvalConfig, MeshConfig, ModelConfig, OptimConfig
 from trainer.data.batch import BATCH_KEYS
-from trainer.data.pipeline import make_train_iterator
+from trainer.data.pipeline import make_eval_iterator, make_train_iterator
+from trainer.evaluate import EvalSchedule, Evaluator
 from trainer.optim import learning_rate_schedule, make_optimizer
 from trainer.parallel.activations import ActivationSharding
 from trainer.parallel.mesh import build_mesh
 from trainer.parallel.rules import logical_to_spec
 from trainer.restore import SnapshotSource, restore_state
 from trainer.state import init_state, state_around, state_shardings, tree_nbytes
-from trainer.step import make_train_step
+from trainer.step import make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class TrainSpec:
     init_weights_seed: int
     resize_batch_policy: str  # elastic_resize_batch_policy: keep_global | scale
     config_record: dict  # the resolved config, flat: saved with every checkpoint
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,10 +146,17 @@ class SlicePlan:
     abstract_state: Any
     step_fn: Callable | None = None  # set by `compiled`
     compile_s: float = 0.0
+    eval_batch: BatchPlan | None = None  # the fixed eval batch on this mesh (None: eval off)
+    eval_loader: tuple[int, int] = (0, 1)  # this process's (index, count) of the eval batch's rows
+    eval_fn: Callable | None = None  # set by `compiled` when eval is on
+    eval_compile_s: float = 0.0
 
     def compiled(self, spec: TrainSpec) -> SlicePlan:
         step_fn, seconds = compile_step(spec, self)
-        return dataclasses.replace(self, step_fn=step_fn, compile_s=seconds)
+        eval_fn, eval_seconds = compile_eval_step(spec, self) if self.eval_batch is not None else (None, 0.0)
+        return dataclasses.replace(
+            self, step_fn=step_fn, compile_s=seconds + eval_seconds, eval_fn=eval_fn, eval_compile_s=eval_seconds
+        )
 
 
 def plan_slices(spec: TrainSpec, slices: list[list]) -> SlicePlan:
@@ -168,8 +177,31 @@ def plan_slices(spec: TrainSpec, slices: list[list]) -> SlicePlan:
     schedule = learning_rate_schedule(spec.optim, steps=spec.steps, lr_scale=batch.lr_scale)
     optimizer = make_optimizer(spec.optim, qwen3.param_logical_axes(spec.model), schedule=schedule)
     shardings, abstract_state = state_shardings(spec.model, spec.mesh.logical_axis_rules, mesh, optimizer)
+    eval_batch, eval_loader = None, (0, 1)
+    if spec.eval.eval_interval > 0:
+        # The same global eval batch on every mesh (never scaled): the same tokens at every evaluation.
+        eval_batch = plan_batch(
+            per_device_batch_size=spec.eval.eval_per_device_batch_size or spec.data.per_device_batch_size,
+            accumulation_steps=1,
+            num_slices=spec.mesh.num_slices,
+            policy="keep_global",
+            devices_per_slice=len(slices[0]),
+            active_slices=len(slices),
+            batch_shards=shards,
+        )
+        eval_loader = loader_shard(batch_sharding, eval_batch.global_batch_size)
     return SlicePlan(
-        mesh, batch, batch_sharding, loader_index, loader_count, schedule, optimizer, shardings, abstract_state
+        mesh,
+        batch,
+        batch_sharding,
+        loader_index,
+        loader_count,
+        schedule,
+        optimizer,
+        shardings,
+        abstract_state,
+        eval_batch=eval_batch,
+        eval_loader=eval_loader,
     )
 
 
@@ -203,6 +235,32 @@ def compile_step(spec: TrainSpec, plan: SlicePlan):
     return compiled, time.perf_counter() - t0
 
 
+def compile_eval_step(spec: TrainSpec, plan: SlicePlan):
+    """AOT-compile the eval step (forward only) for this plan's mesh and fixed eval batch; returns
+    (executable, seconds). Params keep the train state's shardings; the loss sums come back replicated."""
+    mesh, batch_sharding = plan.mesh, plan.batch_sharding
+    micro_spec = NamedSharding(mesh, batch_sharding.spec)
+
+    def constrain_micro(micro):
+        return {k: jax.lax.with_sharding_constraint(v, micro_spec) for k, v in micro.items()}
+
+    step = make_eval_step(
+        spec.model,
+        micro_steps=plan.eval_batch.micro_steps,
+        constrain_micro=constrain_micro,
+        shard=ActivationSharding(mesh, spec.mesh.logical_axis_rules),
+    )
+    replicated = NamedSharding(mesh, PartitionSpec())
+    jitted = jax.jit(step, in_shardings=(plan.shardings["params"], batch_sharding), out_shardings=replicated)
+    rows, length = plan.eval_batch.global_batch_size, spec.data.max_target_length
+    abstract_batch = {
+        k: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=batch_sharding) for k in BATCH_KEYS
+    }
+    t0 = time.perf_counter()
+    compiled = jitted.lower(plan.abstract_state["params"], abstract_batch).compile()
+    return compiled, time.perf_counter() - t0
+
+
 @dataclasses.dataclass
 class Attempt:
     """What one attempt trains with. `close()` releases everything it owns."""
@@ -216,11 +274,11 @@ class Attempt:
     batch_sharding: NamedSharding
     iterator: Any
     checkpointer: Any
-    local_checkpointer: Any  # the local tier, or NoCheckpoints
     flops_per_step: float
     sequence_length: int
     checkpoint_metadata: dict
     stack: contextlib.ExitStack
+    evaluator: Evaluator | None = None  # held-out evaluation (eval_interval > 0)
 
     def device_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in host_batch.items()}
@@ -237,10 +295,9 @@ def slice_set_key(slices: list[list]) -> tuple:
 class AttemptBuilder:
     """Builds the attempts of one run; keeps each slice set's `SlicePlan` (compiled step) across them."""
 
-    def __init__(self, spec: TrainSpec, *, checkpoint_dir, events, local_checkpoint_dir=None):
+    def __init__(self, spec: TrainSpec, *, checkpoint_dir, events):
         self.spec = spec
         self.checkpoint_dir = checkpoint_dir
-        self.local_checkpoint_dir = local_checkpoint_dir  # the local tier (None: off)
         self.events = events
         self.plans: dict[tuple, SlicePlan] = {}
 
@@ -276,11 +333,23 @@ class AttemptBuilder:
                 process_count=plan.loader_count,
             )
             stack.callback(iterator.close)
+            eval_iterator = None
+            if plan.eval_batch is not None:  # rewound before every evaluation, never checkpointed
+                eval_iterator = make_eval_iterator(
+                    spec.data,
+                    spec.eval.grain_eval_files,
+                    vocab_size=spec.model.vocab_size,
+                    global_batch_size=plan.eval_batch.global_batch_size,
+                    process_index=plan.eval_loader[0],
+                    process_count=plan.eval_loader[1],
+                )
+                stack.callback(eval_iterator.close)
             if fresh:
                 plan = self.plans[key] = plan.compiled(spec)
                 events.emit(
                     "compile_done",
                     seconds=round(plan.compile_s, 3),
+                    eval_seconds=round(plan.eval_compile_s, 3),
                     devices=plan.mesh.size,
                     micro_steps=batch.micro_steps,
                 )
@@ -295,15 +364,12 @@ class AttemptBuilder:
             # committed).
             close_s = CLOSE_TIMEOUT_S if checkpoint_multiprocessing is None else MULTIPROCESS_CLOSE_TIMEOUT_S
             stack.callback(partial(checkpointer.close, timeout_s=close_s))
-            local = self._local_tier()
-            stack.callback(partial(local.close, timeout_s=close_s))
             t0 = time.perf_counter()
             events.emit("restore_start")
             restored = restore_state(
                 plan.abstract_state,
                 checkpoints=checkpointer,
                 snapshots=snapshots,
-                local_checkpoints=local,
                 load_full_state_path=spec.checkpoint.load_full_state_path,
                 load_parameters_path=spec.checkpoint.load_parameters_path,
                 fresh_state=partial(self._fresh_state, plan),
@@ -348,33 +414,28 @@ class AttemptBuilder:
                 batch_sharding=plan.batch_sharding,
                 iterator=iterator,
                 checkpointer=checkpointer,
-                local_checkpointer=local,
                 flops_per_step=qwen3.training_flops_per_token(spec.model, length) * tokens,
                 sequence_length=length,
                 checkpoint_metadata=metadata,
                 stack=stack,
+                evaluator=self._evaluator(plan, eval_iterator),
             )
         except BaseException:
             stack.close()
             raise
 
-    def _local_tier(self):
-        """The local checkpoint tier: the same checkpointer on node-local storage, on its own period and
-        retention; its events are the persistent tier's with a `local_` prefix."""
-        c = self.spec.checkpoint
-        if self.local_checkpoint_dir is None:
-            return NoCheckpoints()
-        settings = dataclasses.replace(
-            c,
-            enable_checkpointing=True,
-            checkpoint_period=c.local_checkpoint_period,
-            max_num_checkpoints_to_keep=c.max_num_local_checkpoints_to_keep,
-            enable_continuous_checkpointing=False,
-            checkpoint_compression=False,  # node-local disk: less CPU per save matters more than size
-        )
-        events = self.events
-        return open_checkpointer(
-            self.local_checkpoint_dir, settings, on_event=lambda name, fields: events(f"local_{name}", fields)
+    def _evaluator(self, plan: SlicePlan, iterator) -> Evaluator | None:
+        if iterator is None:
+            return None
+        ev = self.spec.eval
+        sharding = plan.batch_sharding
+        return Evaluator(
+            eval_fn=plan.eval_fn,
+            iterator=iterator,
+            device_batch=lambda b: {k: jax.make_array_from_process_local_data(sharding, v) for k, v in b.items()},
+            schedule=EvalSchedule(ev.eval_interval, ev.eval_start_step, self.spec.steps),
+            batches=ev.eval_steps,
+            target_loss=ev.target_eval_loss,
         )
 
     def _fresh_state(self, plan: SlicePlan, params=None) -> dict:

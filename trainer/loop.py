@@ -24,6 +24,7 @@ from trainer.observe.sinks import Sinks
 log = logging.getLogger(__name__)
 
 FINISHED, PREEMPTED, SCALE_UP, ROLLBACK = "finished", "preempted", "scale_up", "rollback"
+TARGET_REACHED = "target_eval_loss_reached"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +35,14 @@ class Outcome:
     preempted  stop_requested turned true; a final checkpoint was saved
     scale_up   slices in `returning` came back after `step`; `state` is the live state at `step`
     rollback   `step` produced a non-finite update and nan_policy=rollback asks to restore and skip it
+    target_eval_loss_reached  the eval at `step` gave `eval_loss` <= target_eval_loss; a checkpoint was saved
     """
 
     kind: str
     step: int
     state: Any = None
     returning: tuple[int, ...] = ()
+    eval_loss: float | None = None
 
 
 class Boundary(Protocol):
@@ -92,6 +95,10 @@ class StepRecords:
         self.timer = timer
         self.last_ready = timer()
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` spent between steps on other work (an evaluation) out of the next step time."""
+        self.last_ready += seconds
+
     def record(self, pending: _Pending, *, skipped_steps: int) -> dict[str, Any]:
         m = jax.device_get(pending.metrics)
         now = self.timer()
@@ -142,7 +149,7 @@ def train_loop(
         peak_tflops=peak_tflops(attempt.mesh.devices.flat[0].device_kind, peak_tflops_per_device),
     )
 
-    ckpt, local = attempt.checkpointer, attempt.local_checkpointer
+    ckpt = attempt.checkpointer
     iterator, state, step = attempt.iterator, attempt.state, attempt.start_step
     pending: _Pending | None = None
 
@@ -184,12 +191,17 @@ def train_loop(
                         seconds=round(time.perf_counter() - t0, 4),
                         waited_for_step_s=round(waited, 4),
                     )
-            elif local.should_save(step, final=False):  # the local tier, on steps the persistent one skips
-                t0 = time.perf_counter()
-                if local.save(step, state, iterator.get_state(), attempt.checkpoint_metadata):
-                    events.emit(
-                        "local_checkpoint_save_blocked", step=step, seconds=round(time.perf_counter() - t0, 4)
-                    )
+            # Evaluate after the save and before the boundary (snapshot, injected fault): a restore to this
+            # step finds it evaluated; a rewind to before it trains and evaluates it again.
+            if attempt.evaluator is not None and attempt.evaluator.due(step):
+                row = _evaluate(attempt.evaluator, step, state, records, sinks)
+                if attempt.evaluator.reached_target(row) and not final:
+                    if rollback := settle(last=True):
+                        return rollback
+                    ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata)
+                    ckpt.wait()
+                    events.emit("target_eval_loss_reached", step=step, eval_loss=row["eval_loss"])
+                    return Outcome(TARGET_REACHED, step, eval_loss=row["eval_loss"])
             returning = boundary.after_step(step, state, iterator.get_state)
             if returning:
                 return settle() or Outcome(SCALE_UP, step, state, tuple(sorted(returning)))
@@ -206,9 +218,18 @@ def train_loop(
         raise
     if rollback := settle(last=True):
         return rollback
-    local.wait()
     ckpt.wait()
     return Outcome(FINISHED, step)
+
+
+def _evaluate(evaluator, step: int, state, records: StepRecords, sinks: Sinks) -> dict[str, Any]:
+    """Evaluate the state after `step` and write its eval row; the eval's wall time is its own, not the
+    step's (trainer.evaluate)."""
+    jax.block_until_ready(state)  # the step's remaining device time stays in the step's time
+    row = evaluator(step, state["params"])
+    records.exclude(row["eval_time_s"])
+    sinks.write(row)
+    return row
 
 
 def _write_best_effort(records: StepRecords, sinks: Sinks, nonfinite: NonFinitePolicy, pending) -> None:

@@ -6,10 +6,14 @@
     load_full_state_path, then load_parameters_path   (a new run started from other weights)
     init           fresh parameters
 
-`choose_source` is that rule as a pure function; `restore_state` applies it. Single- and multi-process
-runs differ only in their `SnapshotSource`: one process reads its own host copy
-(`trainer.elastic.snapshot.HostSnapshots`), several agree on the newest copy any of them holds and
-send it to the ones without (`trainer.elastic.shared_snapshots.SharedSnapshots`).
+`choose_source` is that rule as a pure function; `restore_state` applies it. The local tier reaches
+it through the snapshot source: a local step is a host snapshot written to node-local disk, and a
+process that starts without one in RAM reads the newest local step back as its snapshot
+(`trainer.checkpoint.local_store`). Single- and multi-process runs differ only in their
+`SnapshotSource`: one process reads its own host copy (`trainer.elastic.snapshot.HostSnapshots`),
+several agree on the newest copy any of them holds and send it to the ones without
+(`trainer.elastic.shared_snapshots.SharedSnapshots`), so a replacement process on a fresh node (an
+empty local directory) gets the state from a peer.
 """
 
 from __future__ import annotations
@@ -54,11 +58,15 @@ def choose_source(
 
 
 class SnapshotSource(Protocol):
-    """Host-RAM snapshots as a restore source (every process of the attempt calls both, in order)."""
+    """Host snapshots (in RAM, or read back from the local tier) as a restore source (every process
+    of the attempt calls both, in order)."""
 
     def newest_step(self, abstract_state, checkpoint_step: int | None) -> int | None:
         """The step of the newest snapshot the attempt can restore (the same on every process); the
         abstract state names the attempt's mesh."""
+
+    def origin(self) -> str:
+        """Where that snapshot was: SNAPSHOT (host RAM) or LOCAL (the local checkpoint tier)."""
 
     def load(self, abstract_state) -> tuple[Any, dict]:
         """(state on the shardings of `abstract_state`, data-iterator state) of that snapshot."""
@@ -86,7 +94,6 @@ def restore_state(
     *,
     checkpoints: SavedState,
     snapshots: SnapshotSource | None,
-    local_checkpoints: SavedState | None = None,
     load_full_state_path: str,
     load_parameters_path: str,
     fresh_state: Callable[[Any], Any],
@@ -95,33 +102,18 @@ def restore_state(
     around loaded params (new optimizer state, step 0), or wholly initialised when None."""
     checkpoints.cleanup_partial()
     checkpoint_step = checkpoints.latest_committed_step()
-    local_step = None
-    if local_checkpoints is not None:
-        local_checkpoints.cleanup_partial()
-        local_step = local_checkpoints.latest_committed_step()
-    newest_saved = max((s for s in (checkpoint_step, local_step) if s is not None), default=None)
-    snapshot_step = None if snapshots is None else snapshots.newest_step(abstract_state, newest_saved)
+    snapshot_step = None if snapshots is None else snapshots.newest_step(abstract_state, checkpoint_step)
+    local = snapshot_step is not None and snapshots.origin() == LOCAL
     source = choose_source(
-        snapshot_step=snapshot_step,
+        snapshot_step=None if local else snapshot_step,
+        local_step=snapshot_step if local else None,
         checkpoint_step=checkpoint_step,
-        local_step=local_step,
         load_full_state_path=load_full_state_path,
         load_parameters_path=load_parameters_path,
     )
-    if source == SNAPSHOT:
+    if source in (SNAPSHOT, LOCAL):
         state, data_state = snapshots.load(abstract_state)
-        return Restored(state, data_state, f"snapshot:{snapshot_step}")
-    if source == LOCAL:
-        restored = _local_or_none(local_checkpoints, abstract_state)
-        if restored is not None and restored.step >= (checkpoint_step or 0):
-            return Restored(restored.state, restored.data_state, f"local:{restored.step}")
-        # No local step newer than the persistent one read: the order goes on without the local tier.
-        source = choose_source(
-            snapshot_step=None,
-            checkpoint_step=checkpoint_step,
-            load_full_state_path=load_full_state_path,
-            load_parameters_path=load_parameters_path,
-        )
+        return Restored(state, data_state, f"{source}:{snapshot_step}")
     if source == CHECKPOINT:
         restored = checkpoints.restore(abstract_state)
         return Restored(restored.state, restored.data_state, f"checkpoint:{restored.step}")
@@ -135,13 +127,3 @@ def restore_state(
         params = load_parameters(load_parameters_path, abstract_state["params"])
         return Restored(fresh_state(params), None, PARAMETERS)
     return Restored(fresh_state(None), None, INIT)
-
-
-def _local_or_none(local_checkpoints: SavedState, abstract_state):
-    """The newest readable local step, or None when none reads (the persistent tier is next)."""
-    from trainer.checkpoint import CheckpointRestoreError
-
-    try:
-        return local_checkpoints.restore(abstract_state)
-    except CheckpointRestoreError:
-        return None

@@ -8,6 +8,8 @@ each part its own section (attempts get a `TrainSpec`, the supervisor `ElasticCo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import sys
 from collections.abc import Callable
@@ -18,6 +20,7 @@ from typing import TextIO
 import jax
 
 from trainer.attempt import AttemptBuilder, TrainSpec
+from trainer.checkpoint.local_store import LocalStore
 from trainer.config.errors import ConfigError
 from trainer.config.loader import to_flat_dict
 from trainer.config.schema import RunConfig
@@ -76,6 +79,7 @@ def train_spec(cfg: RunConfig) -> TrainSpec:
         init_weights_seed=cfg.train.init_weights_seed,
         resize_batch_policy=cfg.elastic.elastic_resize_batch_policy,
         config_record=to_flat_dict(cfg),
+        eval=cfg.eval,
     )
 
 
@@ -112,19 +116,51 @@ def build_supervisor(
         attempts=AttemptBuilder(
             train_spec(cfg),
             checkpoint_dir=paths.checkpoints,
-            local_checkpoint_dir=paths.local_checkpoints,
             events=events,
         ),
         run_loop=run_loop,
         events=events,
         profiler=StepProfiler(cfg.observe, paths.local / "profile", events),
-        snapshots=HostSnapshots(events),
+        snapshots=HostSnapshots(events, store=local_store(cfg, paths, events)),
         injector=injector,
         outages=outages,
         membership=membership,
         single_controller=single_controller,
         sync=paths.sync,
+        local_checkpoint_period=cfg.checkpoint.local_checkpoint_period if paths.local_checkpoints else 0,
+        previous_last_step=last_recorded_step(paths.local / "metrics.jsonl"),
     )
+
+
+def local_store(cfg: RunConfig, paths: RunPaths, events) -> LocalStore | None:
+    """This process's local checkpoint tier (None when off)."""
+    if paths.local_checkpoints is None:
+        return None
+    return LocalStore(
+        paths.local_checkpoints,
+        keep=cfg.checkpoint.max_num_local_checkpoints_to_keep,
+        events=events,
+        config=dataclasses.asdict(cfg.model),
+    )
+
+
+def last_recorded_step(metrics: Path) -> int | None:
+    """The last step an earlier process of this run wrote to metrics.jsonl (None for a new run)."""
+    try:
+        with open(metrics, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 65536))
+            tail = f.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(tail):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut by the seek or by a kill
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and "loss" in record:
+            return record["step"]
+    return None
 
 
 def process_slices(cfg: RunConfig, settings: DistributedSettings, events):
@@ -144,10 +180,11 @@ def process_slices(cfg: RunConfig, settings: DistributedSettings, events):
             f"processes_per_slice={settings.processes_per_slice} form {membership.num_slices} "
             f"slices; set num_slices={membership.num_slices}"
         )
-    if cfg.checkpoint.local_checkpoint_directory:
+    if cfg.checkpoint.local_checkpoint_directory and settings.processes_per_slice > 1:
         raise ConfigError(
-            "the local checkpoint tier (local_checkpoint_directory) runs in one process; with several "
-            "processes leave it unset (snapshot_period keeps in-process recovery cheap)"
+            f"the local checkpoint tier needs every process to hold a whole replica of the train state "
+            f"(processes_per_slice=1); with processes_per_slice={settings.processes_per_slice} leave "
+            "local_checkpoint_directory unset"
         )
     if cfg.elastic.fault_schedule:
         raise ConfigError(

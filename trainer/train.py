@@ -143,7 +143,7 @@ def _train(cfg, paths, checked, config_text: str) -> int:
     from trainer.elastic.errors import ElasticGiveUp
     from trainer.errors import UserInputError
     from trainer.hostmem import hugepages_requested
-    from trainer.loop import PREEMPTED
+    from trainer.loop import PREEMPTED, TARGET_REACHED
     from trainer.observe.events import EventLog
     from trainer.run import run
 
@@ -173,6 +173,12 @@ def _train(cfg, paths, checked, config_text: str) -> int:
                 else "no checkpoint saved (enable_checkpointing=false): a rerun starts over"
             )
             code, status, line = EXIT_OK, "preempted", f"preempted step={outcome.step}: {saved}"
+        elif outcome.kind == TARGET_REACHED:
+            code, status = EXIT_OK, TARGET_REACHED
+            line = (
+                f"{status} step={outcome.step} eval_loss={outcome.eval_loss:.4f} <= "
+                f"target_eval_loss={cfg.eval.target_eval_loss} run_dir={paths.run_dir}"
+            )
         else:
             code, status, line = EXIT_OK, "finished", f"finished step={outcome.step} run_dir={paths.run_dir}"
         fields = {"step": outcome.step}
@@ -197,7 +203,7 @@ def _train(cfg, paths, checked, config_text: str) -> int:
 
 def _process_paths(paths, cfg):
     """Several processes share the run directory and its checkpoints; process i > 0 writes its logs
-    (metrics.jsonl, events.jsonl, config.yml) under `process_<i>/`."""
+    (metrics.jsonl, events.jsonl, config.yml) and its local checkpoint tier under `process_<i>/`."""
     import dataclasses
 
     from trainer.config import ConfigError
@@ -211,7 +217,9 @@ def _process_paths(paths, cfg):
     if local == paths.local:
         return paths
     remote = None if paths.remote is None else paths.remote / local.name
-    return dataclasses.replace(paths, local=local, remote=remote)
+    # The local checkpoint tier is per process too: each writes only what its own devices hold.
+    tier = None if paths.local_checkpoints is None else paths.local_checkpoints / local.name
+    return dataclasses.replace(paths, local=local, remote=remote, local_checkpoints=tier)
 
 
 def _emit_goodput(events, run_dir: Path) -> None:

@@ -5,7 +5,8 @@ One `StepBoundary` per attempt, built by the supervisor from explicit parts; the
 order, after step N has been dispatched:
 1. the profiler window;
 2. the recovery timeline: the first step completed after a failure ends its downtime;
-3. a host-RAM snapshot every `snapshot_period` steps (taken asynchronously);
+3. a host-RAM snapshot every `snapshot_period` steps (taken asynchronously), and every
+   `local_checkpoint_period` steps one that is also written to the local checkpoint tier;
 4. fault injection (local virtual slices): faults due before step N+1 fire here;
 5. returning slices: the membership round (several processes, every step) or a health check of the
    inactive slices (at most every poll interval); any found are returned, for the supervisor to act on.
@@ -42,6 +43,7 @@ class StepBoundary:
         profiler,
         snapshots,
         snapshot_period: int,
+        local_checkpoint_period: int = 0,
         injector=None,
         returning: Callable[[], list[int]] = list,
         wall_time: Callable[[], float] = time.time,
@@ -52,6 +54,7 @@ class StepBoundary:
         self.profiler = profiler
         self.snapshots = snapshots
         self.snapshot_period = snapshot_period
+        self.local_checkpoint_period = local_checkpoint_period
         self.injector = injector
         self.returning = returning
         self.wall_time = wall_time
@@ -72,8 +75,9 @@ class StepBoundary:
             self.events.emit(
                 "first_step_after_recovery", step=step, seconds_since_detection=round(down, 3), slices=self.active
             )
-        if self.snapshot_period and step % self.snapshot_period == 0:
-            self.snapshots.take(step, state, data_state())
+        persist = bool(self.local_checkpoint_period) and step % self.local_checkpoint_period == 0
+        if persist or (self.snapshot_period and step % self.snapshot_period == 0):
+            self.snapshots.take(step, state, data_state(), persist=persist)
         if self.injector is not None:
             self.injector.at_step_boundary(step + 1, in_flight=state)
         return self.returning()

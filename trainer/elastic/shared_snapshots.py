@@ -44,7 +44,10 @@ class SharedSnapshots:
         mine = self.snapshots.newest_step()
         blob = self._data_blob()
         ckpt = -1 if checkpoint_step is None else checkpoint_step
-        table, self._process_of_row = gather_rows(self.mesh, [-1 if mine is None else mine, ckpt, len(blob)])
+        local = int(mine is not None and self.snapshots.origin() == "local")
+        table, self._process_of_row = gather_rows(
+            self.mesh, [-1 if mine is None else mine, ckpt, len(blob), local]
+        )
         if len(set(table[:, 1])) != 1:
             raise RuntimeError(
                 f"processes see different newest checkpoints {sorted(set(table[:, 1]))}: "
@@ -53,6 +56,12 @@ class SharedSnapshots:
         self._table = table
         best = int(table[:, 0].max())
         return None if best < 0 else best
+
+    def origin(self) -> str:
+        """ "local" when the newest snapshot's first holder in mesh order read it from its local tier."""
+        table = self._table
+        best = int(table[:, 0].max())
+        return "local" if table[int(np.argmax(table[:, 0] == best)), 3] else "snapshot"
 
     def load(self, abstract_state) -> tuple[Any, dict]:
         table, best = self._table, int(self._table[:, 0].max())
@@ -77,6 +86,7 @@ class SharedSnapshots:
             "snapshot_shared",
             step=best,
             source_process=self._process_of_row[source_row],
+            origin=self.origin(),
             bytes=tree_nbytes(state),
             seconds=round(time.perf_counter() - t0, 4),
         )

@@ -5,6 +5,11 @@ may donate the original; replicas are copied once) and copies it to host memory 
 thread while training continues. Recovery restores the newest complete snapshot by the
 restore order of `trainer.restore` (unless a committed checkpoint is newer), so a slice failure rewinds
 at most `snapshot_period` steps instead of `checkpoint_period`.
+
+With the local checkpoint tier on (`trainer.checkpoint.local_store`), every `local_checkpoint_period`
+steps the same background thread also writes the host copy to node-local disk, and a new process
+starts with the newest local step as its snapshot: one mechanism, one restore path, whether the copy
+survived in RAM (a slice failure) or on disk (the process was lost).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class Snapshot:
     state: Any  # numpy pytree
     data_state: dict
     nbytes: int
+    origin: str = "snapshot"  # "local": read back from the local checkpoint tier
 
 
 def _distinct_shards(x: jax.Array) -> list[tuple[tuple, jax.Array]]:
@@ -60,16 +66,23 @@ def _assemble(shape, dtype, shards: list[tuple[tuple, jax.Array]]) -> np.ndarray
 
 
 class HostSnapshots:
-    """Keeps the newest complete snapshot; at most one host copy is in flight."""
+    """Keeps the newest complete snapshot; at most one host copy is in flight.
 
-    def __init__(self, events):
+    `store` (a `LocalStore`, or None): where `take(..., persist=True)` also writes the copy, and where
+    `newest_step` finds a newer one than RAM holds (a restarted process)."""
+
+    def __init__(self, events, store=None):
         self.events = events
+        self.store = store
         self.latest: Snapshot | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def take(self, step: int, state, data_state: dict, *, block: bool = False) -> None:
+    def take(self, step: int, state, data_state: dict, *, block: bool = False, persist: bool = False) -> None:
+        """Copy `state` (maybe still being computed) to host memory; with `persist`, also write it to the
+        local tier. The loop is blocked only while the on-device copies are dispatched."""
         self.settle()
+        persist = persist and self.store is not None
         t0 = time.perf_counter()
         leaves, treedef = jax.tree.flatten(state)
         on_device = [(x.shape, x.dtype, _distinct_shards(x)) for x in leaves]
@@ -91,12 +104,24 @@ class HostSnapshots:
                 seconds=round(time.perf_counter() - t0, 4),
                 blocking=block,
             )
+            if persist:
+                try:
+                    self.store.write(step, host, data_state, started=t0)
+                except OSError as e:  # a full or failing local disk costs the tier, not the run
+                    log.warning("local checkpoint of step %d failed: %s", step, e)
+                    self.events.emit("local_checkpoint_save_failed", step=step, error=str(e))
 
+        if persist:
+            self.events.emit("local_checkpoint_save_start", step=step)
         if block:
             to_host()
         else:
             self._thread = threading.Thread(target=to_host, name=f"snapshot-{step}", daemon=True)
             self._thread.start()
+        if persist:
+            self.events.emit(
+                "local_checkpoint_save_blocked", step=step, seconds=round(time.perf_counter() - t0, 4)
+            )
 
     def settle(self) -> None:
         """Wait for an in-flight host copy (called before a new one and before recovery)."""
@@ -105,10 +130,42 @@ class HostSnapshots:
             self._thread = None
 
     def newest_step(self, abstract_state=None, checkpoint_step: int | None = None) -> int | None:
-        """Step of the newest complete snapshot (after any in-flight copy); `trainer.restore` decides
-        whether it beats the checkpoint."""
+        """Step of the newest complete snapshot (after any in-flight copy), in RAM or, when newer than
+        RAM and `checkpoint_step`, in the local tier; `trainer.restore` decides whether it beats the
+        checkpoint."""
         self.settle()
+        if self.store is not None and abstract_state is not None:
+            self._adopt_local(abstract_state, checkpoint_step)
         return None if self.latest is None else self.latest.step
+
+    def origin(self) -> str:
+        """Where the newest snapshot came from: "snapshot" (this process's RAM) or "local" (disk)."""
+        return "snapshot" if self.latest is None else self.latest.origin
+
+    def _adopt_local(self, abstract_state, checkpoint_step: int | None) -> None:
+        """Make the newest usable local step the snapshot, if it is newer than what RAM and the
+        persistent tier hold; an unusable one is skipped with an event saying why."""
+        from trainer.checkpoint.local_store import LocalStepUnusable
+
+        self.store.cleanup_partial()
+        in_ram = -1 if self.latest is None else self.latest.step
+        for step in reversed(self.store.steps()):
+            # A tie with the persistent step goes to the local one (the faster read); RAM is never older.
+            if step <= in_ram or (checkpoint_step is not None and step < checkpoint_step):
+                return
+            t0 = time.perf_counter()
+            try:
+                host, data_state = self.store.read(step, abstract_state)
+            except LocalStepUnusable as e:
+                log.warning("%s; trying an older one", e)
+                self.events.emit("local_checkpoint_skipped", step=step, reason=str(e))
+                continue
+            nbytes = tree_nbytes(host)
+            self.latest = Snapshot(step, host, data_state, nbytes, origin="local")
+            self.events.emit(
+                "local_checkpoint_read", step=step, bytes=nbytes, seconds=round(time.perf_counter() - t0, 4)
+            )
+            return
 
     def load(self, abstract_state) -> tuple[Any, dict]:
         """The newest snapshot on the shardings of `abstract_state`, and its data-iterator state."""
@@ -117,6 +174,10 @@ class HostSnapshots:
         shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
         state = jax.block_until_ready(jax.device_put(snap.state, shardings))
         self.events.emit(
-            "snapshot_restored", step=snap.step, bytes=snap.nbytes, seconds=round(time.perf_counter() - t0, 4)
+            "snapshot_restored",
+            step=snap.step,
+            bytes=snap.nbytes,
+            seconds=round(time.perf_counter() - t0, 4),
+            origin=snap.origin,
         )
         return state, snap.data_state

@@ -61,6 +61,9 @@ class Supervisor:
     run_loop   (attempt, boundary=...) -> Outcome (`trainer.loop.train_loop` with the run's sinks and policy)
     injector   the fault injector on local virtual slices (`outages` are its down slices), or None
     membership live processes when several run elastically, or None
+    local_checkpoint_period  every this many steps the snapshot is also written to the local tier
+    previous_last_step  the last step an earlier process of this run recorded (a restart after the
+               process was lost): the first attempt counts the steps it rewinds behind it as lost
     """
 
     def __init__(
@@ -78,8 +81,12 @@ class Supervisor:
         membership=None,
         single_controller: bool = False,
         sync: Callable[[], None] = lambda: None,
+        local_checkpoint_period: int = 0,
+        previous_last_step: int | None = None,
     ):
         self.elastic = elastic
+        self.local_checkpoint_period = local_checkpoint_period
+        self.previous_last_step = previous_last_step
         self.attempts = attempts
         self.run_loop = run_loop
         self.events = events
@@ -171,6 +178,15 @@ class Supervisor:
         attempt = self.attempts([self.slice_to_devices[i] for i in active], **self._attempt_parts(active))
         with contextlib.closing(attempt):
             rewound = max(0, self.stats.last_step - attempt.start_step) if number > 1 else 0
+            if number == 1 and self.previous_last_step is not None:
+                rewound = max(0, self.previous_last_step - attempt.start_step)
+                self.events.emit(
+                    "restart_resumed",
+                    last_step=self.previous_last_step,
+                    start_step=attempt.start_step,
+                    source=attempt.restored_from,
+                    steps_lost=rewound,
+                )
             self.stats.steps_lost += rewound
             plan = attempt.plan
             self.events.emit(
@@ -242,6 +258,7 @@ class Supervisor:
             profiler=self.profiler,
             snapshots=self.snapshots,
             snapshot_period=self.elastic.snapshot_period,
+            local_checkpoint_period=self.local_checkpoint_period,
             injector=self.injector,
             returning=returning,
         )

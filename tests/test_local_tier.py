@@ -1,0 +1,148 @@
+"""The local checkpoint tier: host snapshots written to node-local disk and read back by a new process."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trainer.checkpoint.local_store import LocalStepUnusable, LocalStore, committed_steps
+from trainer.elastic.snapshot import HostSnapshots
+from trainer.observe.events import EventLog
+from trainer.restore import restore_state
+
+
+class _Events:
+    def __init__(self):
+        self.seen = []
+
+    def emit(self, name, **fields):
+        self.seen.append((name, fields))
+
+    def names(self):
+        return [n for n, _ in self.seen]
+
+
+def _state(step: int):
+    """A small train-state-like tree with the dtypes a real one has (bfloat16, float32, int32 scalar)."""
+    return {
+        "step": jnp.array(step, jnp.int32),
+        "params": {"w": jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4) * step, "b": jnp.ones(5, jnp.bfloat16)},
+    }
+
+
+def _abstract(state):
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
+
+
+def _host(state):
+    return jax.tree.map(np.asarray, state)
+
+
+def test_a_written_step_reads_back_bitwise_with_its_data_state(tmp_path):
+    store = LocalStore(tmp_path, keep=2, events=_Events(), config={"base_emb_dim": 8})
+    state = _state(7)
+    store.write(7, _host(state), {"cursor": 7})
+    got, data = store.read(7, _abstract(state))
+    assert data == {"cursor": 7}
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(state)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a).tobytes(), np.asarray(b).tobytes())
+
+
+def test_a_partial_write_never_counts_and_is_removed(tmp_path):
+    events = _Events()
+    store = LocalStore(tmp_path, keep=2, events=events)
+    store.write(5, _host(_state(5)), {})
+    (tmp_path / "10.partial-999").mkdir()  # a write killed half-way
+    (tmp_path / "10.partial-999" / "state.bin").write_bytes(b"\0" * 10)
+    assert committed_steps(tmp_path) == [5]
+    assert store.cleanup_partial() == ["10.partial-999"]
+    assert not (tmp_path / "10.partial-999").exists()
+    assert "local_checkpoint_partial_removed" in events.names()
+
+
+def test_only_the_newest_steps_are_kept(tmp_path):
+    store = LocalStore(tmp_path, keep=2, events=_Events())
+    for step in (5, 10, 15, 20):
+        store.write(step, _host(_state(step)), {})
+    assert committed_steps(tmp_path) == [15, 20]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["15", "20"]
+
+
+def test_a_truncated_or_foreign_step_is_unusable(tmp_path):
+    store = LocalStore(tmp_path, keep=3, events=_Events())
+    state = _state(5)
+    store.write(5, _host(state), {})
+    other = {"step": state["step"], "params": {"w": jnp.zeros((3, 4))}}  # another model's leaves
+    with pytest.raises(LocalStepUnusable, match="another train state"):
+        store.read(5, _abstract(other))
+    wider = {"step": state["step"], "params": {"b": state["params"]["b"], "w": jnp.zeros((3, 5))}}
+    with pytest.raises(LocalStepUnusable, match="expects"):
+        store.read(5, _abstract(wider))
+    payload = tmp_path / "5" / "state.bin"
+    payload.write_bytes(payload.read_bytes()[:-3])
+    with pytest.raises(LocalStepUnusable, match="bytes"):
+        store.read(5, _abstract(state))
+
+
+def _restore(snaps, abstract, checkpoint_step=None):
+    class Checkpoints:
+        def cleanup_partial(self):
+            return []
+
+        def latest_committed_step(self):
+            return checkpoint_step
+
+        def restore(self, abstract_state):
+            state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_state)
+            return type("R", (), {"state": state, "data_state": {"cursor": -1}, "step": checkpoint_step})
+
+    return restore_state(
+        abstract,
+        checkpoints=Checkpoints(),
+        snapshots=snaps,
+        load_full_state_path="",
+        load_parameters_path="",
+        fresh_state=lambda params: pytest.fail("a saved state exists"),
+    )
+
+
+def test_a_persisted_snapshot_is_what_a_new_process_restores(tmp_path):
+    events = EventLog(None)
+    first = HostSnapshots(events, store=LocalStore(tmp_path, keep=2, events=events))
+    first.take(4, _state(4), {"cursor": 4}, block=True)  # RAM only
+    first.take(6, _state(6), {"cursor": 6}, block=True, persist=True)
+    assert committed_steps(tmp_path) == [6]
+    # The process is gone; a new one starts with an empty RAM and the same local directory.
+    fresh = HostSnapshots(events, store=LocalStore(tmp_path, keep=2, events=events))
+    got = _restore(fresh, _abstract(_state(0)))
+    assert got.label == "local:6" and got.data_state == {"cursor": 6}
+    np.testing.assert_array_equal(got.state["params"]["w"], np.asarray(_state(6)["params"]["w"]))
+
+
+@pytest.mark.parametrize("checkpoint_step, label", [(None, "local:6"), (6, "local:6"), (8, "checkpoint:8")])
+def test_the_local_step_wins_unless_a_checkpoint_is_newer(tmp_path, checkpoint_step, label):
+    events = EventLog(None)
+    HostSnapshots(events, store=LocalStore(tmp_path, keep=2, events=events)).take(
+        6, _state(6), {"cursor": 6}, block=True, persist=True
+    )
+    fresh = HostSnapshots(events, store=LocalStore(tmp_path, keep=2, events=events))
+    assert _restore(fresh, _abstract(_state(0)), checkpoint_step).label == label
+
+
+def test_ram_beats_the_local_tier_at_the_same_step_and_an_unusable_step_falls_back(tmp_path):
+    events = _Events()
+    store = LocalStore(tmp_path, keep=3, events=events)
+    snaps = HostSnapshots(events, store=store)
+    snaps.take(5, _state(5), {"cursor": 5}, block=True, persist=True)
+    snaps.take(10, _state(10), {"cursor": 10}, block=True, persist=True)
+    assert _restore(snaps, _abstract(_state(0))).label == "snapshot:10"  # RAM holds it: no disk read
+    (tmp_path / "10" / "state.bin").write_bytes(b"")  # the newest local step is damaged
+    fresh = HostSnapshots(events, store=store)
+    got = _restore(fresh, _abstract(_state(0)))
+    assert got.label == "local:5" and got.data_state == {"cursor": 5}
+    skipped = [f for n, f in events.seen if n == "local_checkpoint_skipped"]
+    assert skipped and skipped[0]["step"] == 10

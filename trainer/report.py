@@ -117,6 +117,10 @@ def format_summary(s) -> str:
         f"run {s.name}: {s.status}",
         f"  steps done        {s.steps_done}{planned}",
         f"  final loss        {_num(s.final_loss, '.4f')}",
+    ]
+    if s.final_eval_step is not None:
+        lines.append(f"  final eval loss   {_num(s.final_eval_loss, '.4f')} (step {s.final_eval_step})")
+    lines += [
         f"  median step time  {_num(s.median_step_time_s, '.3f')} s",
         f"  median tokens/s   {_num(s.median_tokens_per_s, ',.1f')}",
         f"  failures          {s.failures}",
@@ -134,11 +138,27 @@ def format_summary(s) -> str:
             f"  note: productive + badput = {counted / wall:.1%} of wall time; some seconds are counted "
             f"under two headings (see trainer.observe.goodput)"
         )
+    lines += _slow_steps(s.slow_steps)
     lines += _recorded_differences(s)
     for k, t in enumerate(s.timelines, 1):
         lines.append(f"  recovery {k} (attempt {t['attempt'] - 1} -> {t['attempt']}):")
         lines.append(textwrap.indent(format_timeline(t), "  "))
     return "\n".join(lines)
+
+
+def _slow_steps(events: list[dict], shown: int = 5) -> list[str]:
+    """monitor_step_time_deviation's slow_step events: how many, and the slowest few with their process."""
+    if not events:
+        return []
+    worst = sorted(events, key=lambda e: e["step_time_s"] / max(e["median_s"], 1e-9), reverse=True)[:shown]
+    lines = [f"  slow steps        {len(events)} (step time > {events[0]['factor']:g}x the recent median)"]
+    for e in sorted(worst, key=lambda e: e["step"]):
+        process, ratio = e.get("slowest_process"), e["step_time_s"] / max(e["median_s"], 1e-9)
+        lines.append(
+            f"    step {e['step']:<8} {e['step_time_s']:.3f} s = {ratio:.1f}x median {e['median_s']:.3f} s, "
+            f"slowest process {'n/a' if process is None else process}"
+        )
+    return lines
 
 
 def _recorded_differences(s) -> list[str]:

@@ -146,3 +146,36 @@ def make_train_step(
         }, metrics
 
     return train_step
+
+
+def make_eval_step(
+    cfg: ModelConfig,
+    *,
+    micro_steps: int = 1,
+    constrain_micro: Callable[[dict], dict] = lambda b: b,
+    shard: ActivationSharding = UNSHARDED,
+):
+    """Build `eval_step(params, batch) -> {"ce_sum", "tokens"}`: the forward pass only (no gradient, no
+    z-loss, no update), summed over the batch's loss-masked tokens, so the caller adds batches up exactly
+    and divides once. The loss mask is the batch's own (assistant tokens only under SFT).
+
+    `micro_steps` splits the batch into equal parts run in a scan: the eval batch is the same size on
+    every mesh (the same tokens at every evaluation), so a smaller mesh runs it in more parts.
+    """
+
+    def sums(params, batch):
+        _, parts = loss_sums(params, cfg, 0.0, constrain_micro(batch), shard=shard)
+        return {"ce_sum": parts["ce_sum"], "tokens": parts["tokens"]}
+
+    def eval_step(params, batch: dict) -> dict:
+        if micro_steps == 1:
+            return sums(params, batch)
+
+        def body(acc, micro):
+            return jax.tree.map(jnp.add, acc, sums(params, micro)), None
+
+        zero = jnp.zeros((), jnp.float32)
+        out, _ = jax.lax.scan(body, {"ce_sum": zero, "tokens": zero}, _split_micro(batch, micro_steps))
+        return out
+
+    return eval_step

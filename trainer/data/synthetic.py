@@ -29,11 +29,15 @@ class SyntheticIterator:
         seed: int,
         process_index: int = 0,
         process_count: int = 1,
+        stream: int = 0,
     ):
+        """`stream` 0 is the training stream; another value is a held-out stream of the same chain whose
+        rows are drawn from other seeds (see `_row_seed`)."""
         if global_batch_size % process_count:
             raise ValueError(f"global batch {global_batch_size} does not split over {process_count} processes")
         self.seq_len = seq_len
         self.seed = seed
+        self.stream = stream
         self.global_batch_size = global_batch_size
         rows = global_batch_size // process_count
         self.row_range = range(process_index * rows, (process_index + 1) * rows)
@@ -43,8 +47,13 @@ class SyntheticIterator:
         self.successors = table_rng.integers(0, active, size=(active, BRANCHING))
         self.next_step = 0
 
+    def _row_seed(self, step: int, row: int) -> list[int]:
+        # numpy's SeedSequence pads short entropy with zeros, so [seed, step, row] is [seed, step, row, 0]:
+        # a non-zero fourth word never produces a training row's generator.
+        return [self.seed, step, row] if self.stream == 0 else [self.seed, step, row, self.stream]
+
     def _row(self, step: int, row: int) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng([self.seed, step, row])
+        rng = np.random.default_rng(self._row_seed(step, row))
         n = self.seq_len + 1
         choice = rng.integers(0, BRANCHING, size=n)
         state = np.empty(n, dtype=np.int64)

@@ -3,7 +3,8 @@
 goodput = time of the steps whose results survived / wall time. Badput is the rest, by cause:
 startup_compile (process start to the first step, plus any compile), checkpoint_save (time the loop
 was blocked saving, beyond waiting for the step it saves), restore, wasted_progress (steps computed
-and then rewound by a failure), waiting_for_slices, and other (detection, teardown, logging, data).
+and then rewound by a failure), waiting_for_slices, eval (held-out evaluations: the eval rows'
+eval_time_s, kept out of the step times), and other (detection, teardown, logging, data).
 """
 
 from __future__ import annotations
@@ -11,7 +12,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-CAUSES = ("startup_compile", "checkpoint_save", "restore", "wasted_progress", "waiting_for_slices", "other")
+from trainer.observe.records import eval_rows, step_rows
+
+CAUSES = (
+    "startup_compile",
+    "checkpoint_save",
+    "restore",
+    "wasted_progress",
+    "waiting_for_slices",
+    "eval",
+    "other",
+)
 
 
 def _durations(events: list[dict], start: str, end: str, skip_first: bool = False) -> float:
@@ -31,6 +42,8 @@ def account(
     events: Iterable[dict[str, Any]], metrics: Iterable[dict[str, Any]], *, now: float | None = None
 ) -> dict:
     events, metrics = list(events), list(metrics)
+    evaluating = sum(r.get("eval_time_s") or 0.0 for r in eval_rows(metrics))
+    metrics = step_rows(metrics)
     if not events:
         return {"wall_s": 0.0, "productive_s": 0.0, "goodput": None, "badput_s": {c: 0.0 for c in CAUSES}}
     t0 = events[0]["time"]
@@ -68,6 +81,7 @@ def account(
         "restore": restore,
         "wasted_progress": wasted,
         "waiting_for_slices": waiting,
+        "eval": evaluating,
     }
     bad["other"] = max(0.0, wall - productive - sum(bad.values()))
     return {

@@ -1,11 +1,12 @@
 """The report figure of one run, or of two runs overlaid: five panels on one matplotlib Figure.
 
-Top left, loss and learning rate vs step; top right, step time and tokens/s vs step. Both use the
-step axis because that is how the loss curve is read; steps that a rewind threw away and recomputed
-are shaded (with their count) and their superseded losses drawn as crosses.
+Top left, loss, held-out eval loss (circles, when the run evaluates) and learning rate vs step; top
+right, step time and tokens/s vs step. Both use the step axis because that is how the loss curve is
+read; steps that a rewind threw away and recomputed are shaded (with their count) and their
+superseded losses drawn as crosses.
 
 Middle, progress over wall clock: the step reached vs seconds since the run started, with the
-elastic phases as shaded bands (startup, blocking checkpoint saves, and per failure: down →
+elastic phases as shaded bands (startup, blocking checkpoint saves, evaluations, and per failure: down →
 detected, waiting for slices, restoring, restored → first step). These bands use wall-clock time
 because during them no step runs: on a step axis they would collapse to a single point, while here
 their length is visible and a rewind shows as the step count falling back (annotated with the steps
@@ -52,11 +53,13 @@ TITLE_GOODPUT = "Goodput and badput by cause"
 
 RUN_COLORS = ("tab:blue", "black")
 RUN_STYLES = ("-", "--")  # the second run dashed, so identical curves (same seed, exact resume) both show
-STARTUP, CHECKPOINT = "startup + compile", "checkpoint save (blocking)"
+STARTUP, CHECKPOINT, EVAL = "startup + compile", "checkpoint save (blocking)", "eval"
+EVAL_COLORS = ("tab:orange", "tab:red")
 GAP = "teardown, recompile (between phases)"
 BAND_COLORS = {
     STARTUP: "#7f7f7f",
     CHECKPOINT: "#17becf",
+    EVAL: "#e377c2",
     DOWN: "#d62728",
     WAITING: "#ff7f0e",
     RESTORING: "#9467bd",
@@ -69,6 +72,7 @@ CAUSE_COLORS = {
     "restore": BAND_COLORS[RESTORING],
     "wasted_progress": "#8c564b",
     "waiting_for_slices": BAND_COLORS[WAITING],
+    "eval": BAND_COLORS[EVAL],
     "other": "#c7c7c7",
 }
 REWIND_COLOR = "#d62728"
@@ -95,7 +99,7 @@ def render_report(runs: list[RunLog], summaries: list[RunSummary] | None = None)
 def plot_loss(ax: Axes, runs: list[RunLog], labels: list[str]) -> None:
     compare = len(runs) > 1
     lr_ax = ax.twinx()
-    for run, label, color, ls in zip(runs, labels, RUN_COLORS, RUN_STYLES):
+    for run, label, color, ls, eval_color in zip(runs, labels, RUN_COLORS, RUN_STYLES, EVAL_COLORS):
         suffix = f" ({label})" if compare else ""
         ax.plot(
             _col(run.surviving, "step"),
@@ -105,6 +109,17 @@ def plot_loss(ax: Axes, runs: list[RunLog], labels: list[str]) -> None:
             lw=1.6,
             label="loss" + suffix,
         )
+        if run.evals:
+            ax.plot(
+                _col(run.evals, "step"),
+                _col(run.evals, "eval_loss"),
+                color=eval_color,
+                ls=ls,
+                lw=1.2,
+                marker="o",
+                ms=5,
+                label="eval loss (held out)" + suffix,
+            )
         if run.superseded:
             ax.scatter(
                 _col(run.superseded, "step"),
@@ -147,6 +162,17 @@ def plot_step_time(ax: Axes, runs: list[RunLog], labels: list[str]) -> None:
             ms=4,
             label="step time" + (f" ({label})" if compare else ""),
         )
+        slow = [e for e in run.events if e["event"] == "slow_step"]
+        if slow:  # monitor_step_time_deviation's events, on the step-time curve
+            ax.scatter(
+                [e["step"] for e in slow],
+                [e["step_time_s"] for e in slow],
+                s=60,
+                facecolors="none",
+                edgecolors="tab:red",
+                zorder=5,
+                label="slow step" + (f" ({label})" if compare else ""),
+            )
     handles_ax = ax
     if not compare:
         tok_ax = ax.twinx()
@@ -330,6 +356,7 @@ def _bands(run: RunLog) -> list[tuple[str, float, float]]:
         for e in run.events
         if e["event"] == "checkpoint_save_blocked"
     ]
+    out += [(EVAL, r["time"] - r.get("eval_time_s", 0.0), r["time"]) for r in run.eval_records]
     out += [p for _, phases in recovery_phases(run) for p in phases]
     return out
 

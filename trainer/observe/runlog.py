@@ -26,6 +26,7 @@ from trainer.errors import UserInputError
 from trainer.io.jsonl import read_jsonl
 from trainer.io.paths import resolve
 from trainer.observe.goodput import account
+from trainer.observe.records import eval_rows, step_rows
 from trainer.observe.timeline import recovery_timelines
 
 METRICS_FILE, EVENTS_FILE = "metrics.jsonl", "events.jsonl"
@@ -52,6 +53,8 @@ class RunLog:
     records: list[dict[str, Any]]  # every step record, in file order
     surviving: list[dict[str, Any]]  # the last record of each step on the final trajectory
     superseded: list[dict[str, Any]]  # records of steps that a rewind threw away
+    eval_records: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # every eval row, file order
+    evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the newest eval row of each step
 
     @property
     def t0(self) -> float:
@@ -88,13 +91,15 @@ def load_run(run_dir: str | os.PathLike) -> RunLog:
         for e in read_jsonl(run_dir / EVENTS_FILE)
         if isinstance(e.get("event"), str) and _is_number(e.get("time"))
     ]
-    records = [
+    rows = [
         r for r in read_jsonl(run_dir / METRICS_FILE) if _is_number(r.get("step")) and _is_number(r.get("time"))
     ]
+    records, evaluated = step_rows(rows), eval_rows(rows)
     if not events and not records:
         raise MissingRunFiles(f"{run_dir}: {METRICS_FILE} and {EVENTS_FILE} are both empty; nothing to report yet")
     surviving, superseded = split_rewound(records)
-    return RunLog(run_dir.name, run_dir, events, records, surviving, superseded)
+    evals, _ = split_rewound(evaluated)  # a step evaluated again after a rewind: its newest eval counts
+    return RunLog(run_dir.name, run_dir, events, records, surviving, superseded, evaluated, evals)
 
 
 def _is_number(value: Any) -> bool:
@@ -165,6 +170,9 @@ class RunSummary:
     goodput: dict[str, Any]  # trainer.observe.goodput.account over the whole file
     recorded: dict[str, Any]  # the newest elastic_summary / goodput events the trainer logged, if any
     timelines: list[dict[str, Any]]
+    final_eval_loss: float | None = None  # the newest evaluation's loss (None: no eval yet)
+    final_eval_step: int | None = None
+    slow_steps: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # slow_step events
 
 
 def summarize(run: RunLog) -> RunSummary:
@@ -193,7 +201,10 @@ def summarize(run: RunLog) -> RunSummary:
         downtime_s=sum(
             e.get("seconds_since_detection") or 0.0 for e in ev if e["event"] == "first_step_after_recovery"
         ),
-        goodput=account(ev, run.records),
+        goodput=account(ev, run.records + run.eval_records),
         recorded=recorded,
         timelines=recovery_timelines(ev),
+        final_eval_loss=run.evals[-1].get("eval_loss") if run.evals else None,
+        final_eval_step=run.evals[-1]["step"] if run.evals else None,
+        slow_steps=[e for e in ev if e["event"] == "slow_step"],
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from trainer.io.jsonl import dumps, open_append
+from trainer.observe.records import is_eval
 
 log = logging.getLogger("trainer.metrics")
 
@@ -34,9 +35,10 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """Scalars under <run dir>/tensorboard, one tag per numeric field."""
+    """Scalars under <run dir>/tensorboard, one tag per numeric field: train/<field> for step rows,
+    eval/<field without its eval_ prefix> for eval rows (eval/loss, eval/perplexity, ...)."""
 
-    SKIP = ("step", "time", "pid", "batch_fingerprint")
+    SKIP = ("step", "time", "pid", "batch_fingerprint", "kind")
 
     def __init__(self, logdir: Path):
         from tensorboardX import SummaryWriter
@@ -46,7 +48,8 @@ class TensorBoardSink:
     def write(self, record: dict[str, Any]) -> None:
         for k, v in record.items():
             if k not in self.SKIP and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
-                self._writer.add_scalar(f"train/{k}", v, record["step"])
+                tag = f"eval/{k.removeprefix('eval_')}" if is_eval(record) else f"train/{k}"
+                self._writer.add_scalar(tag, v, record["step"])
 
     def close(self) -> None:
         self._writer.flush()
@@ -60,6 +63,16 @@ class LogSink:
         self.period = period
 
     def write(self, record: dict[str, Any]) -> None:
+        if is_eval(record):  # every evaluation gets its line
+            log.info(
+                "eval step=%d eval_loss=%s eval_perplexity=%s eval_tokens=%d eval_time_s=%.3f",
+                record["step"],
+                _maybe(record["eval_loss"], ".4f"),
+                _maybe(record["eval_perplexity"], ".3f"),
+                record["eval_tokens"],
+                record["eval_time_s"],
+            )
+            return
         if record["step"] % self.period and not record.get("last"):
             return
         mfu = record.get("mfu")
@@ -96,6 +109,12 @@ class ProgressSink:
         self._width = 0  # length of the line on screen, to blank out what a shorter line leaves behind
 
     def write(self, record: dict[str, Any]) -> None:
+        if is_eval(record):  # a line of its own, kept above the live line
+            line = f"eval at step {record['step']}: eval_loss {_maybe(record['eval_loss'], '.4f')}"
+            self.stream.write("\r" + line + " " * max(self._width - len(line), 0) + "\n")
+            self.stream.flush()
+            self._width = 0
+            return
         self._step_times.append(record["step_time_s"])
         remaining = max(self.total_steps - record["step"], 0)
         eta = statistics.median(self._step_times) * remaining
@@ -112,6 +131,10 @@ class ProgressSink:
             self.stream.write("\n")
             self.stream.flush()
             self._width = 0
+
+
+def _maybe(value: float | None, fmt: str) -> str:
+    return "null" if value is None else format(value, fmt)
 
 
 def _clock(seconds: float) -> str:

@@ -151,7 +151,7 @@ class _TrainBatches:
         return {"yielded": self.yielded}
 
 
-def _attempt(evaluator):
+def _attempt(evaluator, start=0):
     """A one-device attempt whose state is a float 'parameter' that each step lowers by 0.1."""
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
 
@@ -178,8 +178,8 @@ def _attempt(evaluator):
     return Attempt(
         mesh=mesh,
         plan=BatchPlan(2, 1, 1.0),
-        state={"params": jnp.float32(1.0)},
-        start_step=0,
+        state={"params": jnp.float32(1.0 - 0.1 * start)},
+        start_step=start,
         restored_from="init",
         step_fn=step_fn,
         batch_sharding=NamedSharding(mesh, PartitionSpec()),
@@ -226,6 +226,12 @@ def test_the_loop_writes_an_eval_row_after_each_due_step_and_keeps_one_step_row_
     assert [r["step"] for r in evals] == [2, 4, 5]
     # Evaluated on the state after the step: params 1.0 - 0.1 * step (batch value 1).
     np.testing.assert_allclose([r["eval_loss"] for r in evals], [0.8, 0.6, 0.5], rtol=1e-6)
+
+
+def test_an_attempt_restored_at_an_evaluated_step_does_not_evaluate_it_again():
+    # Restored at step 4 (evaluated by the attempt that trained it): the first eval is step 6's.
+    _, records, _ = _loop(_attempt(_evaluator(1, batches=1, interval=2, last=6), start=4))
+    assert [r["step"] for r in records if is_eval(r)] == [6]
 
 
 def test_reaching_target_eval_loss_saves_and_ends_the_loop_at_that_step():

@@ -122,8 +122,15 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
+def step_records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's per-step rows (eval rows, written when eval_interval is set, left out)."""
+    from trainer.observe.records import step_rows
+
+    return step_rows(read_jsonl(run_dir / "metrics.jsonl"))
+
+
 def step_times(run_dir: Path, skip: int = 3) -> list[float]:
-    return [r["step_time_s"] for r in read_jsonl(run_dir / "metrics.jsonl")[skip:]]
+    return [r["step_time_s"] for r in step_records(run_dir)[skip:]]
 
 
 def median(xs) -> float:
@@ -146,7 +153,7 @@ def excess_step_time(
     run-to-run noise of a shared machine. Jobs with no step after them (the final save) are left out,
     and so are those starting at a step where a `not_with` event (another job) started too.
     """
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    records = step_records(run_dir)
     times = {r["step"]: r["step_time_s"] for r in records[skip:]}  # the last record of a replayed step wins
     done_at = {r["step"]: r["time"] for r in records[skip:]}
     events = read_jsonl(run_dir / "events.jsonl")

@@ -48,6 +48,7 @@ from cli_runs import (
     smoke_cap,
     smoke_median,
     smoke_overrides,
+    step_records,
     step_times,
     trainer_cmd,
 )
@@ -64,22 +65,23 @@ def full_restarts(root: Path, common: list[str], kill_at: list[int]) -> list[flo
     the same command (it resumes from its newest checkpoint): kill -> first step of the new process."""
     cmd = trainer_cmd(root, "restart", [*common, "elastic_enabled=false"])
     env = env_with_devices(3)
-    metrics = root / "restart" / "metrics.jsonl"
+    run_dir = root / "restart"
+    metrics = run_dir / "metrics.jsonl"
     out = []
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for target in kill_at:
-        while proc.poll() is None and not (metrics.exists() and len(read_jsonl(metrics)) >= target):
+        while proc.poll() is None and not (metrics.exists() and len(step_records(run_dir)) >= target):
             time.sleep(0.01)
         killed_at = time.time()
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        before = len(read_jsonl(metrics))
+        before = len(step_records(run_dir))
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        while len(read_jsonl(metrics)) <= before:
+        while len(step_records(run_dir)) <= before:
             if proc.poll() is not None:
                 sys.exit("the restarted trainer exited before its first step")
             time.sleep(0.01)
-        out.append(read_jsonl(metrics)[before]["time"] - killed_at)
+        out.append(step_records(run_dir)[before]["time"] - killed_at)
     proc.kill()
     proc.wait()
     return out

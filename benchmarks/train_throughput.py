@@ -28,6 +28,7 @@ from cli_runs import (
     smoke_cap,
     smoke_env,  # noqa: E402
     smoke_overrides,
+    step_records,
 )
 
 
@@ -66,7 +67,7 @@ def run_trainer(overrides: list[str], devices: int, workdir: Path) -> tuple[list
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"trainer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (workdir / "bench" / "metrics.jsonl").read_text().splitlines()]
+    records = step_records(workdir / "bench")
     workdir.mkdir(parents=True, exist_ok=True)
     return records, records[0]["time"] - t_start
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.observe.events import read_events  # noqa: E402
+from trainer.observe.records import step_rows  # noqa: E402
 from trainer.observe.timeline import format_timeline, recovery_timelines  # noqa: E402
 
 # TRAINER_SMOKE=1: the same demo at minimal sizes (benchmarks/cli_runs.py reads it for the benchmarks).
@@ -120,7 +121,7 @@ def main() -> int:
             killed = True
     rc = proc.wait()
     events = read_events(run_dir / "events.jsonl")
-    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = step_rows(json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines())
     print(
         f"\ntrainer exit code {rc}; PIDs that wrote metrics: {sorted({m['pid'] for m in metrics})} "
         f"(launched {proc.pid})"

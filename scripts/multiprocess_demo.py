@@ -187,7 +187,8 @@ def collect(run_dir: Path, processes: int = 3) -> dict:
     return {
         i: {
             "events": read_jsonl(log_dir(run_dir, i) / "events.jsonl"),
-            "metrics": read_jsonl(log_dir(run_dir, i) / "metrics.jsonl"),
+            # step rows only (eval rows, with eval_interval set, say "kind": "eval"; trainer.observe.records)
+            "metrics": [r for r in read_jsonl(log_dir(run_dir, i) / "metrics.jsonl") if r.get("kind") != "eval"],
         }
         for i in range(processes)
     }

@@ -103,6 +103,12 @@ class ModelConfig:
         "backend) | cudnn_flash (GPU) | splash (TPU) | autoselected (best for the backend, logged).",
         choices=("autoselected", "dot_product", "flash", "cudnn_flash", "splash"),
     )
+    sa_block_q: int = key(
+        512, "Query tile of attention=flash/splash (clipped to the sequence; splash: x128).", minimum=1
+    )
+    sa_block_kv: int = key(
+        512, "Key/value tile of attention=flash/splash (clipped to the sequence; splash: x128).", minimum=1
+    )
 
 
 @dataclass(frozen=True)
@@ -315,6 +321,20 @@ class ObserveConfig:
         3, "Steps to run before the trace starts (compile, warm-up).", minimum=0
     )
     profiler_steps: int = key(5, "Steps to trace.", minimum=1)
+    monitor_step_time_deviation: float = key(
+        0.0,
+        "Emit a slow_step event (events.jsonl, trainer.report) when a step takes more than this many times "
+        "the median of the previous 20 step times (after 5 steps of the attempt); 0 = off. Several processes: "
+        "the event names the slowest one.",
+        minimum=0.0,
+    )
+    enable_wandb: bool = key(
+        False,
+        "Log the TensorBoard scalars and the run's events to Weights & Biases (pip install "
+        "'elastic-trainer[wandb]'); restarts continue the same W&B run. WANDB_MODE=offline: files only.",
+    )
+    wandb_project: str = key("elastic-trainer", "W&B project of the run (enable_wandb).")
+    wandb_run_name: str = key("", "W&B display name of the run (enable_wandb); '' = the run directory's name.")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ Numerics follow Hugging Face `transformers` Qwen3 so that imported checkpoints a
   (`Qwen3RMSNorm` order).
 - RoPE uses the rotate-half layout with inv_freq = theta^(-arange(0, hd, 2) / hd), tables computed in
   float32 and cast to the activation dtype.
-- Attention scores and softmax are float32; probabilities are cast back before the value matmul.
+- Attention scores and softmax are float32; probabilities are cast back before the value matmul
+  (`attention.py` holds the implementations the `attention` key selects between).
 Init (HF `initializer_range=0.02`): matrices and the embedding ~ normal(0, 0.02); norm weights = 1.
 """
 
@@ -23,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trainer.model.attention import AttentionKernel
+from trainer.model.attention import grouped_attention as grouped_attention  # dot_product; the KV-cache decoder
 from trainer.parallel.activations import UNSHARDED, ActivationSharding
 
 BTD = ("activation_batch", "activation_length", "activation_embed")
@@ -56,9 +59,10 @@ class Context(NamedTuple):
 
     cos: jax.Array  # [B, T, head_dim], activation dtype
     sin: jax.Array  # [B, T, head_dim]
-    mask: jax.Array  # [B, 1, 1, T, S] bool: same document and key index <= query index
+    segment_ids: jax.Array  # [B, T] int: packed document of each token (0 = padding)
     valid: jax.Array  # [B, T] bool: not padding (segment id > 0)
     shard: ActivationSharding = UNSHARDED  # pins activations to the mesh (static: no arrays)
+    attend: AttentionKernel = AttentionKernel()  # the `attention` implementation (static)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
@@ -74,17 +78,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-
-
-def attention_mask(segment_ids: jax.Array) -> jax.Array:
-    """[B, 1, 1, T, S]: causal by index and only within the same segment (packed documents stay apart).
-
-    The diagonal is always allowed (a token shares its own segment), so no row is fully masked.
-    """
-    t = segment_ids.shape[1]
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (causal[None] & same)[:, None, None]
 
 
 class Attention(nnx.Module):
@@ -120,7 +113,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, ctx: Context) -> jax.Array:
         q, k, v = self.project_qkv(x, ctx.cos, ctx.sin, shard=ctx.shard)
-        return self.project_out(grouped_attention(q, k, v, ctx.mask, self.num_kv_heads))
+        return self.project_out(ctx.attend(q, k, v, ctx.segment_ids, ctx.shard))
 
     def project_qkv(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, shard: ActivationSharding = UNSHARDED
@@ -149,20 +142,6 @@ class Attention(nnx.Module):
 def _flat_in(kernel: jax.Array, dtype) -> jax.Array:
     """[D, heads, hd] -> [D, heads * hd] in the matmul dtype."""
     return kernel.astype(dtype).reshape(kernel.shape[0], -1)
-
-
-def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, num_kv_heads: int) -> jax.Array:
-    """Softmax attention, q [B,T,N,hd], k/v [B,S,K,hd] -> [B,T,N,hd]; q head n uses kv head n // (N/K).
-
-    Query heads are viewed as [K, G] so k/v are never repeated; scores and softmax are float32.
-    """
-    b, t, n, hd = q.shape
-    qg = q.reshape(b, t, num_kv_heads, n // num_kv_heads, hd)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask, scores * (hd**-0.5), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
-    return out.reshape(b, t, n, hd)
 
 
 class Mlp(nnx.Module):

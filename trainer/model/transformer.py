@@ -35,6 +35,7 @@ is the HF name minus "model." and ".weight", layer i being layers.{i} (or index 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
@@ -42,12 +43,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.config.schema import ModelConfig
+from trainer.model import attention
 from trainer.model.layers import (
     BTD,
     Attention,
     Context,
     Mlp,
-    attention_mask,
     matrix,
     norm_weight,
     rms_norm,
@@ -57,6 +58,7 @@ from trainer.model.moe import MoeMlp
 from trainer.parallel.activations import UNSHARDED, ActivationSharding
 
 Params = dict[str, Any]
+logger = logging.getLogger(__name__)
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing but the block inputs
@@ -137,6 +139,17 @@ def _block_fn(graphdef, remat_policy: str, scanned: bool):
     return jax.checkpoint(run, policy=_REMAT_POLICIES[remat_policy], prevent_cse=not scanned)
 
 
+def _attention_kernel(cfg: ModelConfig, seq_len: int) -> attention.AttentionKernel:
+    """The `attention` key resolved for this backend and length (runs once per trace; logs the choice)."""
+    backend = jax.default_backend()
+    name = attention.resolve(
+        cfg.attention, backend=backend, seq_len=seq_len, head_dim=cfg.head_dim, dtype=cfg.dtype
+    )
+    if cfg.attention == "autoselected":
+        logger.info("attention=autoselected -> %s (backend %s, sequence %d)", name, backend, seq_len)
+    return attention.AttentionKernel(name, block_q=cfg.sa_block_q, block_kv=cfg.sa_block_kv)
+
+
 class Transformer(nnx.Module):
     """Embedding, decoder blocks (stacked + scanned, or a python list), final RMSNorm, output head."""
 
@@ -162,7 +175,14 @@ class Transformer(nnx.Module):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         x = shard(jnp.take(self.embed_tokens[...], inputs, axis=0).astype(dt), BTD)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_max_timescale, dt)
-        ctx = Context(cos=cos, sin=sin, mask=attention_mask(segment_ids), valid=segment_ids > 0, shard=shard)
+        ctx = Context(
+            cos=cos,
+            sin=sin,
+            segment_ids=segment_ids,
+            valid=segment_ids > 0,
+            shard=shard,
+            attend=_attention_kernel(cfg, inputs.shape[1]),
+        )
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
             block = _block_fn(graphdef, cfg.remat_policy, scanned=True)

@@ -146,3 +146,24 @@ def test_ram_beats_the_local_tier_at_the_same_step_and_an_unusable_step_falls_ba
     assert got.label == "local:5" and got.data_state == {"cursor": 5}
     skipped = [f for n, f in events.seen if n == "local_checkpoint_skipped"]
     assert skipped and skipped[0]["step"] == 10
+
+
+def test_a_local_step_restores_onto_another_mesh(tmp_path):
+    """Saved from one device, restored sharded over four (a resize, or a restart on another mesh)."""
+    events = EventLog(None)
+    HostSnapshots(events, store=LocalStore(tmp_path, keep=2, events=events)).take(
+        6, _state(6), {"cursor": 6}, block=True, persist=True
+    )
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    spec = {"step": jax.sharding.PartitionSpec(), "params": {"w": jax.sharding.PartitionSpec(None, "fsdp")}}
+    spec["params"]["b"] = jax.sharding.PartitionSpec()
+    abstract = jax.tree.map(
+        lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, p)),
+        _state(0),
+        spec,
+    )
+    got = _restore(HostSnapshots(events, store=LocalStore(tmp_path, keep=2, events=events)), abstract)
+    assert got.label == "local:6"
+    w = got.state["params"]["w"]
+    assert w.sharding == abstract["params"]["w"].sharding and len(w.addressable_shards) == 4
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(_state(6)["params"]["w"]))

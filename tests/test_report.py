@@ -454,3 +454,31 @@ def test_report_errors_are_one_line_with_exit_2_and_no_traceback(tmp_path):
         assert (
             len(lines) == 1 and lines[0].startswith("python -m trainer.report: error: ") and fragment in lines[0]
         )
+
+
+def test_the_report_says_which_tier_each_restore_came_from_and_the_steps_each_lost(tmp_path, capsys):
+    """Two processes of one run: the first killed after step 13, the second resumed from the local tier."""
+    run_dir = tmp_path / "restarted"
+    run_dir.mkdir()
+    events = [
+        _event("start", 0.0, steps=20),
+        _event("attempt_start", 1.0, attempt=1, source="init", steps_rewound=0, start_step=0),
+        _event("start", 20.0, steps=20),
+        _event("restart_resumed", 22.0, last_step=13, start_step=10, source="local:10", steps_lost=3),
+        _event("attempt_start", 22.0, attempt=1, source="local:10", steps_rewound=3, start_step=10),
+        _event("slice_down_detected", 30.0, attempt=1, last_step=16, failures=1, slices=[0, 1], error="x"),
+        _event("attempt_start", 31.0, attempt=2, source="snapshot:16", steps_rewound=0, start_step=16),
+        _event("finish", 40.0, status="finished", step=20),
+    ]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    records = [_step(s, 2.0 + s, 5.0) for s in range(1, 14)] + [_step(s, 20.0 + s, 5.0) for s in range(11, 21)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    s = summarize(load_run(run_dir))
+    assert [(r["source"], r["steps_lost"], r["restart"]) for r in s.restores] == [
+        ("local:10", 3, True),
+        ("snapshot:16", 0, False),
+    ]
+    report.main([str(run_dir)])
+    out = capsys.readouterr().out
+    assert "restores          2 (1 from local, 1 from snapshot; 1 after a lost process)" in out
+    assert re.search(r"process restart\s+from local:10\s+3 steps lost", out)

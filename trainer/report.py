@@ -138,12 +138,32 @@ def format_summary(s) -> str:
             f"  note: productive + badput = {counted / wall:.1%} of wall time; some seconds are counted "
             f"under two headings (see trainer.observe.goodput)"
         )
+    lines += _restores(s.restores)
     lines += _slow_steps(s.slow_steps)
     lines += _recorded_differences(s)
     for k, t in enumerate(s.timelines, 1):
         lines.append(f"  recovery {k} (attempt {t['attempt'] - 1} -> {t['attempt']}):")
         lines.append(textwrap.indent(format_timeline(t), "  "))
     return "\n".join(lines)
+
+
+def _restores(restores: list[dict]) -> list[str]:
+    """Where each recovery or restart resumed from (host RAM, local tier, persistent checkpoint)."""
+    if not restores:
+        return []
+    tiers: dict[str, int] = {}
+    for r in restores:
+        tier = r["source"].split(":")[0]
+        tiers[tier] = tiers.get(tier, 0) + 1
+    restarts = sum(r["restart"] for r in restores)
+    lines = [
+        f"  restores          {len(restores)} ({', '.join(f'{n} from {t}' for t, n in sorted(tiers.items()))}; "
+        f"{restarts} after a lost process)"
+    ]
+    for r in restores:
+        why = "process restart" if r["restart"] else f"attempt {r['attempt']}"
+        lines.append(f"    {why:<16} from {r['source']:<18} {r['steps_lost']} steps lost")
+    return lines
 
 
 def _slow_steps(events: list[dict], shown: int = 5) -> list[str]:

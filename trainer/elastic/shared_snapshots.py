@@ -41,7 +41,7 @@ class SharedSnapshots:
     def newest_step(self, abstract_state, checkpoint_step: int | None) -> int | None:
         self.barrier()
         self.mesh = jax.tree.leaves(abstract_state)[0].sharding.mesh
-        mine = self.snapshots.newest_step()
+        mine = self.snapshots.newest_step(abstract_state, checkpoint_step)
         blob = self._data_blob()
         ckpt = -1 if checkpoint_step is None else checkpoint_step
         local = int(mine is not None and self.snapshots.origin() == "local")

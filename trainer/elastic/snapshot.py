@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -54,6 +55,8 @@ def _distinct_shards(x: jax.Array) -> list[tuple[tuple, jax.Array]]:
 
 
 def _assemble(shape, dtype, shards: list[tuple[tuple, jax.Array]]) -> np.ndarray:
+    if len(shards) == 1 and tuple(shards[0][1].shape) == tuple(shape):
+        return np.asarray(shards[0][1])  # one block holds it all (the copy is ours): no second copy
     host = np.empty(shape, dtype)
     covered = 0
     for index, data in shards:
@@ -63,6 +66,16 @@ def _assemble(shape, dtype, shards: list[tuple[tuple, jax.Array]]) -> np.ndarray
     if covered != host.size:  # a block lives on another process: not this process's to snapshot alone
         raise ValueError(f"addressable shards cover {covered} of {host.size} elements")
     return host
+
+
+def _lower_priority() -> None:
+    """Let the training threads go first: this thread's copy and write only need to finish within the
+    period (Linux: nice is per thread)."""
+    if hasattr(os, "setpriority") and threading.current_thread() is not threading.main_thread():
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except OSError:
+            pass
 
 
 class HostSnapshots:
@@ -89,6 +102,7 @@ class HostSnapshots:
         data_state = dict(data_state)
 
         def to_host():
+            _lower_priority()
             try:
                 host = jax.tree.unflatten(treedef, [_assemble(*leaf) for leaf in on_device])
             except Exception as e:  # a snapshot lost with its slice is simply not used

@@ -173,6 +173,9 @@ class RunSummary:
     final_eval_loss: float | None = None  # the newest evaluation's loss (None: no eval yet)
     final_eval_step: int | None = None
     slow_steps: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # slow_step events
+    # Where every attempt restored from: [{attempt, source, steps_lost, restart}] (restart: a new process
+    # after the previous one was lost, counted by its restart_resumed event).
+    restores: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 def summarize(run: RunLog) -> RunSummary:
@@ -207,4 +210,26 @@ def summarize(run: RunLog) -> RunSummary:
         final_eval_loss=run.evals[-1].get("eval_loss") if run.evals else None,
         final_eval_step=run.evals[-1]["step"] if run.evals else None,
         slow_steps=[e for e in ev if e["event"] == "slow_step"],
+        restores=_restores(ev),
     )
+
+
+def _restores(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per attempt that resumed saved state (not a fresh init): its source tier and the steps
+    it trained again."""
+    out = []
+    for i, e in enumerate(ev):
+        if e["event"] != "attempt_start" or e.get("source") in (None, "init"):
+            continue
+        restart = i > 0 and ev[i - 1]["event"] == "restart_resumed"  # emitted right before it
+        if e.get("attempt") == 1 and not restart:
+            continue  # a new run started from load_*_path
+        out.append(
+            {
+                "attempt": e.get("attempt"),
+                "source": e["source"],
+                "steps_lost": e.get("steps_rewound") or 0,
+                "restart": restart,
+            }
+        )
+    return out

@@ -100,9 +100,13 @@ class StepRecords:
         self.last_ready += seconds
 
     def record(self, pending: _Pending, *, skipped_steps: int) -> dict[str, Any]:
+        waiting = self.timer()
         m = jax.device_get(pending.metrics)
         now = self.timer()
         step_time, self.last_ready = now - self.last_ready, now
+        # The rest of the step time this host spent on its own work (batch, boundary, saves), not waiting
+        # for the devices: the slowest process of a slow step is the one with the most (observe/slowsteps).
+        host_time = step_time - (now - waiting)
         tflops = self.flops_per_step / step_time / self.devices / 1e12
         return {
             "step": pending.step,
@@ -110,6 +114,7 @@ class StepRecords:
             "learning_rate": float(m["learning_rate"]),
             "grad_norm": float(m["grad_norm"]),
             "step_time_s": step_time,
+            "host_time_s": host_time,
             "tokens_per_s": self.tokens_per_step / step_time,
             "tflops_per_device": tflops,
             "mfu": None if self.peak is None else tflops / self.peak,

@@ -104,6 +104,14 @@ def data_problems(cfg: RunConfig) -> None:
             raise DataError(f"grain_eval_files={cfg.eval.grain_eval_files!r}: {e}") from None
 
 
+def observe_problems(cfg: RunConfig) -> None:
+    """enable_wandb needs the optional wandb package (raises ConfigError naming the key and the fix)."""
+    from trainer.observe import wandb_sink
+
+    if cfg.observe.enable_wandb and not wandb_sink.available():
+        raise ConfigError(f"enable_wandb=true but the wandb package is not installed: {wandb_sink.INSTALL_HINT}")
+
+
 def check(cfg: RunConfig, checkpoints: epath.Path, *, local_checkpoints: epath.Path | None = None) -> Preflight:
     """Raise a UserInputError (ConfigError, DataError, ...) naming an unusable input; say where the run
     starts from (the newest committed step of the persistent or the local checkpoint tier)."""
@@ -128,4 +136,5 @@ def check(cfg: RunConfig, checkpoints: epath.Path, *, local_checkpoints: epath.P
     else:
         check_load_path(cfg)
     data_problems(cfg)
+    observe_problems(cfg)
     return Preflight(resume_step=resume)

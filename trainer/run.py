@@ -35,19 +35,41 @@ from trainer.nonfinite import NonFinitePolicy
 from trainer.observe.profiler import StepProfiler
 from trainer.observe.rundir import RunPaths
 from trainer.observe.sinks import JsonlSink, LogSink, ProgressSink, Sinks, TensorBoardSink
+from trainer.observe.slowsteps import CoordinationHostTimes, HostTimes, SlowStepMonitor
 from trainer.parallel.mesh import group_into_slices
 
 log = logging.getLogger(__name__)
 
 
-def make_sinks(cfg: RunConfig, run_dir: Path, *, stderr: TextIO | None = None) -> Sinks:
+def make_sinks(
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    stderr: TextIO | None = None,
+    events=None,
+    process_index: int = 0,
+    host_times: HostTimes | None = None,
+) -> Sinks:
     """metrics.jsonl always; a live progress line when stderr is a terminal, else a log line every
-    log_period steps; TensorBoard when enabled."""
+    log_period steps; TensorBoard when enabled. Given the run's event log: slow-step events
+    (monitor_step_time_deviation) and, on process 0, Weights & Biases (enable_wandb)."""
     stderr = sys.stderr if stderr is None else stderr
     console = ProgressSink(cfg.train.steps, stream=stderr) if stderr.isatty() else LogSink(cfg.observe.log_period)
     sinks = [JsonlSink(run_dir / "metrics.jsonl"), console]
     if cfg.observe.enable_tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+    o = cfg.observe
+    if events is not None and o.monitor_step_time_deviation > 0:
+        sinks.append(
+            SlowStepMonitor(
+                o.monitor_step_time_deviation, events, process_index=process_index, host_times=host_times
+            )
+        )
+    if events is not None and o.enable_wandb and process_index == 0:
+        from trainer.observe.wandb_sink import WandbSink
+
+        name = o.wandb_run_name or cfg.train.run_name or run_dir.name
+        sinks.append(WandbSink(run_dir, events, project=o.wandb_project, name=name, config=to_flat_dict(cfg)))
     return Sinks(sinks)
 
 
@@ -203,7 +225,13 @@ def run(cfg: RunConfig, *, paths: RunPaths, events, stop_requested: Callable[[],
             slices, membership = process_slices(cfg, settings, events)
         else:
             slices = group_into_slices(jax.devices(), cfg.mesh.num_slices)
-        with contextlib.closing(make_sinks(cfg, paths.local)) as sinks:
+        host_times = (
+            CoordinationHostTimes(coordination_client(), jax.process_index()) if settings.multi_process else None
+        )
+        sinks = make_sinks(
+            cfg, paths.local, events=events, process_index=jax.process_index(), host_times=host_times
+        )
+        with contextlib.closing(sinks):
             supervisor = build_supervisor(
                 cfg,
                 slices,

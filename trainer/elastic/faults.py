@@ -3,6 +3,13 @@
 A failure marks a slice down until its down time has passed. The step that next runs on a down slice
 fails with `jax.errors.JaxRuntimeError("DATA_LOSS: ...")`, the error Pathways raises when a slice is
 lost mid-computation, so pathwaysutils' classifier and the same recovery path handle it.
+
+Besides failures at fixed steps, `fault_schedule` takes a seeded Poisson source,
+`rate=R,seed=S[,slice=K][,down_s=D][,step=N]`: failures at exponential gaps of mean 1/R seconds of wall
+time, counted from the boundary before step N (default 1), on slice K or a seeded random slice. Each
+failure fires at the first step boundary at or after its time, so one that falls in a recovery kills
+that recovery's first step, as a real failure would; several due at one boundary are one recovery.
+`python -m trainer.plan` models the same rule, which is how `benchmarks/goodput_planner.py` checks it.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -31,10 +39,15 @@ class Fault:
     down_s: float = 0.0
     down_steps: int = 0  # also stay down until this many more steps have run (deterministic tests)
     nan: bool = False  # report the step's result as non-finite (exercises nan_policy) instead of a slice loss
+    rate: float = 0.0  # > 0: a Poisson source of failures per second of wall time from `step` on (see above)
+    seed: int = 0  # the Poisson source's random seed (gaps and, with slice=-1, which slice)
+    slices: int = 0  # the Poisson source picks among this many slices when slice=-1
+    slow_s: float = 0.0  # > 0: no failure; the host stalls this long after step `step` (a slow step)
 
 
 def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
-    """'step=40,slice=1,down_s=5; step=90,slice=2' -> Faults, or a ConfigError naming the bad entry."""
+    """'step=40,slice=1,down_s=5; step=90,slice=2; rate=0.1,seed=3' -> Faults, or a ConfigError naming the
+    bad entry."""
     faults = []
     for entry in filter(None, (e.strip() for e in text.split(";"))):
         fields = {}
@@ -43,27 +56,105 @@ def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
             if not sep:
                 raise ConfigError(f"fault_schedule entry {entry!r}: {part!r} is not key=value")
             fields[k.strip()] = v.strip()
-        unknown = set(fields) - {"step", "slice", "down_s", "down_steps", "nan"}
-        if unknown or "step" not in fields or ("slice" in fields) == ("nan" in fields):
-            raise ConfigError(f"fault_schedule entry {entry!r}: use step=N,slice=K[,down_s=S] or step=N,nan=1")
-        try:
-            fault = Fault(
-                int(fields["step"]),
-                int(fields.get("slice", -1)),
-                float(fields.get("down_s", 0)),
-                int(fields.get("down_steps", 0)),
-                nan="nan" in fields,
-            )
-        except ValueError:
-            raise ConfigError(
-                f"fault_schedule entry {entry!r}: step and slice are integers, down_s seconds"
-            ) from None
-        if (not fault.nan and not 0 <= fault.slice < num_slices) or fault.step < 1 or fault.down_s < 0:
-            raise ConfigError(
-                f"fault_schedule entry {entry!r}: slice must be in [0, {num_slices}), step >= 1, down_s >= 0"
-            )
+        if "rate" in fields:
+            fault = _poisson_entry(entry, fields, num_slices)
+        elif "slow_s" in fields:
+            fault = _slow_entry(entry, fields)
+        else:
+            fault = _fixed_entry(entry, fields)
+        if not fault.nan and fault.slice >= num_slices:
+            raise ConfigError(f"fault_schedule entry {entry!r}: slice must be in [0, {num_slices})")
         faults.append(fault)
     return faults
+
+
+def _fixed_entry(entry: str, fields: dict[str, str]) -> Fault:
+    unknown = set(fields) - {"step", "slice", "down_s", "down_steps", "nan"}
+    if unknown or "step" not in fields or ("slice" in fields) == ("nan" in fields):
+        raise ConfigError(
+            f"fault_schedule entry {entry!r}: use step=N,slice=K[,down_s=S], step=N,nan=1 or rate=R,seed=S"
+        )
+    try:
+        fault = Fault(
+            int(fields["step"]),
+            int(fields.get("slice", -1)),
+            float(fields.get("down_s", 0)),
+            int(fields.get("down_steps", 0)),
+            nan="nan" in fields,
+        )
+    except ValueError:
+        raise ConfigError(f"fault_schedule entry {entry!r}: step and slice are integers, down_s seconds") from None
+    if (not fault.nan and fault.slice < 0) or fault.step < 1 or fault.down_s < 0:
+        raise ConfigError(f"fault_schedule entry {entry!r}: slice must be >= 0, step >= 1, down_s >= 0")
+    return fault
+
+
+def _slow_entry(entry: str, fields: dict[str, str]) -> Fault:
+    """step=N,slow_s=S: the host sleeps S seconds at the boundary after step N, so step N's time grows
+    by S (what slow-step detection, monitor_step_time_deviation, is for)."""
+    try:
+        if set(fields) != {"step", "slow_s"}:
+            raise ValueError
+        fault = Fault(int(fields["step"]), slow_s=float(fields["slow_s"]))
+    except ValueError:
+        raise ConfigError(
+            f"fault_schedule entry {entry!r}: a slow step is step=N,slow_s=S (N an integer, S seconds)"
+        ) from None
+    if fault.step < 1 or not 0 < fault.slow_s < float("inf"):
+        raise ConfigError(f"fault_schedule entry {entry!r}: step must be >= 1 and slow_s a number of seconds > 0")
+    return fault
+
+
+def _poisson_entry(entry: str, fields: dict[str, str], num_slices: int) -> Fault:
+    unknown = set(fields) - {"rate", "seed", "slice", "down_s", "step"}
+    if unknown or "seed" not in fields:
+        raise ConfigError(
+            f"fault_schedule entry {entry!r}: a random source is rate=R,seed=S[,slice=K][,down_s=D][,step=N] "
+            f"(R failures per second, S an integer seed)"
+        )
+    try:
+        fault = Fault(
+            int(fields.get("step", 1)),
+            int(fields.get("slice", -1)),
+            float(fields.get("down_s", 0)),
+            rate=float(fields["rate"]),
+            seed=int(fields["seed"]),
+            slices=num_slices,
+        )
+    except ValueError:
+        raise ConfigError(
+            f"fault_schedule entry {entry!r}: rate and down_s are numbers, seed, slice and step integers"
+        ) from None
+    if not (0 < fault.rate < float("inf")) or fault.step < 1 or fault.down_s < 0 or fault.slice < -1:
+        raise ConfigError(
+            f"fault_schedule entry {entry!r}: rate must be a finite number > 0 (failures per second), "
+            f"step >= 1, down_s >= 0, slice >= 0 (or left out for a random slice)"
+        )
+    return fault
+
+
+class PoissonFaults:
+    """Failure times of one `rate=` entry: exponential gaps from the first boundary at or past its step,
+    on the wall clock the outages use, seeded so a schedule replays exactly."""
+
+    def __init__(self, fault: Fault):
+        self.fault = fault
+        self.rng = random.Random(fault.seed)
+        self.next_at: float | None = None
+
+    def due(self, next_step: int, now: float) -> list[tuple[int, float, str, int]]:
+        """The (slice, down_s, cause, down_steps) of every failure whose time has come by `now`."""
+        if next_step < self.fault.step:
+            return []
+        if self.next_at is None:
+            self.next_at = now + self.rng.expovariate(self.fault.rate)
+        out = []
+        while now >= self.next_at:
+            victim = self.fault.slice if self.fault.slice >= 0 else self.rng.randrange(self.fault.slices)
+            cause = f"fault_schedule rate={self.fault.rate:g},seed={self.fault.seed}"
+            out.append((victim, self.fault.down_s, cause, 0))
+            self.next_at += self.rng.expovariate(self.fault.rate)
+        return out
 
 
 class Outages:
@@ -113,7 +204,11 @@ class FaultInjector:
     """
 
     def __init__(self, faults: list[Fault], outages: Outages, chaos_dir: Path | None, events):
-        self.pending = sorted((f for f in faults if not f.nan), key=lambda f: f.step)
+        self.pending = sorted(
+            (f for f in faults if not f.nan and not f.rate and not f.slow_s), key=lambda f: f.step
+        )
+        self.stalls = {f.step: f.slow_s for f in faults if f.slow_s}  # step -> seconds the host stalls after it
+        self.random_sources = [PoissonFaults(f) for f in faults if f.rate]
         self.nan_steps = {f.step for f in faults if f.nan}
         self.outages = outages
         self.chaos_dir = chaos_dir
@@ -130,10 +225,15 @@ class FaultInjector:
         if next_step != self.next_step:
             self.outages.steps_run += 1
         self.next_step = next_step
+        if stall := self.stalls.pop(next_step - 1, 0.0):  # once: a replayed step runs at full speed
+            self.events.emit("host_stalled", step=next_step - 1, seconds=stall, cause="fault_schedule slow_s")
+            time.sleep(stall)
         due = []
         while self.pending and self.pending[0].step <= next_step:
             f = self.pending.pop(0)
             due.append((f.slice, f.down_s, f"fault_schedule step={f.step}", f.down_steps))
+        for source in self.random_sources:
+            due += source.due(next_step, self.outages.clock())
         due += [(slice_index, down_s, source, 0) for slice_index, down_s, source in self._chaos_requests()]
         if due and in_flight is not None:
             jax.block_until_ready(in_flight)

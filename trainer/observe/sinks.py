@@ -22,7 +22,8 @@ class MetricSink(Protocol):
 
 
 class JsonlSink:
-    """metrics.jsonl: one JSON object per step, flushed per line so a killed run keeps its history."""
+    """metrics.jsonl: one JSON object per step (and per evaluation: trainer.observe.records), flushed per
+    line so a killed run keeps its history."""
 
     def __init__(self, path: Path):
         self._file = open_append(path)

@@ -6,7 +6,8 @@ order, after step N has been dispatched:
 1. the profiler window;
 2. the recovery timeline: the first step completed after a failure ends its downtime;
 3. a host-RAM snapshot every `snapshot_period` steps (taken asynchronously), and every
-   `local_checkpoint_period` steps one that is also written to the local checkpoint tier;
+   `local_checkpoint_period` steps one that is also written to the local checkpoint tier (waited for
+   one step later: it overlaps one step, and a lost process loses at most the period);
 4. fault injection (local virtual slices): faults due before step N+1 fire here;
 5. returning slices: the membership round (several processes, every step) or a health check of the
    inactive slices (at most every poll interval); any found are returned, for the supervisor to act on.
@@ -55,6 +56,7 @@ class StepBoundary:
         self.snapshots = snapshots
         self.snapshot_period = snapshot_period
         self.local_checkpoint_period = local_checkpoint_period
+        self._writing: int | None = None  # the step whose local write may still be running
         self.injector = injector
         self.returning = returning
         self.wall_time = wall_time
@@ -75,9 +77,15 @@ class StepBoundary:
             self.events.emit(
                 "first_step_after_recovery", step=step, seconds_since_detection=round(down, 3), slices=self.active
             )
+        if self._writing is not None and step > self._writing:
+            # The local write of the previous step commits before this step's record is written, so a
+            # lost process never trains more than local_checkpoint_period steps again.
+            self.snapshots.settle()
+            self._writing = None
         persist = bool(self.local_checkpoint_period) and step % self.local_checkpoint_period == 0
         if persist or (self.snapshot_period and step % self.snapshot_period == 0):
             self.snapshots.take(step, state, data_state(), persist=persist)
+            self._writing = step if persist else None
         if self.injector is not None:
             self.injector.at_step_boundary(step + 1, in_flight=state)
         return self.returning()

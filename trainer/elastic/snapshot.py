@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -68,16 +67,6 @@ def _assemble(shape, dtype, shards: list[tuple[tuple, jax.Array]]) -> np.ndarray
     return host
 
 
-def _lower_priority() -> None:
-    """Let the training threads go first: this thread's copy and write only need to finish within the
-    period (Linux: nice is per thread)."""
-    if hasattr(os, "setpriority") and threading.current_thread() is not threading.main_thread():
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        except OSError:
-            pass
-
-
 class HostSnapshots:
     """Keeps the newest complete snapshot; at most one host copy is in flight.
 
@@ -102,7 +91,6 @@ class HostSnapshots:
         data_state = dict(data_state)
 
         def to_host():
-            _lower_priority()
             try:
                 host = jax.tree.unflatten(treedef, [_assemble(*leaf) for leaf in on_device])
             except Exception as e:  # a snapshot lost with its slice is simply not used

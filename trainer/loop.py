@@ -140,7 +140,7 @@ def train_loop(
     nonfinite: NonFinitePolicy,
     peak_tflops_per_device: float = 0.0,
     boundary: Boundary | None = None,
-    stop_requested: Callable[[], bool] = lambda: False,
+    stop_requested: Callable[[int], bool] = lambda step: False,
 ) -> Outcome:
     """Run steps start_step+1 .. `steps` (a batch `nonfinite` rolled back is skipped).
 
@@ -210,7 +210,7 @@ def train_loop(
             returning = boundary.after_step(step, state, iterator.get_state)
             if returning:
                 return settle() or Outcome(SCALE_UP, step, state, tuple(sorted(returning)))
-            if stop_requested() and not final:
+            if stop_requested(step) and not final:
                 if rollback := settle(last=True):
                     return rollback
                 ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata, force=True)

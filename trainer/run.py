@@ -25,6 +25,7 @@ from trainer.config.errors import ConfigError
 from trainer.config.loader import to_flat_dict
 from trainer.config.schema import RunConfig
 from trainer.distributed import DistributedSettings, coordination_client, initialize, leave, resolve_settings
+from trainer.distributed.stop import CoordinatedStop
 from trainer.elastic.faults import FaultInjector, Outages, parse_fault_schedule
 from trainer.elastic.membership import Membership
 from trainer.elastic.snapshot import HostSnapshots
@@ -112,7 +113,7 @@ def build_supervisor(
     paths: RunPaths,
     events,
     sinks: Sinks,
-    stop_requested: Callable[[], bool],
+    stop_requested: Callable[[int], bool],
     membership=None,
 ) -> Supervisor:
     """The supervisor with every part it drives, each built from its own section of the config."""
@@ -216,13 +217,17 @@ def process_slices(cfg: RunConfig, settings: DistributedSettings, events):
     return membership.slice_devices(), (membership if cfg.elastic.elastic_enabled else None)
 
 
-def run(cfg: RunConfig, *, paths: RunPaths, events, stop_requested: Callable[[], bool] = lambda: False) -> Outcome:
+def run(
+    cfg: RunConfig, *, paths: RunPaths, events, stop_requested: Callable[[int], bool] = lambda step: False
+) -> Outcome:
     """Train `cfg` to the end (or until stopped); returns how it ended."""
     settings = setup_runtime(cfg)
     membership = None
     try:
         if settings.multi_process:  # one slice per group of processes; membership agreed across them
             slices, membership = process_slices(cfg, settings, events)
+            # A SIGTERM to any process stops all of them at one step (trainer/distributed/stop.py).
+            stop_requested = CoordinatedStop(stop_requested, coordination_client(), events)
         else:
             slices = group_into_slices(jax.devices(), cfg.mesh.num_slices)
         host_times = (

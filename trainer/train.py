@@ -77,7 +77,7 @@ class _StopFlag:
 
         signal.signal(signal.SIGTERM, handler)
 
-    def __call__(self) -> bool:
+    def __call__(self, step: int | None = None) -> bool:
         return self._event.is_set()
 
 

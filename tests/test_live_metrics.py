@@ -241,3 +241,22 @@ def test_an_injected_slow_step_is_an_event_in_the_log_wandb_and_the_report(tmp_p
     )
     assert report.returncode == 0, report.stderr[-2000:]
     assert "slow steps" in report.stdout and "step 8 " in report.stdout
+
+
+def test_host_time_is_the_step_time_less_every_wait_for_the_devices():
+    from trainer.loop import StepRecords, _Pending
+
+    ticks = iter([0.0, 2.0, 2.25])  # start; record: before and after reading the step's metrics
+    records = StepRecords(
+        flops_per_step=1.0,
+        tokens_per_step=8,
+        global_batch_size=2,
+        devices=1,
+        peak_tflops=None,
+        timer=lambda: next(ticks),
+    )
+    records.waited_for_devices(0.5)  # the loop blocked on the step before a save
+    metrics = dict.fromkeys(("loss", "learning_rate", "grad_norm", "tokens", "z_loss", "aux_loss", "finite"), 1)
+    record = records.record(_Pending(1, metrics, "fp"), skipped_steps=0)
+    assert record["step_time_s"] == 2.25
+    assert record["host_time_s"] == 2.25 - 0.25 - 0.5

@@ -94,6 +94,11 @@ class StepRecords:
         self.peak = peak_tflops
         self.timer = timer
         self.last_ready = timer()
+        self.device_wait = 0.0  # waits for the devices outside `record` since the last record (a save's)
+
+    def waited_for_devices(self, seconds: float) -> None:
+        """The loop blocked on the devices for `seconds` (before a save): not this host's own time."""
+        self.device_wait += seconds
 
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` spent between steps on other work (an evaluation) out of the next step time."""
@@ -106,7 +111,8 @@ class StepRecords:
         step_time, self.last_ready = now - self.last_ready, now
         # The rest of the step time this host spent on its own work (batch, boundary, saves), not waiting
         # for the devices: the slowest process of a slow step is the one with the most (observe/slowsteps).
-        host_time = step_time - (now - waiting)
+        host_time = step_time - (now - waiting) - self.device_wait
+        self.device_wait = 0.0
         tflops = self.flops_per_step / step_time / self.devices / 1e12
         return {
             "step": pending.step,
@@ -189,6 +195,7 @@ def train_loop(
                 t0 = time.perf_counter()
                 jax.block_until_ready(state)  # the save copies it; timed apart from the save's own work
                 waited = time.perf_counter() - t0
+                records.waited_for_devices(waited)
                 if ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata):
                     events.emit(
                         "checkpoint_save_blocked",
@@ -230,7 +237,9 @@ def train_loop(
 def _evaluate(evaluator, step: int, state, records: StepRecords, sinks: Sinks) -> dict[str, Any]:
     """Evaluate the state after `step` and write its eval row; the eval's wall time is its own, not the
     step's (trainer.evaluate)."""
+    t0 = time.perf_counter()
     jax.block_until_ready(state)  # the step's remaining device time stays in the step's time
+    records.waited_for_devices(time.perf_counter() - t0)
     row = evaluator(step, state["params"])
     records.exclude(row["eval_time_s"])
     sinks.write(row)

@@ -103,3 +103,16 @@ def test_an_eval_set_that_matches_no_shard_exits_2_before_any_compute(tmp_path):
     assert proc.returncode == 2
     assert "grain_eval_files=" in proc.stderr and proc.stdout.strip().splitlines()[-1] == "STATUS: data_error"
     assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_reaching_target_eval_loss_stops_early_with_exit_0_a_status_that_says_so_and_a_checkpoint(tmp_path):
+    # The micro model starts near ln(512) = 6.2 on the synthetic stream: a target of 100 is met at once.
+    proc = run_cli(tmp_path, "tg", "steps=8", "eval_interval=2", "eval_steps=1", "target_eval_loss=100", devices=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status = proc.stdout.strip().splitlines()[-1]
+    assert status.startswith("STATUS: target_eval_loss_reached step=2 eval_loss=")
+    assert "<= target_eval_loss=100.0" in status
+    run = tmp_path / "tg"
+    assert (run / "checkpoints" / "2" / "commit_success.txt").exists()
+    assert [e["status"] for e in events(run) if e["event"] == "finish"] == ["target_eval_loss_reached"]
+    assert [r["step"] for r in metrics(run) if "kind" not in r] == [1, 2]

@@ -1,0 +1,147 @@
+"""The pieces of `trainer.compile` that need no libtpu: topology names, HLO collective parsing, the
+resize layouts, the knob search, and the CPU pin for machines with libtpu but no TPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from trainer.aot import alternatives, hlo
+from trainer.aot.layouts import layout_slice_counts
+from trainer.aot.topology import parse_topology
+from trainer.backends import tpu_attached
+from trainer.config import ConfigError, load_config
+
+HLO = """HloModule jit_train_step, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_gather (p: bf16[4,128]) -> bf16[16,128] {
+  %p = bf16[4,128]{1,0} parameter(0)
+  ROOT %all-gather.1 = bf16[16,128]{1,0:T(8,128)(2,1)} all-gather(%p), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %c = s32[]{:T(128)} constant(6)
+  %p = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %x = bf16[4,128]{1,0} constant({...})
+  %g = bf16[16,128]{1,0} fusion(%x), kind=kCustom, calls=%fused_gather
+  ROOT %t = (s32[], f32[8]) tuple(%i, %v)
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %w = (s32[], f32[8]) while(%t0), condition=%cond, body=%body
+  %rs = f32[2,128]{1,0} reduce-scatter(%y), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
+  %ar = (f32[64]{0}, f32[32]{0}) all-reduce(%a1, %a2), channel_id=3, replica_groups={{0,1},{2,3}}, to_apply=%add
+  %send = (f32[48,8]{1,0}, u32[], token[]) send(%z, %tok), channel_id=4, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="all-reduce.64_0"}
+  %recv = (f32[48,8]{1,0}, u32[], token[]) recv(%tok), channel_id=5, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime"}
+  ROOT %out = f32[8]{0} copy(%x)
+}
+"""  # noqa: E501
+
+
+def test_collectives_are_counted_per_step_with_loop_trips_sizes_and_network():
+    found = hlo.summarize(hlo.collectives(HLO, devices_per_slice=4, num_slices=3))
+    # The all-gather sits in a fusion inside a 6-trip while body: 6 per step, 16x128 bf16 each.
+    assert found["ici"]["all-gather"] == {"count": 6, "bytes": 6 * 16 * 128 * 2, "traffic_bytes": 6 * 3 * 1024}
+    # A reduce-scatter's buffer is its input: the 2x128 f32 result times the group of 4.
+    assert found["ici"]["reduce-scatter"]["bytes"] == 2 * 128 * 4 * 4
+    # A tuple all-reduce moves every element; a ring sends 2 (n-1)/n of it (n = 2 here).
+    assert found["ici"]["all-reduce"] == {"count": 1, "bytes": 96 * 4, "traffic_bytes": 96 * 4}
+    # The megascale send is the cross-slice (DCN) all-reduce; its recv is the same exchange, not counted twice.
+    assert found["dcn"] == {
+        "all-reduce": {"count": 1, "bytes": 48 * 8 * 4, "traffic_bytes": int(48 * 8 * 4 * 4 / 3)}
+    }
+
+
+def test_a_module_without_collectives_has_none():
+    text = "HloModule m\n\nENTRY %main (x: f32[8]) -> f32[8] {\n  ROOT %x = f32[8]{0} parameter(0)\n}\n"
+    assert hlo.summarize(hlo.collectives(text, devices_per_slice=1, num_slices=1)) == {}
+
+
+@pytest.mark.parametrize(
+    "name, slices, layout, chips, label",
+    [
+        ("v5e-16", 3, "4x4", 16, "3x v5e-16"),
+        ("v5e:2x4", 1, "2x4", 8, "v5e-8"),
+        ("v5e-1", 1, "1x1", 1, "v5e-1"),
+        ("v6e-8", 2, "2x4", 8, "2x v6e-8"),
+        ("v5p-32", 1, "2x2x4", 16, "v5p-32"),
+        ("V5P:2x2x2", 1, "2x2x2", 8, "v5p-16"),
+    ],
+)
+def test_topology_names_map_to_chip_layouts(name, slices, layout, chips, label):
+    target = parse_topology(name, slices)
+    assert (target.layout, target.chips_per_slice, target.name) == (layout, chips, label)
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [("tpu-8", "unknown TPU"), ("v5e-12", "one of v5e-1"), ("v5p:2x2", "3 dimensions"), ("v6e-x", "a number")],
+)
+def test_bad_topology_names_say_what_is_accepted(name, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_topology(name, 1)
+
+
+@pytest.mark.parametrize("low, counts", [(-1, [3]), (2, [3, 2]), (1, [3, 2, 1])])
+def test_replica_resize_compiles_every_survivor_count(low, counts):
+    cfg = load_config("base.yml", ["num_slices=3", f"elastic_min_slice_count={low}"])
+    assert layout_slice_counts(cfg) == counts
+
+
+def test_knob_search_keeps_the_math_first_and_stops_at_the_first_fit():
+    cfg = load_config("base.yml", ["per_device_batch_size=8", "ici_data_parallelism=2", "ici_fsdp_parallelism=-1"])
+    families = [[k.family for k in f] for f in alternatives.knob_families(cfg)]
+    assert families == [["more fsdp"], ["remat_policy"], ["micro-steps"] * 3, ["per_device_batch_size"] * 3]
+    # Pretend only 4 micro-steps (per_device_batch_size=2) or more fits.
+    fits = {"per_device_batch_size=2", "per_device_batch_size=1"}
+    tried = alternatives.search(cfg, lambda knob: SimpleNamespace(fits=knob.overrides[0] in fits))
+    assert [k.overrides for k, _ in tried][-1] == ("per_device_batch_size=2", "gradient_accumulation_steps=4")
+    assert len(tried) == 4  # fsdp, remat, micro x2, micro x4; the batch-size family is never compiled
+
+
+def test_tpu_is_recognised_on_the_pci_bus_by_device_not_vendor(tmp_path):
+    def device(name, vendor, dev):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "vendor").write_text(vendor + "\n")
+        (tmp_path / name / "device").write_text(dev + "\n")
+
+    device("0000:00:04.0", "0x1ae0", "0x0042")  # gVNIC: Google's vendor id, not a TPU
+    assert not tpu_attached(tmp_path)
+    device("0000:00:05.0", "0x1ae0", "0x0063")  # a v5e chip
+    assert tpu_attached(tmp_path)
+
+
+def test_an_installed_libtpu_without_a_tpu_keeps_jax_on_cpu_and_quiet():
+    pytest.importorskip("libtpu", reason="needs libtpu: pip install -e '.[tpu]'")
+    if tpu_attached():
+        pytest.skip("a TPU is attached")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = "import trainer, jax; print(jax.config.jax_platforms, jax.devices()[0].platform)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["cpu", "cpu"]
+    assert "TPU" not in proc.stderr  # libtpu never started: none of its environment warnings
+    pinned = subprocess.run(
+        [sys.executable, "-c", "import trainer, jax; print(jax.config.jax_platforms)"],
+        env=env | {"JAX_PLATFORMS": "proxy"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert pinned.stdout.strip() == "proxy"  # an explicit choice (Pathways) is left alone

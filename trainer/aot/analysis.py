@@ -1,0 +1,136 @@
+"""What one compiled step costs a chip: memory against its HBM, and a roofline step time with its MFU.
+
+Memory comes from the compiler (`Compiled.memory_analysis()`, per device): arguments (train state and
+batch), outputs, the donated part they share, and temporaries (activations, gradients, the compiler's
+scratch). Parameter and optimizer-state bytes per chip are also computed from the state's shardings,
+so the compiler's figure can be checked against the analytic one.
+
+The step-time estimate is a roofline, a lower bound: the slowest of compute (the compiled program's
+FLOPs at the chip's peak), HBM traffic (the compiler's bytes accessed at the HBM bandwidth), and the
+collectives' per-chip traffic at the ICI and DCN bandwidths, assuming each overlaps the others
+perfectly. MFU is the model's analytic FLOPs (trainer/model/flops.py, no rematerialisation) over
+that time at the peak, so it is an upper bound on what a run reaches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import numpy as np
+
+from trainer.aot.topology import ChipSpec
+
+
+def shard_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard, as XLA pads)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return int(total)
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per chip."""
+
+    params: int  # analytic, from the shardings
+    optimizer: int  # analytic
+    arguments: int  # compiler: state + batch in
+    outputs: int
+    aliased: int  # donated state reused for the output
+    temporaries: int
+    code: int
+    hbm: int
+    # Set when the compiler refused the program for HBM (RESOURCE_EXHAUSTED): its message, and the
+    # bytes it said were required; the compiler's own figures above are then 0.
+    compiler_error: str | None = None
+    required: int | None = None
+
+    @property
+    def total(self) -> int:
+        if self.compiler_error is not None:
+            return self.required if self.required is not None else self.hbm + 1
+        return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
+
+    @property
+    def fits(self) -> bool:
+        return self.compiler_error is None and self.total <= self.hbm
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self) | {
+            "total": self.total,
+            "fits": self.fits,
+            "fraction_of_hbm": self.total / self.hbm,
+        }
+
+
+def memory(compiled, abstract_state, chip: ChipSpec) -> Memory:
+    stats = compiled.memory_analysis()
+    return Memory(
+        params=shard_bytes(abstract_state["params"]),
+        optimizer=shard_bytes(abstract_state["opt_state"]),
+        arguments=int(stats.argument_size_in_bytes),
+        outputs=int(stats.output_size_in_bytes),
+        aliased=int(stats.alias_size_in_bytes),
+        temporaries=int(stats.temp_size_in_bytes),
+        code=int(stats.generated_code_size_in_bytes),
+        hbm=chip.hbm_bytes,
+    )
+
+
+_SIZE = re.compile(r"\(([0-9.]+)([KMGT])i?B?\)")
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def out_of_memory(message: str, abstract_state, chip: ChipSpec) -> Memory:
+    """Memory of a program the compiler refused for HBM, from its message: 'Ran out of memory on HBM,
+    the total memory required for HLO temporaries (27.11G) exceeds available HBM (15.75G)' gives a
+    requirement of 27.11 GiB (the first size the message names)."""
+    sizes = [float(v) * _UNITS[u] for v, u in _SIZE.findall(message)]
+    return Memory(
+        params=shard_bytes(abstract_state["params"]),
+        optimizer=shard_bytes(abstract_state["opt_state"]),
+        arguments=0,
+        outputs=0,
+        aliased=0,
+        temporaries=0,
+        code=0,
+        hbm=chip.hbm_bytes,
+        compiler_error=message.strip().splitlines()[0][:500],
+        required=int(sizes[0]) if sizes else None,
+    )
+
+
+def cost(compiled) -> dict:
+    """The compiler's per-device FLOPs and HBM bytes accessed for one step."""
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else (ca or {})
+    return {"flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0))}
+
+
+def roofline(*, hlo_cost: dict, collective_summary: dict, model_flops_per_chip: float, chip: ChipSpec) -> dict:
+    """Step-time terms (seconds), the bound, and the MFU it implies; with the chip numbers used."""
+
+    def traffic(net: str) -> float:
+        return float(sum(v["traffic_bytes"] for v in collective_summary.get(net, {}).values()))
+
+    terms = {
+        "compute_s": hlo_cost["flops"] / chip.peak_flops,
+        "hbm_s": hlo_cost["bytes_accessed"] / chip.hbm_bandwidth,
+        "ici_s": traffic("ici") / chip.ici_bandwidth,
+        "dcn_s": traffic("dcn") / chip.dcn_bandwidth,
+    }
+    step_s = max(terms.values())
+    return {
+        **{k: round(v, 6) for k, v in terms.items()},
+        "step_time_s": round(step_s, 6),
+        "bound_by": max(terms, key=terms.get).removesuffix("_s"),
+        "model_flops_per_chip": model_flops_per_chip,
+        "hlo_flops_per_chip": hlo_cost["flops"],
+        "mfu": round(model_flops_per_chip / (step_s * chip.peak_flops), 4) if step_s > 0 else None,
+        "chip": dataclasses.asdict(chip),
+    }

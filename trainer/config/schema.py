@@ -293,7 +293,9 @@ class ElasticConfig:
     fault_schedule: str = key(
         "",
         "Injected failures (local slices): 'step=40,slice=1,down_s=5; step=90,slice=2,down_steps=10; "
-        "step=120,nan=1' (down_steps: back after that many more steps; nan: a non-finite step).",
+        "step=120,nan=1; rate=0.5,seed=1' (down_steps: back after that many more steps; nan: a non-finite "
+        "step; rate: Poisson failures per second of wall time from step 1 (or step=N), seeded, on a random "
+        "slice unless slice=K).",
     )
 
 

@@ -1,0 +1,244 @@
+"""CLI: `python -m trainer.plan [RUN_DIR] --slices N --mtbf-per-slice 2h [cost flags] [--plot PATH]`.
+
+Prints the expected goodput of pause-and-resume, replica-resize and full restart, the save periods
+(checkpoint_period, local_checkpoint_period, snapshot_period) that minimise the expected wall time, and
+the badput by cause in the report's categories; writes a plot of goodput against cluster size.
+
+Costs come from RUN_DIR (measured from its events.jsonl and metrics.jsonl, see trainer.plan.costs) or from
+flags; a flag beats a measured value, so a small local run can be replayed with a cluster's reschedule
+time. The failure model: the cluster's slices, MTBF per slice (or per chip), and the share of failures
+that kill the process rather than only a slice. Durations take s, m, h or d (`2h`, `90m`, `3600`).
+
+Exit codes: 0 plan printed and plot written; 2 (one line `python -m trainer.plan: error: ...`) a bad
+flag, no run directory there, or an unwritable plot path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+
+from trainer.errors import UserInputError, tool_main
+from trainer.plan import model
+from trainer.plan.model import MODES, TIERS, Costs, Failures, Periods
+
+PROG = "python -m trainer.plan"
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+COST_FLAGS = [f.name for f in dataclasses.fields(Costs)]
+KEYS = {"checkpoint": "checkpoint_period", "local": "local_checkpoint_period", "snapshot": "snapshot_period"}
+
+
+def duration(text: str) -> float:
+    """'2h' -> 7200.0; a plain number is seconds."""
+    t = text.strip().lower()
+    scale = UNITS.get(t[-1:], None)
+    try:
+        value = float(t[:-1] if scale else t) * (scale or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 45s, 30m, 2h, 7d)") from None
+    if not 0 < value <= math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration must be > 0")
+    return value
+
+
+def _parse_args(argv):
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", nargs="?", help="a run directory to measure costs from (optional)")
+    g = p.add_argument_group("failure model")
+    g.add_argument("--slices", type=int, help="slices in the cluster (default: the run's num_slices)")
+    g.add_argument("--chips-per-slice", type=int, help="chips per slice (default: the run's devices per slice)")
+    rate = g.add_mutually_exclusive_group()
+    rate.add_argument("--mtbf-per-slice", type=duration, help="mean time between failures of one slice")
+    rate.add_argument("--mtbf-per-chip", type=duration, help="mean time between failures of one chip")
+    g.add_argument(
+        "--process-kill-share",
+        type=float,
+        default=0.0,
+        help="share of failures that kill the process (host snapshots lost), not only a slice (default 0)",
+    )
+    g.add_argument("--steps", type=int, help="run length in steps (default: the run's steps, else 100000)")
+    c = p.add_argument_group("costs in seconds (override what RUN_DIR measured)")
+    for name in COST_FLAGS:
+        c.add_argument("--" + name.replace("_", "-"), type=float, metavar="S")
+    c.add_argument("--state-gib", type=float, help="train state size; with a tier's GiB/s, sets its write/restore")
+    for tier in TIERS:
+        c.add_argument(f"--{tier}-gibps", type=float, metavar="GIB_S", help=f"{tier} bandwidth, GiB/s")
+    c.add_argument("--no-local-tier", action="store_true", help="do not recommend a local checkpoint tier")
+    o = p.add_argument_group("output")
+    o.add_argument("--monte-carlo", type=int, default=0, metavar="TRIALS", help="also replay TRIALS runs")
+    o.add_argument("--max-chips", type=int, default=65536, help="the plot's largest cluster (default 65536)")
+    o.add_argument("--plot", help="PNG path (default RUN_DIR/plan.png, else plan.png)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse_args(sys.argv[1:] if argv is None else argv)
+    return tool_main(PROG, lambda: plan(args))
+
+
+def _inputs(args):
+    """(costs, facts or None) from the run directory and the flags."""
+    facts = None
+    costs = Costs(step_s=0.0)
+    if args.run_dir:
+        from trainer.observe.runlog import load_run
+        from trainer.plan.costs import measure
+
+        costs, facts = measure(load_run(args.run_dir))
+    given = {n: getattr(args, n) for n in COST_FLAGS if getattr(args, n) is not None}
+    if args.state_gib is not None:
+        for tier in TIERS:
+            gibps = getattr(args, f"{tier}_gibps")
+            if gibps:
+                given.setdefault(f"{tier}_write_s", args.state_gib / gibps)
+                given.setdefault(f"{tier}_restore_s", args.state_gib / gibps)
+    costs = dataclasses.replace(costs, **given)
+    if costs.step_s <= 0:
+        raise UserInputError("no step time: give a RUN_DIR to measure it from, or --step-s SECONDS")
+    return costs, facts
+
+
+def plan(args) -> int:
+    costs, facts = _inputs(args)
+    slices = args.slices or (facts.slices if facts else None)
+    if not slices or slices < 1:
+        raise UserInputError("--slices N is needed (how many slices the cluster has), N >= 1")
+    per_slice = args.chips_per_slice or (facts.devices_per_slice if facts else 1)
+    if args.mtbf_per_chip:
+        mtbf = args.mtbf_per_chip / per_slice
+    elif args.mtbf_per_slice:
+        mtbf = args.mtbf_per_slice
+    else:
+        raise UserInputError("give the failure rate: --mtbf-per-slice DURATION or --mtbf-per-chip DURATION")
+    if not 0 <= args.process_kill_share <= 1:
+        raise UserInputError(f"--process-kill-share {args.process_kill_share}: must be in [0, 1]")
+    steps = args.steps or (facts.steps if facts else 100_000)
+    local = not args.no_local_tier and (costs.local_restore_s > 0 or costs.local_write_s > 0)
+    failures = Failures(slices, mtbf, args.process_kill_share)
+    plot_path = args.plot or (os.path.join(args.run_dir, "plan.png") if args.run_dir else "plan.png")
+    _check_writable(plot_path)
+
+    print(_costs_text(costs, args.run_dir))
+    print(
+        f"failure model: {slices} slices x {per_slice} chips, MTBF {_dur(mtbf)} per slice -> one failure every "
+        f"{_dur(1 / failures.rate_s)}; {args.process_kill_share:.0%} kill the process; run of {steps} steps"
+    )
+    recommended = {m: model.recommend(costs, failures, steps, m, local_tier=local) for m in MODES}
+    if facts:
+        current = Periods(facts.checkpoint_period, facts.local_checkpoint_period, facts.snapshot_period)
+        mode = "pause_resume" if facts.min_slices in (-1, facts.slices) else "replica_resize"
+        now = model.expected(costs, failures, current, steps, mode)
+        print(
+            f"this run's settings ({mode}, {_periods(current)}): expected goodput {now.goodput:.1%}, "
+            f"{now.failures:.1f} failures, wall {_dur(now.wall_s)}"
+        )
+        if facts.goodput is not None:
+            measured = f"goodput {facts.goodput:.1%}, {facts.failures} failures, wall {_dur(facts.wall_s)}"
+            print(f"  (measured: {measured})")
+    print(_table(recommended, costs, failures, steps, args.monte_carlo))
+    _plot(plot_path, costs, failures, per_slice, steps, local, args.max_chips)
+    print(f"plot written to {plot_path}")
+    return 0
+
+
+def _table(recommended, costs, failures, steps, trials) -> str:
+    from trainer.observe.goodput import CAUSES
+
+    w = 16
+    head = f"{'':<28}" + "".join(f"{m:>{w}}" for m in MODES)
+    lines = ["recommended periods and expected goodput (periods minimise the expected wall time):", head]
+    for tier in TIERS:
+        cells = [recommended[m][0].of(tier) or "off" for m in MODES]
+        lines.append(f"  {KEYS[tier]:<26}" + "".join(f"{str(c):>{w}}" for c in cells))
+    outcomes = {m: recommended[m][1] for m in MODES}
+    rows = [
+        ("goodput (as reported)", lambda o: f"{o.goodput:.1%}"),
+        ("useful goodput", lambda o: f"{o.useful_goodput:.1%}"),
+        ("failures", lambda o: f"{o.failures:.1f}"),
+        ("wall time", lambda o: _dur(o.wall_s)),
+    ]
+    for name, cell in rows:
+        lines.append(f"  {name:<26}" + "".join(f"{cell(outcomes[m]):>{w}}" for m in MODES))
+    if trials:
+        sims = {m: model.simulate(costs, failures, recommended[m][0], steps, m, trials=trials) for m in MODES}
+        lines.append(f"  {'goodput, Monte Carlo':<26}" + "".join(f"{sims[m].goodput:>{w}.1%}" for m in MODES))
+    lines.append("  badput by cause (share of wall time):")
+    for cause in CAUSES:
+        cells = [outcomes[m].badput_s.get(cause, 0.0) / outcomes[m].wall_s for m in MODES]
+        lines.append(f"    {cause:<24}" + "".join(f"{c:>{w}.1%}" for c in cells))
+    rate = failures.rate_s
+    yd = [
+        f"{KEYS[t]} {model.young_daly_steps(getattr(costs, f'{t}_save_s'), 1 / rate, costs.step_s):.0f}"
+        for t in TIERS
+        if getattr(costs, f"{t}_save_s") > 0
+    ]
+    if yd:
+        lines.append("  Young/Daly sqrt(2 x save cost x MTBF), in steps: " + ", ".join(yd))
+    return "\n".join(lines)
+
+
+def _costs_text(costs: Costs, run_dir) -> str:
+    where = f"measured from {run_dir}; flags override" if run_dir else "given"
+    cells = [f"{f.name[:-2]} {getattr(costs, f.name):.4g}" for f in dataclasses.fields(Costs)]
+    return f"costs in seconds ({where}):\n  " + "\n  ".join(", ".join(cells[i : i + 5]) for i in range(0, 15, 5))
+
+
+def _periods(p: Periods) -> str:
+    return ", ".join(f"{KEYS[t]}={p.of(t)}" for t in TIERS)
+
+
+def _dur(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "never"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.1f}s"
+
+
+def _check_writable(path: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise UserInputError(f"--plot {path}: {parent} is not a writable directory; name a path in one")
+    if not path.lower().endswith(".png"):
+        raise UserInputError(f"--plot {path}: the plot is a PNG; name a .png file")
+
+
+def cluster_sweep(costs, failures, per_slice, steps, local, max_chips, points=9):
+    """(chips, {mode: goodput at its recommended periods}) for clusters of one slice up to max_chips."""
+    most = max(1, max_chips // per_slice)
+    sizes = sorted({max(1, round(most ** (i / (points - 1)))) for i in range(points)} | {failures.slices})
+    out = []
+    for n in sizes:
+        f = dataclasses.replace(failures, slices=n)
+        out.append((n * per_slice, {m: model.recommend(costs, f, steps, m, local_tier=local)[1] for m in MODES}))
+    return out
+
+
+def _plot(path, costs, failures, per_slice, steps, local, max_chips) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = cluster_sweep(costs, failures, per_slice, steps, local, max_chips)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for mode in MODES:
+        ax.plot([c for c, _ in sweep], [o[mode].useful_goodput * 100 for _, o in sweep], marker="o", label=mode)
+    ax.axvline(failures.slices * per_slice, color="grey", linestyle=":", label="this cluster")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"chips ({per_slice} per slice; MTBF {_dur(failures.mtbf_per_slice_s)} per slice)")
+    ax.set_ylabel("expected useful goodput, % (recommended periods)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""The costs of a run's phases, measured from its run directory (events.jsonl, metrics.jsonl, config.yml).
+
+Each cost is measured the way `trainer.observe.goodput` accounts it, so a plan fed these numbers
+predicts the report's goodput:
+- step_s: mean step_time_s of the steps that survived, leaving out the first step of each attempt and the
+  steps that started a save (those are measured as the save's cost);
+- snapshot_save_s / local_save_s: how much longer a step that started a host snapshot / local save took;
+- checkpoint_save_s: checkpoint_save_blocked seconds beyond waiting for the step it saves;
+- *_write_s: a save's own duration (snapshot_taken, checkpoint_save_committed seconds);
+- *_restore_s: restore_end seconds after a failure, by source (snapshot, local, checkpoint);
+- detect_s: per recovery, the time between the last step before it and the first step after it, less
+  the wait for slices and the restore; reschedule_s: that wait;
+- step_gap_s: time between consecutive steps outside their step_time_s; tail_s: last step to finish;
+- startup_s: process start to the first attempt, plus compiles after it (as the report counts it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import yaml
+
+from trainer.plan.model import Costs
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFacts:
+    """What the plan needs from a run besides costs: its shape and settings (from config.yml)."""
+
+    steps: int
+    slices: int
+    devices_per_slice: int
+    checkpoint_period: int
+    local_checkpoint_period: int
+    snapshot_period: int
+    min_slices: int
+    failures: int
+    wall_s: float
+    goodput: float | None
+
+
+def _mean(values, default: float = 0.0) -> float:
+    values = list(values)
+    return statistics.fmean(values) if values else default
+
+
+def _first_rows(events: list[dict], records: list[dict]) -> set[int]:
+    """Indices of the first step record after each attempt_start."""
+    firsts, i = set(), 0
+    starts = [e["time"] for e in events if e["event"] == "attempt_start"]
+    for t in starts:
+        while i < len(records) and records[i]["time"] <= t:
+            i += 1
+        if i < len(records):
+            firsts.add(i)
+    return firsts
+
+
+def measure(run) -> tuple[Costs, RunFacts]:
+    """Costs and facts of a `trainer.observe.runlog.RunLog`."""
+    from trainer.observe.goodput import account
+
+    events, records = run.events, run.records
+    by = {}
+    for e in events:
+        by.setdefault(e["event"], []).append(e)
+    firsts = _first_rows(events, records)
+    snap_steps = {e["step"] for e in by.get("snapshot_taken", []) if e.get("origin", "snapshot") == "snapshot"}
+    local_steps = {e["step"] for e in by.get("local_checkpoint_save_start", [])}
+    ckpt_steps = {e["step"] for e in by.get("checkpoint_save_start", [])}
+    surviving = {id(r) for r in run.surviving}
+
+    def times(select):
+        return [
+            r["step_time_s"] for i, r in enumerate(records) if id(r) in surviving and i not in firsts and select(r)
+        ]
+
+    plain = times(lambda r: r["step"] not in snap_steps | local_steps | ckpt_steps)
+    step_s = _mean(plain, default=_mean(r["step_time_s"] for r in records))
+    snap_only = snap_steps - local_steps - ckpt_steps
+    first_attempt = next((e["time"] for e in events if e["event"] == "attempt_start"), events[0]["time"])
+    restores = [e for e in by.get("restore_end", []) if e["time"] > first_attempt]  # not the start's
+    gaps = []
+    for i in range(1, len(records)):
+        if i not in firsts:
+            gaps.append(records[i]["time"] - records[i]["step_time_s"] - records[i - 1]["time"])
+    recoveries = []
+    for d in by.get("slice_down_detected", []):
+        before = [r for r in records if r["time"] <= d["time"]]
+        after = [i for i in sorted(firsts) if records[i]["time"] > d["time"]]
+        if not before or not after:
+            continue
+        first = records[after[0]]
+        window = [e for e in events if before[-1]["time"] <= e["time"] <= first["time"]]
+        wait = sum(e.get("seconds", 0.0) for e in window if e["event"] == "wait_end")
+        read = sum(e.get("seconds", 0.0) for e in window if e["event"] == "restore_end")
+        span = first["time"] - first["step_time_s"] - before[-1]["time"]
+        recoveries.append((max(0.0, span - wait - read), wait))
+    g = account(events, records)
+    finish = [e["time"] for e in by.get("finish", [])]
+    startup = first_attempt - events[0]["time"]
+    startup += sum(e.get("seconds", 0.0) for e in by.get("compile_done", []) if e["time"] > first_attempt)
+    costs = Costs(
+        step_s=step_s,
+        startup_s=startup,
+        step_gap_s=max(0.0, _mean(gaps)),
+        tail_s=max(0.0, finish[-1] - records[-1]["time"]) if finish and records else 0.0,
+        first_step_extra_s=max(0.0, _mean(records[i]["step_time_s"] for i in firsts) - step_s),
+        checkpoint_save_s=_mean(
+            e.get("seconds", 0.0) - e.get("waited_for_step_s", 0.0) for e in by.get("checkpoint_save_blocked", [])
+        ),
+        local_save_s=max(0.0, _mean(times(lambda r: r["step"] in local_steps), default=step_s) - step_s),
+        snapshot_save_s=max(0.0, _mean(times(lambda r: r["step"] in snap_only), default=step_s) - step_s),
+        checkpoint_write_s=_mean(e.get("seconds", 0.0) for e in by.get("checkpoint_save_committed", [])),
+        local_write_s=_mean(e.get("seconds", 0.0) for e in by.get("local_checkpoint_save_committed", [])),
+        snapshot_write_s=_mean(e.get("seconds", 0.0) for e in by.get("snapshot_taken", [])),
+        checkpoint_restore_s=_restore(restores, "checkpoint", by.get("restore_end", [])),
+        local_restore_s=_restore(restores, "local", []),
+        snapshot_restore_s=_restore(restores, "snapshot", []),
+        detect_s=_mean(r[0] for r in recoveries),
+        reschedule_s=_mean(r[1] for r in recoveries),
+    )
+    return costs, _facts(run, g, len(by.get("slice_down_detected", [])))
+
+
+def _restore(restores: list[dict], source: str, fallback: list[dict]) -> float:
+    """Mean restore time from `source` after failures; else (the persistent tier) the start's restore."""
+    seconds = [e.get("seconds", 0.0) for e in restores if str(e.get("source", "")).startswith(source + ":")]
+    if not seconds:
+        seconds = [e.get("seconds", 0.0) for e in fallback if str(e.get("source", "")).startswith(source + ":")]
+    return _mean(seconds)
+
+
+def _facts(run, goodput: dict, failures: int) -> RunFacts:
+    config_path = run.path / "config.yml"
+    cfg = yaml.safe_load(config_path.read_text()) if config_path.exists() else {}
+    cfg = cfg or {}
+    devices = max((r.get("devices", 1) for r in run.records), default=1)
+    slices = int(cfg.get("num_slices", 1))
+    return RunFacts(
+        steps=int(cfg.get("steps", max((r["step"] for r in run.records), default=0))),
+        slices=slices,
+        devices_per_slice=max(1, devices // slices),
+        checkpoint_period=int(cfg.get("checkpoint_period", 10_000)),
+        local_checkpoint_period=int(cfg.get("local_checkpoint_period", 0)),
+        snapshot_period=int(cfg.get("snapshot_period", 0)),
+        min_slices=int(cfg.get("elastic_min_slice_count", -1)),
+        failures=failures,
+        wall_s=goodput["wall_s"],
+        goodput=goodput["goodput"],
+    )

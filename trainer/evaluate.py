@@ -28,6 +28,7 @@ import jax
 from trainer.observe.records import EVAL_KIND
 
 log = logging.getLogger(__name__)
+IN_FLIGHT = 2  # eval batches dispatched ahead of the oldest unfinished one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,8 @@ class Evaluator:
             except StopIteration:
                 break
             sums.append(self.eval_fn(params, self.device_batch(host_batch)))  # dispatched; read below
+            if len(sums) > IN_FLIGHT:  # bounds the device batches alive at once on a long eval set
+                jax.block_until_ready(sums[-1 - IN_FLIGHT])
         sums = jax.device_get(sums)
         ce = math.fsum(float(s["ce_sum"]) for s in sums)  # in batch order: the same sum every time
         tokens = int(sum(float(s["tokens"]) for s in sums))

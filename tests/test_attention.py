@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_harness import metrics, run_cli
 from helpers import micro_config, replace, synthetic_batch
 from jax.sharding import NamedSharding
 
@@ -37,16 +38,15 @@ N_HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 
 def _qkv(t: int, dtype, b: int = 2, seed: int = 0):
     """q/k/v, two packed rows (three documents and a padded tail; one whole document), a cotangent."""
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(ks[0], (b, t, N_HEADS, HEAD_DIM))
-    k = jax.random.normal(ks[1], (b, t, KV_HEADS, HEAD_DIM))
-    v = jax.random.normal(ks[2], (b, t, KV_HEADS, HEAD_DIM))
+    rng = np.random.default_rng(seed)  # numpy: no eager JAX ops to compile
+    q, cot = (rng.standard_normal((b, t, N_HEADS, HEAD_DIM), np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, t, KV_HEADS, HEAD_DIM), np.float32) for _ in range(2))
     cut = [t // 3, t // 3 + t // 4, t - t // 6]
     row0 = np.zeros(t, np.int32)
     row0[: cut[0]], row0[cut[0] : cut[1]], row0[cut[1] : cut[2]] = 1, 2, 3  # then padding (0)
     seg = jnp.asarray(np.stack([row0] + [np.ones(t, np.int32)] * (b - 1)))
-    cot = jax.random.normal(ks[3], (b, t, N_HEADS, HEAD_DIM))
-    return q.astype(dtype), k.astype(dtype), v.astype(dtype), seg, cot
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    return q, k, v, seg, jnp.asarray(cot)
 
 
 def _reference(q, k, v, seg):
@@ -189,3 +189,16 @@ def test_autoselected_logs_its_choice_once_per_trace(caplog):
         )
     lines = [r.getMessage() for r in caplog.records if "attention=autoselected" in r.getMessage()]
     assert lines == [f"attention=autoselected -> dot_product (backend {jax.default_backend()}, sequence 16)"]
+
+
+def test_cli_trains_with_flash_on_two_devices_and_refuses_a_splash_length_before_compiling(tmp_path):
+    proc = run_cli(tmp_path, "flash", "steps=2", "attention=flash", "sa_block_q=16", "sa_block_kv=16", devices=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("STATUS: finished step=2")
+    assert [r["step"] for r in metrics(tmp_path / "flash")] == [1, 2]
+    assert all(np.isfinite(r["loss"]) for r in metrics(tmp_path / "flash"))
+
+    bad = run_cli(tmp_path, "splash", "attention=splash", "max_target_length=200", devices=1)
+    assert bad.returncode == 2
+    assert "attention=splash needs max_target_length=200" in bad.stderr + bad.stdout
+    assert not (tmp_path / "splash").exists()

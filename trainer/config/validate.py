@@ -37,6 +37,16 @@ def _model_problems(cfg: RunConfig) -> list[str]:
             problems.append("num_experts > 1 needs base_moe_mlp_dim >= 1 (the expert MLP size)")
         if m.num_experts_per_tok > m.num_experts:
             problems.append(f"num_experts_per_tok={m.num_experts_per_tok} exceeds num_experts={m.num_experts}")
+    if m.attention == "splash":
+        # The TPU kernel tiles the sequence in whole 128-lane blocks (trainer/model/attention.py).
+        t = cfg.data.max_target_length
+        bq, bk = min(m.sa_block_q, t), min(m.sa_block_kv, t)
+        if t % 128 or bq % 128 or bk % 128 or t % bq or t % bk:
+            problems.append(
+                f"attention=splash needs max_target_length={t} and its tiles sa_block_q={m.sa_block_q}, "
+                f"sa_block_kv={m.sa_block_kv} (clipped to it) in multiples of 128 that divide it; "
+                "e.g. max_target_length=2048 sa_block_q=512 sa_block_kv=512, or attention=flash"
+            )
     return problems
 
 

@@ -139,9 +139,12 @@ def _block_fn(graphdef, remat_policy: str, scanned: bool):
     return jax.checkpoint(run, policy=_REMAT_POLICIES[remat_policy], prevent_cse=not scanned)
 
 
-def _attention_kernel(cfg: ModelConfig, seq_len: int) -> attention.AttentionKernel:
-    """The `attention` key resolved for this backend and length (runs once per trace; logs the choice)."""
-    backend = jax.default_backend()
+def _attention_kernel(cfg: ModelConfig, seq_len: int, shard: ActivationSharding) -> attention.AttentionKernel:
+    """The `attention` key resolved for the devices and length (runs once per trace; logs the choice).
+
+    The devices are the mesh's where there is one: an ahead-of-time compile for a TPU topology traces on
+    a CPU host and must still pick the TPU kernel."""
+    backend = shard.mesh.devices.flat[0].platform if shard.mesh is not None else jax.default_backend()
     name = attention.resolve(
         cfg.attention, backend=backend, seq_len=seq_len, head_dim=cfg.head_dim, dtype=cfg.dtype
     )
@@ -181,7 +184,7 @@ class Transformer(nnx.Module):
             segment_ids=segment_ids,
             valid=segment_ids > 0,
             shard=shard,
-            attend=_attention_kernel(cfg, inputs.shape[1]),
+            attend=_attention_kernel(cfg, inputs.shape[1], shard),
         )
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)

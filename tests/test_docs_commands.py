@@ -42,8 +42,9 @@ def test_documented_python_modules_and_scripts_exist():
             continue
         argv = c.argv
         if argv[1] == "-m":
-            module = argv[2]
-            assert (REPO / (module.replace(".", "/") + ".py")).is_file(), f"{c.doc}:{c.line}: no module {module}"
+            module = REPO / argv[2].replace(".", "/")
+            found = module.with_suffix(".py").is_file() or (module / "__main__.py").is_file()  # module or package
+            assert found, f"{c.doc}:{c.line}: no module {argv[2]}"
         elif argv[1] != "-c":
             assert (REPO / argv[1]).is_file(), f"{c.doc}:{c.line}: no script {argv[1]}"
 

@@ -75,7 +75,7 @@ def test_one_failure_under_full_restart_pays_startup_again_and_rewinds_to_the_ch
 def test_young_daly_optimum_for_a_single_tier():
     costs = Costs(step_s=1.0, checkpoint_save_s=10.0, checkpoint_restore_s=5.0, restart_s=30.0)
     failures = Failures(slices=1, mtbf_per_slice_s=20_000.0)
-    periods, _ = model.recommend(costs, failures, 1_000_000, "full_restart")
+    periods, _ = model.recommend(costs, failures, 1_000_000, "full_restart", available=("checkpoint",))
     young_daly = math.sqrt(2 * costs.checkpoint_save_s * failures.mtbf_per_slice_s) / costs.step_s  # 632
     assert periods.checkpoint == pytest.approx(young_daly, rel=0.1)
     assert (periods.local, periods.snapshot) == (0, 0)

@@ -60,13 +60,20 @@ def _parse_args(argv):
         help="share of failures that kill the process (host snapshots lost), not only a slice (default 0)",
     )
     g.add_argument("--steps", type=int, help="run length in steps (default: the run's steps, else 100000)")
+    for key in KEYS.values():
+        g.add_argument("--" + key.replace("_", "-"), type=int, metavar="STEPS", help=f"evaluate this {key} too")
     c = p.add_argument_group("costs in seconds (override what RUN_DIR measured)")
     for name in COST_FLAGS:
         c.add_argument("--" + name.replace("_", "-"), type=float, metavar="S")
     c.add_argument("--state-gib", type=float, help="train state size; with a tier's GiB/s, sets its write/restore")
     for tier in TIERS:
         c.add_argument(f"--{tier}-gibps", type=float, metavar="GIB_S", help=f"{tier} bandwidth, GiB/s")
-    c.add_argument("--no-local-tier", action="store_true", help="do not recommend a local checkpoint tier")
+    c.add_argument(
+        "--tiers",
+        default="checkpoint,local,snapshot",
+        help="the save tiers the trainer may use, comma-separated (default checkpoint,local,snapshot; local "
+        "only where its costs are known)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--monte-carlo", type=int, default=0, metavar="TRIALS", help="also replay TRIALS runs")
     o.add_argument("--max-chips", type=int, default=65536, help="the plot's largest cluster (default 65536)")
@@ -116,7 +123,10 @@ def plan(args) -> int:
     if not 0 <= args.process_kill_share <= 1:
         raise UserInputError(f"--process-kill-share {args.process_kill_share}: must be in [0, 1]")
     steps = args.steps or (facts.steps if facts else 100_000)
-    local = not args.no_local_tier and (costs.local_restore_s > 0 or costs.local_write_s > 0)
+    local = costs.local_restore_s > 0 or costs.local_write_s > 0
+    available = tuple(t for t in args.tiers.split(",") if t.strip() and (t != "local" or local))
+    if "checkpoint" not in available or set(available) - set(TIERS):
+        raise UserInputError(f"--tiers {args.tiers}: list some of {','.join(TIERS)}, checkpoint included")
     failures = Failures(slices, mtbf, args.process_kill_share)
     plot_path = args.plot or (os.path.join(args.run_dir, "plan.png") if args.run_dir else "plan.png")
     _check_writable(plot_path)
@@ -126,20 +136,29 @@ def plan(args) -> int:
         f"failure model: {slices} slices x {per_slice} chips, MTBF {_dur(mtbf)} per slice -> one failure every "
         f"{_dur(1 / failures.rate_s)}; {args.process_kill_share:.0%} kill the process; run of {steps} steps"
     )
-    recommended = {m: model.recommend(costs, failures, steps, m, local_tier=local) for m in MODES}
-    if facts:
-        current = Periods(facts.checkpoint_period, facts.local_checkpoint_period, facts.snapshot_period)
-        mode = "pause_resume" if facts.min_slices in (-1, facts.slices) else "replica_resize"
-        now = model.expected(costs, failures, current, steps, mode)
-        print(
-            f"this run's settings ({mode}, {_periods(current)}): expected goodput {now.goodput:.1%}, "
-            f"{now.failures:.1f} failures, wall {_dur(now.wall_s)}"
+    recommended = {m: model.recommend(costs, failures, steps, m, available=available) for m in MODES}
+    given = [getattr(args, KEYS[t]) for t in TIERS]
+    if facts or any(v is not None for v in given):
+        run = (
+            (facts.snapshot_period, facts.local_checkpoint_period, facts.checkpoint_period) if facts else (0, 0, 0)
         )
-        if facts.goodput is not None:
+        snap, local_p, ckpt = (v if v is not None else r for v, r in zip(given, run, strict=True))
+        current = Periods(ckpt or steps, local_p, snap)
+        modes = MODES
+        if facts:
+            modes = ("pause_resume" if facts.min_slices in (-1, facts.slices) else "replica_resize",)
+        print(f"at {_periods(current)}:")
+        for mode in modes:
+            now = model.expected(costs, failures, current, steps, mode)
+            print(
+                f"  {mode:<16} expected goodput {now.goodput:.1%} (useful {now.useful_goodput:.1%}), "
+                f"{now.failures:.1f} failures, wall {_dur(now.wall_s)}"
+            )
+        if facts and facts.goodput is not None:
             measured = f"goodput {facts.goodput:.1%}, {facts.failures} failures, wall {_dur(facts.wall_s)}"
             print(f"  (measured: {measured})")
     print(_table(recommended, costs, failures, steps, args.monte_carlo))
-    _plot(plot_path, costs, failures, per_slice, steps, local, args.max_chips)
+    _plot(plot_path, costs, failures, per_slice, steps, available, args.max_chips)
     print(f"plot written to {plot_path}")
     return 0
 
@@ -183,7 +202,8 @@ def _table(recommended, costs, failures, steps, trials) -> str:
 def _costs_text(costs: Costs, run_dir) -> str:
     where = f"measured from {run_dir}; flags override" if run_dir else "given"
     cells = [f"{f.name[:-2]} {getattr(costs, f.name):.4g}" for f in dataclasses.fields(Costs)]
-    return f"costs in seconds ({where}):\n  " + "\n  ".join(", ".join(cells[i : i + 5]) for i in range(0, 15, 5))
+    rows = [", ".join(cells[i : i + 6]) for i in range(0, len(cells), 6)]
+    return f"costs in seconds ({where}):\n  " + "\n  ".join(rows)
 
 
 def _periods(p: Periods) -> str:
@@ -207,24 +227,26 @@ def _check_writable(path: str) -> None:
         raise UserInputError(f"--plot {path}: the plot is a PNG; name a .png file")
 
 
-def cluster_sweep(costs, failures, per_slice, steps, local, max_chips, points=9):
+def cluster_sweep(costs, failures, per_slice, steps, available, max_chips, points=9):
     """(chips, {mode: goodput at its recommended periods}) for clusters of one slice up to max_chips."""
     most = max(1, max_chips // per_slice)
     sizes = sorted({max(1, round(most ** (i / (points - 1)))) for i in range(points)} | {failures.slices})
     out = []
     for n in sizes:
         f = dataclasses.replace(failures, slices=n)
-        out.append((n * per_slice, {m: model.recommend(costs, f, steps, m, local_tier=local)[1] for m in MODES}))
+        out.append(
+            (n * per_slice, {m: model.recommend(costs, f, steps, m, available=available)[1] for m in MODES})
+        )
     return out
 
 
-def _plot(path, costs, failures, per_slice, steps, local, max_chips) -> None:
+def _plot(path, costs, failures, per_slice, steps, available, max_chips) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sweep = cluster_sweep(costs, failures, per_slice, steps, local, max_chips)
+    sweep = cluster_sweep(costs, failures, per_slice, steps, available, max_chips)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for mode in MODES:
         ax.plot([c for c, _ in sweep], [o[mode].useful_goodput * 100 for _, o in sweep], marker="o", label=mode)

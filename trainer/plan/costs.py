@@ -7,9 +7,9 @@ predicts the report's goodput:
 - snapshot_save_s / local_save_s: how much longer a step that started a host snapshot / local save took;
 - checkpoint_save_s: checkpoint_save_blocked seconds beyond waiting for the step it saves;
 - *_write_s: a save's own duration (snapshot_taken, checkpoint_save_committed seconds);
-- *_restore_s: restore_end seconds after a failure, by source (snapshot, local, checkpoint);
+- *_restore_s: restore_start to restore_end after a failure, by source (snapshot, local, checkpoint);
 - detect_s: per recovery, the time between the last step before it and the first step after it, less
-  the wait for slices and the restore; reschedule_s: that wait;
+  the wait for slices (wait_start to wait_end) and the restore; reschedule_s: that wait;
 - step_gap_s: time between consecutive steps outside their step_time_s; tail_s: last step to finish;
 - startup_s: process start to the first attempt, plus compiles after it (as the report counts it).
 """
@@ -38,6 +38,7 @@ class RunFacts:
     failures: int
     wall_s: float
     goodput: float | None
+    badput_s: dict[str, float]  # as the report accounts it
 
 
 def _mean(values, default: float = 0.0) -> float:
@@ -55,6 +56,18 @@ def _first_rows(events: list[dict], records: list[dict]) -> set[int]:
         if i < len(records):
             firsts.add(i)
     return firsts
+
+
+def _spans(events: list[dict], start: str, end: str) -> dict[int, float]:
+    """{id(end event): seconds since its start event}, the intervals the report accounts."""
+    out, opened = {}, None
+    for e in events:
+        if e["event"] == start:
+            opened = e["time"]
+        elif e["event"] == end and opened is not None:
+            out[id(e)] = e["time"] - opened
+            opened = None
+    return out
 
 
 def measure(run) -> tuple[Costs, RunFacts]:
@@ -80,7 +93,9 @@ def measure(run) -> tuple[Costs, RunFacts]:
     step_s = _mean(plain, default=_mean(r["step_time_s"] for r in records))
     snap_only = snap_steps - local_steps - ckpt_steps
     first_attempt = next((e["time"] for e in events if e["event"] == "attempt_start"), events[0]["time"])
-    restores = [e for e in by.get("restore_end", []) if e["time"] > first_attempt]  # not the start's
+    spans = _spans(events, "restore_start", "restore_end") | _spans(events, "wait_start", "wait_end")
+    every_restore = [dict(e, seconds=spans.get(id(e), e.get("seconds", 0.0))) for e in by.get("restore_end", [])]
+    restores = [e for e in every_restore if e["time"] > first_attempt]  # not the start's
     gaps = []
     for i in range(1, len(records)):
         if i not in firsts:
@@ -93,8 +108,8 @@ def measure(run) -> tuple[Costs, RunFacts]:
             continue
         first = records[after[0]]
         window = [e for e in events if before[-1]["time"] <= e["time"] <= first["time"]]
-        wait = sum(e.get("seconds", 0.0) for e in window if e["event"] == "wait_end")
-        read = sum(e.get("seconds", 0.0) for e in window if e["event"] == "restore_end")
+        wait = sum(spans.get(id(e), 0.0) for e in window if e["event"] == "wait_end")
+        read = sum(spans.get(id(e), 0.0) for e in window if e["event"] == "restore_end")
         span = first["time"] - first["step_time_s"] - before[-1]["time"]
         recoveries.append((max(0.0, span - wait - read), wait))
     g = account(events, records)
@@ -115,9 +130,10 @@ def measure(run) -> tuple[Costs, RunFacts]:
         checkpoint_write_s=_mean(e.get("seconds", 0.0) for e in by.get("checkpoint_save_committed", [])),
         local_write_s=_mean(e.get("seconds", 0.0) for e in by.get("local_checkpoint_save_committed", [])),
         snapshot_write_s=_mean(e.get("seconds", 0.0) for e in by.get("snapshot_taken", [])),
-        checkpoint_restore_s=_restore(restores, "checkpoint", by.get("restore_end", [])),
+        checkpoint_restore_s=_restore(restores, "checkpoint", every_restore),
         local_restore_s=_restore(restores, "local", []),
         snapshot_restore_s=_restore(restores, "snapshot", []),
+        init_s=_restore(restores, "init", every_restore),
         detect_s=_mean(r[0] for r in recoveries),
         reschedule_s=_mean(r[1] for r in recoveries),
     )
@@ -125,10 +141,12 @@ def measure(run) -> tuple[Costs, RunFacts]:
 
 
 def _restore(restores: list[dict], source: str, fallback: list[dict]) -> float:
-    """Mean restore time from `source` after failures; else (the persistent tier) the start's restore."""
-    seconds = [e.get("seconds", 0.0) for e in restores if str(e.get("source", "")).startswith(source + ":")]
-    if not seconds:
-        seconds = [e.get("seconds", 0.0) for e in fallback if str(e.get("source", "")).startswith(source + ":")]
+    """Mean restore time from `source` after failures; else that of the start's restore (`fallback`)."""
+
+    def of(found):
+        return [e.get("seconds", 0.0) for e in found if str(e.get("source", "")).split(":")[0] == source]
+
+    seconds = of(restores) or of(fallback)
     return _mean(seconds)
 
 
@@ -149,4 +167,5 @@ def _facts(run, goodput: dict, failures: int) -> RunFacts:
         failures=failures,
         wall_s=goodput["wall_s"],
         goodput=goodput["goodput"],
+        badput_s=goodput["badput_s"],
     )

@@ -53,6 +53,7 @@ class Costs:
     checkpoint_restore_s: float = 0.0
     local_restore_s: float = 0.0
     snapshot_restore_s: float = 0.0
+    init_s: float = 0.0  # a failure before any save: the state initialised again (restore)
     detect_s: float = 0.0  # failure noticed -> attempt rebuilt, beyond waiting and restoring (other)
     reschedule_s: float = 0.0  # a lost slice back in service (pause-and-resume waits for it)
     restart_s: float = 0.0  # a full restart: the job rescheduled before its process starts (other)
@@ -127,8 +128,9 @@ def save_counts(steps: int, periods: Periods) -> dict[str, int]:
 
 
 def restore_point(done: int, periods: Periods, tiers: tuple[str, ...]) -> tuple[int, str]:
-    """(step, tier) restored after a failure when `done` steps had completed and `tiers` survive it."""
-    best, source = 0, "checkpoint"
+    """(step, tier) restored after a failure when `done` steps had completed and `tiers` survive it
+    ("init": nothing saved yet, the state is initialised again)."""
+    best, source = 0, "init"
     for tier in tiers:
         p = periods.of(tier)
         if p and (done // p) * p > best:
@@ -145,7 +147,7 @@ def lost_and_source(periods: Periods, tiers: tuple[str, ...], horizon: int = 20_
     cycle = min(math.lcm(*active), horizon)
     done = np.arange(cycle, dtype=np.int64) + cycle  # one cycle in: every tier has saved
     best = np.zeros(cycle, dtype=np.int64)
-    source = np.full(cycle, TIERS.index("checkpoint"))
+    source = np.full(cycle, TIERS.index("checkpoint"))  # (never chosen: one cycle in, every tier has saved)
     for tier in tiers:
         p = periods.of(tier)
         if p:
@@ -192,6 +194,7 @@ def _reads(costs: Costs) -> dict[str, float]:
         "snapshot": costs.snapshot_restore_s,
         "local": costs.local_restore_s,
         "checkpoint": costs.checkpoint_restore_s,
+        "init": costs.init_s,
     }
 
 
@@ -241,8 +244,9 @@ def expected(costs: Costs, failures: Failures, periods: Periods, steps: int, mod
         read, lost, down = [], [], []
         for r in recoveries:
             _, share = lost_and_source(periods, r.tiers)
-            read.append(sum(share[t] * reads[t] for t in TIERS))
             period = min((periods.of(t) for t in r.tiers if periods.of(t)), default=periods.checkpoint)
+            early = min(1.0, period / steps)  # a failure before the first save initialises again
+            read.append((1 - early) * sum(share[t] * reads[t] for t in TIERS) + early * costs.init_s)
             lost.append((lost_steps(period, rho), float(period > 1)))
             down.append(read[-1] + sum(r.badput.values()) + r.first_steps * costs.first_step_extra_s)
         a = sum(r.share * -math.expm1(-rate * d) for r, d in zip(recoveries, down, strict=True))
@@ -363,14 +367,13 @@ def young_daly_steps(save_s: float, mtbf_s: float, step_s: float) -> float:
     return math.sqrt(2 * save_s * mtbf_s) / step_s
 
 
-def tiers_used(mode: str, local_tier: bool) -> tuple[str, ...]:
-    """The tiers worth saving in `mode`: host snapshots only help a process that survives the failure."""
-    tiers = ["checkpoint"] + (["local"] if local_tier else [])
-    return tuple(tiers + (["snapshot"] if mode != "full_restart" else []))
+def tiers_used(mode: str, available: tuple[str, ...]) -> tuple[str, ...]:
+    """The available tiers worth saving in `mode`: host snapshots only help a process that survives."""
+    return tuple(t for t in available if t == "checkpoint" or (t == "local" or mode != "full_restart"))
 
 
 def recommend(
-    costs: Costs, failures: Failures, steps: int, mode: str, *, local_tier: bool = False
+    costs: Costs, failures: Failures, steps: int, mode: str, *, available: tuple[str, ...] = ("checkpoint",)
 ) -> tuple[Periods, Outcome]:
     """The periods that minimise the expected wall time (coordinate search over a geometric grid, started
     from each tier's Young/Daly interval), and their outcome.
@@ -378,7 +381,7 @@ def recommend(
     Only the failures the model knows are weighed: with host snapshots covering every slice failure and
     no process kills, the persistent tier's best period is the whole run (its final save alone). Give a
     `process_kill_share` for the failures that need it."""
-    tiers = tiers_used(mode, local_tier)
+    tiers = tiers_used(mode, available)
     grid = sorted({max(1, round(steps ** (i / 48))) for i in range(49)})
     rate = failures.rate_s
 

@@ -75,9 +75,11 @@ def split_target(overrides: list[str]):
     return target["compile_topology"], num_slices, [*rest, f"num_slices={num_slices}"]
 
 
-def _quiet_libtpu(target) -> None:
-    """libtpu, loaded on a machine without a TPU, warns about TPU environment variables it would read on
-    a TPU VM; they do not matter for compiling. Defaults that say so keep stderr readable."""
+def _libtpu_env(target) -> None:
+    """Environment for loading libtpu on a machine without a TPU, only to compile. libtpu warns about the
+    TPU VM variables it cannot find (they do not matter for compiling; defaults keep stderr readable),
+    and by default lets one process at a time load it (a lock file that guards the chips): with no chips
+    to guard, compiles may run side by side (tests, several targets)."""
     from trainer.backends import tpu_attached
 
     if tpu_attached():
@@ -89,24 +91,23 @@ def _quiet_libtpu(target) -> None:
         ("TPU_ACCELERATOR_TYPE", kind),
         ("TPU_WORKER_HOSTNAMES", "localhost"),
         ("TPU_WORKER_ID", "0"),
+        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
     ):
         os.environ.setdefault(key, value)
 
 
 def run(args) -> tuple[int, dict]:
     from trainer.aot import alternatives
-    from trainer.aot.layouts import compile_layout, compile_layouts
-    from trainer.aot.topology import parse_topology, topology_devices
+    from trainer.aot.layouts import compile_layout, compile_layouts, survivor_slices
+    from trainer.aot.topology import parse_topology
     from trainer.config.loader import load_config
-    from trainer.parallel.mesh import group_into_slices
     from trainer.run import train_spec
 
     topology, num_slices, overrides = split_target(args.overrides)
     target = parse_topology(topology, num_slices)
     cfg = load_config(args.config, overrides)
-    _quiet_libtpu(target)
-    slices = group_into_slices(topology_devices(target), target.num_slices)
-    layouts = compile_layouts(cfg, slices, target)
+    _libtpu_env(target)
+    layouts = compile_layouts(cfg, target)
     report = {
         "model": cfg.model.model,
         "target": target.name,
@@ -120,7 +121,7 @@ def run(args) -> tuple[int, dict]:
     }
     failing = next((r for r in layouts if not r.fits), None)
     if failing is not None and args.alternatives != "none":
-        survivors = slices[: failing.active_slices]
+        survivors = survivor_slices(target, failing.active_slices)
 
         def try_knob(knob):
             changed = load_config(args.config, [*overrides, *knob.overrides])
@@ -182,6 +183,16 @@ def format_report(report: dict) -> str:
                     f"  {net.upper()} {kind}: {v['count']} per step, {_gib(v['bytes'])} buffers, "
                     f"{_gib(v['traffic_bytes'])} sent per chip"
                 )
+        lines.append(f"  attention kernel: {r['attention']}")
+        ev = r["eval"]
+        if ev.get("compiler_error"):
+            lines.append(f"  eval step: the compiler refused it: {ev['compiler_error']}")
+        elif ev:
+            lines.append(
+                f"  eval step: global batch {ev['global_batch_size']}, compiled in {ev['compile_s']:.1f} s, "
+                f"temporaries {_gib(ev['temporaries'])}, total with the train state {_gib(ev['total'])}: "
+                f"{'fits' if ev['fits'] else 'DOES NOT FIT'}"
+            )
         mfu = "n/a" if e["mfu"] is None else f"{100 * e['mfu']:.1f}%"
         lines.append(
             f"  estimated step {e['step_time_s'] * 1e3:.2f} ms, bound by {e['bound_by']} (compute "

@@ -20,10 +20,13 @@ import jax
 
 from trainer import model as qwen3
 from trainer.aot import analysis, hlo
-from trainer.aot.topology import Target
-from trainer.attempt import TrainSpec, compile_step, plan_slices
+from trainer.aot.topology import Target, topology_devices
+from trainer.attempt import TrainSpec, compile_eval_step, compile_step, plan_slices
 from trainer.config.schema import RunConfig
+from trainer.model import attention
+from trainer.parallel.mesh import group_into_slices
 from trainer.run import train_spec
+from trainer.state import tree_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +46,15 @@ class LayoutResult:
     memory: analysis.Memory
     collectives: dict
     estimate: dict
+    state_bytes: int = 0  # the whole train state (params + optimizer), all chips together: what a restore moves
+    attention: str = ""  # the kernel the model resolved for the target (splash, flash, ...)
+    # The eval step on the same mesh (eval_interval > 0), {} when eval is off: its compile time and
+    # per-chip bytes while it runs next to the resident train state.
+    eval: dict = dataclasses.field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
-        return self.memory.fits
+        return self.memory.fits and self.eval.get("fits", True)
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -73,6 +81,7 @@ def compile_layout(spec: TrainSpec, slices: list[list], target: Target, *, label
         # The compiler refuses a program that cannot fit HBM: that is the answer, not a failure.
         return _refused(label, slices, plan, analysis.out_of_memory(str(e), plan.abstract_state, target.chip))
     seconds = time.perf_counter() - t0
+    eval_report = _compile_eval(spec, plan, target) if plan.eval_batch is not None else {}
     found = hlo.collectives(compiled.as_text(), devices_per_slice=len(slices[0]), num_slices=len(slices))
     summary = hlo.summarize(found)
     length = spec.data.max_target_length
@@ -95,6 +104,9 @@ def compile_layout(spec: TrainSpec, slices: list[list], target: Target, *, label
             model_flops_per_chip=model_flops,
             chip=target.chip,
         ),
+        state_bytes=tree_nbytes(plan.abstract_state),
+        attention=_attention_kernel(spec, target),
+        eval=eval_report,
     )
     log.info(
         "event=compiled layout=%s chips=%d seconds=%.1f total_bytes=%d fits=%s",
@@ -105,6 +117,43 @@ def compile_layout(spec: TrainSpec, slices: list[list], target: Target, *, label
         result.fits,
     )
     return result
+
+
+def _attention_kernel(spec: TrainSpec, target: Target) -> str:
+    """The attention implementation the model resolves on the target's chips (as the trace did)."""
+    m = spec.model
+    return attention.resolve(
+        m.attention, backend="tpu", seq_len=spec.data.max_target_length, head_dim=m.head_dim, dtype=m.dtype
+    )
+
+
+def _compile_eval(spec: TrainSpec, plan, target: Target) -> dict:
+    """Compile the eval step next to the train step. While it runs the whole train state stays in HBM,
+    so its per-chip total counts the optimizer state too (the eval step takes only the params)."""
+    t0 = time.perf_counter()
+    try:
+        compiled, _ = compile_eval_step(spec, plan)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return {"fits": False, "compiler_error": str(e).strip().splitlines()[0][:500]}
+    stats = compiled.memory_analysis()
+    optimizer = analysis.shard_bytes(plan.abstract_state["opt_state"])
+    total = (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        + stats.temp_size_in_bytes
+        + stats.generated_code_size_in_bytes
+        + optimizer
+    )
+    return {
+        "compile_s": round(time.perf_counter() - t0, 2),
+        "global_batch_size": plan.eval_batch.global_batch_size,
+        "micro_steps": plan.eval_batch.micro_steps,
+        "temporaries": int(stats.temp_size_in_bytes),
+        "total": int(total),
+        "fits": total <= target.chip.hbm_bytes,
+    }
 
 
 def _refused(label: str, slices: list[list], plan, memory: analysis.Memory) -> LayoutResult:
@@ -124,11 +173,21 @@ def _refused(label: str, slices: list[list], plan, memory: analysis.Memory) -> L
     )
 
 
-def compile_layouts(cfg: RunConfig, slices: list[list], target: Target) -> list[LayoutResult]:
-    """Every layout of `cfg` over the target's `slices`: all of them, then each replica-resize survivor
-    count (the first k slices, as a resize keeps the surviving ones)."""
-    spec, n = train_spec(cfg), len(slices)
-    return [
-        compile_layout(spec, slices[:k], target, label="all slices" if k == n else f"resize to {k} of {n} slices")
-        for k in layout_slice_counts(cfg)
-    ]
+def survivor_slices(target: Target, k: int) -> list[list]:
+    """The devices of k slices of the target, grouped by slice.
+
+    A topology of exactly k slices, not k slices picked out of the full one: the multi-slice compiler
+    expects every slice of the topology it was given (libtpu 0.0.42 aborts with SIGILL lowering a
+    cross-slice all-reduce over 2 slices of a 3-slice topology). Device ids are assigned the same way,
+    so the k-slice mesh matches the survivors' up to which slices survived."""
+    return group_into_slices(topology_devices(dataclasses.replace(target, num_slices=k)), k)
+
+
+def compile_layouts(cfg: RunConfig, target: Target) -> list[LayoutResult]:
+    """Every layout of `cfg` on the target: all its slices, then each replica-resize survivor count."""
+    spec, n = train_spec(cfg), target.num_slices
+    results = []
+    for k in layout_slice_counts(cfg):
+        label = "all slices" if k == n else f"resize to {k} of {n} slices"
+        results.append(compile_layout(spec, survivor_slices(target, k), target, label=label))
+    return results

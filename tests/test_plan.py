@@ -3,6 +3,7 @@ fault source, and the `python -m trainer.plan` command line."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -44,6 +45,13 @@ def test_without_failures_the_run_is_startup_steps_saves_and_tail():
         assert outcome.wall_s == pytest.approx(want_wall)
         assert outcome.badput_s["checkpoint_save"] == pytest.approx(want_saves)
         assert outcome.badput_s["wasted_progress"] == 0
+
+
+def test_a_period_longer_than_the_run_saves_only_the_final_step():
+    failures = Failures(slices=4, mtbf_per_slice_s=400.0)
+    longer = model.expected(COSTS, failures, Periods(checkpoint=10_000), 100, "full_restart")
+    final_only = model.expected(COSTS, failures, Periods(checkpoint=100), 100, "full_restart")
+    assert longer.wall_s == pytest.approx(final_only.wall_s)
 
 
 def test_one_failure_at_a_known_step_rewinds_to_the_newest_snapshot_and_pays_each_phase_once():
@@ -224,12 +232,15 @@ def test_plan_cli_from_a_run_directory_prints_periods_per_mode_and_writes_the_pl
 def test_plan_cli_with_explicit_numbers(tmp_path):
     proc = _plan(
         *("--step-s", "0.2", "--slices", "64", "--chips-per-slice", "16", "--mtbf-per-chip", "30d"),
-        *("--checkpoint-save-s", "2", "--reschedule-s", "50", "--snapshot-restore-s", "5.4"),
+        *("--checkpoint-save-s", "2", "--reschedule-s", "50", "--checkpoint-restore-s", "5.4"),
         *("--plot", "out.png", "--max-chips", "1024"),
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     assert "MTBF 1.9d per slice" in proc.stdout  # 30 days / 16 chips
+    # No snapshot or local costs given: those tiers are not recommended (they would look free).
+    assert re.search(r"snapshot_period +off +off +off", proc.stdout)
+    assert re.search(r"local_checkpoint_period +off +off +off", proc.stdout)
     assert (tmp_path / "out.png").exists()
 
 

@@ -71,8 +71,8 @@ def _parse_args(argv):
     c.add_argument(
         "--tiers",
         default="checkpoint,local,snapshot",
-        help="the save tiers the trainer may use, comma-separated (default checkpoint,local,snapshot; local "
-        "only where its costs are known)",
+        help="the save tiers the trainer may use, comma-separated (default checkpoint,local,snapshot; each "
+        "only where its costs are known: measured, or given as flags)",
     )
     o = p.add_argument_group("output")
     o.add_argument("--monte-carlo", type=int, default=0, metavar="TRIALS", help="also replay TRIALS runs")
@@ -123,8 +123,13 @@ def plan(args) -> int:
     if not 0 <= args.process_kill_share <= 1:
         raise UserInputError(f"--process-kill-share {args.process_kill_share}: must be in [0, 1]")
     steps = args.steps or (facts.steps if facts else 100_000)
-    local = costs.local_restore_s > 0 or costs.local_write_s > 0
-    available = tuple(t for t in args.tiers.split(",") if t.strip() and (t != "local" or local))
+    # A tier whose costs are all unknown (zero) is not recommended: it would look free.
+    known = {
+        t
+        for t in TIERS
+        if t == "checkpoint" or any(getattr(costs, f"{t}_{c}_s") for c in ("save", "write", "restore"))
+    }
+    available = tuple(t for t in args.tiers.split(",") if t.strip() and (t not in TIERS or t in known))
     if "checkpoint" not in available or set(available) - set(TIERS):
         raise UserInputError(f"--tiers {args.tiers}: list some of {','.join(TIERS)}, checkpoint included")
     failures = Failures(slices, mtbf, args.process_kill_share)

@@ -99,6 +99,11 @@ class Outcome:
         return self.useful_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
+def clamp(periods: Periods, steps: int) -> Periods:
+    """Periods longer than the run save only where the run does (the persistent tier: its final step)."""
+    return Periods(*(min(p, steps) if p else 0 for p in (periods.checkpoint, periods.local, periods.snapshot)))
+
+
 def save_cost(costs: Costs, tier: str, period: int) -> float:
     """Seconds one save costs the run: its blocked time (or step slowdown, for an async tier), plus the
     wait for the previous save when saves come faster than one is written."""
@@ -225,6 +230,7 @@ def expected(costs: Costs, failures: Failures, periods: Periods, steps: int, mod
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    periods = clamp(periods, steps)
     n = save_counts(steps, periods)
     per_step = costs.step_s + costs.step_gap_s
     cost = {t: save_cost(costs, t, periods.of(t)) if periods.of(t) else 0.0 for t in TIERS}
@@ -280,6 +286,7 @@ def simulate(
         return closed
     trials = max(1, min(trials, int(2e6 // (steps + 10 * closed.failures))))  # bounded work
     rng = random.Random(seed)
+    periods = clamp(periods, steps)
     runs = [
         _one_run(costs, failures, periods, steps, mode, rng, _poisson(rng, failures.rate_s)) for _ in range(trials)
     ]

@@ -1,0 +1,162 @@
+"""`python -m trainer.compile` end to end: the real train step compiled for TPU topologies on this CPU machine.
+
+Each test runs the CLI in a subprocess from a fresh working directory, as a user would, and reads its
+--json report. They need libtpu (the `tpu` extra, which CI installs) and skip without it. TPU compiles
+cost tens of CPU-seconds each even for qwen3-tiny, so these use short sequences and few compiles; the
+qwen3-mini ones are in the soak tier.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trainer.config import load_config
+from trainer.model import count_params
+
+pytest.importorskip("libtpu", reason="needs libtpu: pip install -e '.[tpu]'")
+
+pytestmark = pytest.mark.slow
+EXIT_NO_FIT = 4
+F32 = 4
+BATCH_KEYS = 5  # inputs, targets, positions, segment_ids, loss_mask: int32 [rows, length] each
+
+
+def compile_cli(cwd, *args: str, timeout: int = 900) -> tuple[int, dict, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.compile", "base.yml", *args, "--json"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    report = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else {}
+    return proc.returncode, report, proc.stderr
+
+
+def analytic_argument_bytes(overrides: list[str], *, fsdp: int, rows_per_chip: int) -> int:
+    """float32 params + Adam's two moments, sharded fsdp ways, plus this chip's rows of the batch."""
+    cfg = load_config("base.yml", overrides)
+    params, _ = count_params(cfg.model)
+    return 3 * params * F32 // fsdp + BATCH_KEYS * rows_per_chip * cfg.data.max_target_length * 4
+
+
+def test_tiny_on_three_v5e_4_slices_compiles_with_dcn_collectives_and_its_two_slice_resize_layout(tmp_path):
+    model = ["model=qwen3-tiny", "max_target_length=128"]
+    code, report, err = compile_cli(
+        tmp_path,
+        *model,
+        "compile_topology=v5e-4",
+        "compile_topology_num_slices=3",
+        "elastic_min_slice_count=2",
+        "elastic_resize_batch_policy=keep_global",
+        "eval_interval=10",
+        "eval_steps=1",
+    )
+    assert code == 0, err[-3000:]
+    assert report["fits"] and report["chips"] == 12
+    full, resized = report["layouts"]
+    assert (full["active_slices"], resized["active_slices"]) == (3, 2)
+    # The TPU-only splash kernel and the eval step compile for the target too (sequence 128 tiles).
+    assert full["attention"] == "splash"
+    assert full["eval"]["fits"] and full["eval"]["global_batch_size"] == 24
+    # keep_global: the survivors run the same global batch, more rows per chip, so more activations.
+    assert resized["global_batch_size"] == full["global_batch_size"] == 24
+    assert resized["memory"]["temporaries"] > full["memory"]["temporaries"]
+    for layout in (full, resized):
+        rows = layout["global_batch_size"] // layout["chips"]
+        expected = analytic_argument_bytes(model, fsdp=4, rows_per_chip=rows)
+        assert layout["memory"]["arguments"] == pytest.approx(expected, rel=0.10)
+        assert layout["memory"]["fits"] and 0 < layout["memory"]["total"] < layout["memory"]["hbm"]
+        assert layout["collectives"]["ici"]["all-gather"]["count"] > 0  # fsdp gathers parameters in a slice
+        # Gradients are summed across the slices over the DCN.
+        assert layout["collectives"]["dcn"]["all-reduce"]["bytes"] > 0
+    assert 0 < full["estimate"]["mfu"] <= 1 and full["estimate"]["step_time_s"] > 0
+
+
+def test_tiny_on_one_chip_compiles_without_collectives(tmp_path):
+    model = ["model=qwen3-tiny", "max_target_length=64"]
+    code, report, err = compile_cli(tmp_path, *model, "compile_topology=v5e-1")
+    assert code == 0, err[-3000:]
+    (layout,) = report["layouts"]
+    assert layout["chips"] == 1 and layout["collectives"] == {}
+    expected = analytic_argument_bytes(model, fsdp=1, rows_per_chip=layout["global_batch_size"])
+    assert layout["memory"]["arguments"] == pytest.approx(expected, rel=0.10)
+
+
+def test_oversized_config_exits_no_fit_and_names_the_knob_that_fits(tmp_path):
+    # qwen3-1.7b replicated on every chip (data parallel only): ~27 GiB per chip against v5e's 16.
+    code, report, err = compile_cli(
+        tmp_path,
+        "model=qwen3-1.7b",
+        "compile_topology=v5e-4",
+        "ici_data_parallelism=4",
+        "ici_fsdp_parallelism=1",
+        "per_device_batch_size=1",
+        "max_target_length=64",
+    )
+    assert code == EXIT_NO_FIT, err[-3000:]
+    (layout,) = report["layouts"]
+    assert not layout["memory"]["fits"] and layout["memory"]["total"] > layout["memory"]["hbm"]
+    fitting = [a for a in report["alternatives"] if a["fits"]]
+    assert fitting and fitting[0]["knob"] == "more fsdp"
+    assert "ici_fsdp_parallelism=-1" in fitting[0]["overrides"] and fitting[0]["saves_bytes"] > 0
+
+
+def test_text_report_names_the_knob(tmp_path):
+    """The same no-fit case in the text form a user reads: exit 4, the knob and STATUS."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.compile",
+            "compile_topology=v5e-1",
+            "model=qwen3-1.7b",
+            "--alternatives=none",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == EXIT_NO_FIT, proc.stderr[-3000:]
+    assert "DOES NOT FIT" in proc.stdout and "RESOURCE_EXHAUSTED" in proc.stdout
+    assert proc.stdout.strip().endswith("STATUS: does_not_fit")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["model=qwen3-tiny"], "compile_topology is required"),
+        (["compile_topology=v9z-8"], "unknown TPU"),
+        (["compile_topology=v5e-12"], "not a v5e slice size"),
+        (["compile_topology=v5e-4", "compile_topology_num_slices=2", "num_slices=3"], "disagrees"),
+        (["compile_topology=v5e-4", "learning_rat=1"], "did you mean 'learning_rate'"),
+        (["compile_topology=v5e-8", "ici_fsdp_parallelism=3"], "ici parallelism"),
+    ],
+)
+def test_bad_input_exits_2_with_the_reason(tmp_path, args, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.compile", *args], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("topology, slices", [("v5e-8", "1"), ("v5e-4", "2")])
+def test_mini_compiles_and_fits(tmp_path, topology, slices):
+    model = ["model=qwen3-mini", "max_target_length=128"]
+    code, report, err = compile_cli(
+        tmp_path, *model, f"compile_topology={topology}", f"compile_topology_num_slices={slices}"
+    )
+    assert code == 0, err[-3000:]
+    (layout,) = report["layouts"]
+    fsdp = 8 // int(slices)
+    expected = analytic_argument_bytes(model, fsdp=fsdp, rows_per_chip=layout["global_batch_size"] // 8)
+    assert layout["memory"]["arguments"] == pytest.approx(expected, rel=0.10)
+    assert layout["collectives"]["ici"]["all-gather"]["count"] > 0
+    assert ("dcn" in layout["collectives"]) == (slices == "2")

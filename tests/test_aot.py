@@ -39,6 +39,9 @@ HLO = """HloModule jit_train_step, entry_computation_layout={(f32[8]{0})->f32[8]
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
   %p = (s32[], f32[8]) parameter(0)
   %x = bf16[4,128]{1,0} constant({...})
+  %k = f32[8]{0} custom-call(%x), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "",
+"xprof_metadata":"{\\"block_q\\": 128}"
+}}, metadata={op_name="splash"}
   %g = bf16[16,128]{1,0} fusion(%x), kind=kCustom, calls=%fused_gather
   ROOT %t = (s32[], f32[8]) tuple(%i, %v)
 }
@@ -57,7 +60,8 @@ ENTRY %main (x: f32[8]) -> f32[8] {
 
 def test_collectives_are_counted_per_step_with_loop_trips_sizes_and_network():
     found = hlo.summarize(hlo.collectives(HLO, devices_per_slice=4, num_slices=3))
-    # The all-gather sits in a fusion inside a 6-trip while body: 6 per step, 16x128 bf16 each.
+    # The all-gather sits in a fusion inside a 6-trip while body: 6 per step, 16x128 bf16 each (after a
+    # Pallas kernel whose config spans lines, one of them starting with "}}").
     assert found["ici"]["all-gather"] == {"count": 6, "bytes": 6 * 16 * 128 * 2, "traffic_bytes": 6 * 3 * 1024}
     # A reduce-scatter's buffer is its input: the 2x128 f32 result times the group of 4.
     assert found["ici"]["reduce-scatter"]["bytes"] == 2 * 128 * 4 * 4

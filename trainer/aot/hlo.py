@@ -102,7 +102,7 @@ def _parse(text: str):
                 comps[current] = []
                 if line.startswith("ENTRY"):
                     entry = current
-        elif line.startswith("}"):
+        elif line.rstrip() == "}":  # not "}}, metadata=...": a Pallas kernel's config spans lines
             current = None
         else:
             comps[current].append(line)

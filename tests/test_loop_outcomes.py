@@ -222,3 +222,20 @@ def test_the_boundary_writes_the_local_tier_on_its_own_period():
         (4, {"yielded": 4}),
         (6, {"yielded": 6}, "persist"),
     ]
+
+
+def test_without_waiting_for_local_writes_the_boundary_never_settles_them():
+    snapshots = _Snapshots()
+    boundary = StepBoundary(
+        active=[0],
+        stats=RecoveryStats(),
+        events=_Events(),
+        profiler=_Profiler(),
+        snapshots=snapshots,
+        snapshot_period=0,
+        local_checkpoint_period=2,
+        wait_for_local_write=False,
+    )
+    for s in range(1, 5):
+        boundary.after_step(s, jnp.int32(s), lambda s=s: {"yielded": s})
+    assert snapshots.taken == [(2, {"yielded": 2}, "persist"), (4, {"yielded": 4}, "persist")]

@@ -151,6 +151,7 @@ def build_supervisor(
         single_controller=single_controller,
         sync=paths.sync,
         local_checkpoint_period=cfg.checkpoint.local_checkpoint_period if paths.local_checkpoints else 0,
+        wait_for_local_write=cfg.checkpoint.local_checkpoint_wait_for_write,
         previous_last_step=last_recorded_step(paths.local / "metrics.jsonl"),
     )
 

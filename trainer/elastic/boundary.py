@@ -6,8 +6,8 @@ order, after step N has been dispatched:
 1. the profiler window;
 2. the recovery timeline: the first step completed after a failure ends its downtime;
 3. a host-RAM snapshot every `snapshot_period` steps (taken asynchronously), and every
-   `local_checkpoint_period` steps one that is also written to the local checkpoint tier (waited for
-   one step later: it overlaps one step, and a lost process loses at most the period);
+   `local_checkpoint_period` steps one that is also written to the local checkpoint tier (by default
+   waited for one step later: it overlaps one step, and a lost process loses at most the period);
 4. fault injection (local virtual slices): faults due before step N+1 fire here;
 5. returning slices: the membership round (several processes, every step) or a health check of the
    inactive slices (at most every poll interval); any found are returned, for the supervisor to act on.
@@ -45,6 +45,7 @@ class StepBoundary:
         snapshots,
         snapshot_period: int,
         local_checkpoint_period: int = 0,
+        wait_for_local_write: bool = True,
         injector=None,
         returning: Callable[[], list[int]] = list,
         wall_time: Callable[[], float] = time.time,
@@ -56,6 +57,7 @@ class StepBoundary:
         self.snapshots = snapshots
         self.snapshot_period = snapshot_period
         self.local_checkpoint_period = local_checkpoint_period
+        self.wait_for_local_write = wait_for_local_write
         self._writing: int | None = None  # the step whose local write may still be running
         self.injector = injector
         self.returning = returning
@@ -85,7 +87,7 @@ class StepBoundary:
         persist = bool(self.local_checkpoint_period) and step % self.local_checkpoint_period == 0
         if persist or (self.snapshot_period and step % self.snapshot_period == 0):
             self.snapshots.take(step, state, data_state(), persist=persist)
-            self._writing = step if persist else None
+            self._writing = step if persist and self.wait_for_local_write else None
         if self.injector is not None:
             self.injector.at_step_boundary(step + 1, in_flight=state)
         return self.returning()

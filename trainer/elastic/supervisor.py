@@ -82,10 +82,12 @@ class Supervisor:
         single_controller: bool = False,
         sync: Callable[[], None] = lambda: None,
         local_checkpoint_period: int = 0,
+        wait_for_local_write: bool = True,
         previous_last_step: int | None = None,
     ):
         self.elastic = elastic
         self.local_checkpoint_period = local_checkpoint_period
+        self.wait_for_local_write = wait_for_local_write
         self.previous_last_step = previous_last_step
         self.attempts = attempts
         self.run_loop = run_loop
@@ -259,6 +261,7 @@ class Supervisor:
             snapshots=self.snapshots,
             snapshot_period=self.elastic.snapshot_period,
             local_checkpoint_period=self.local_checkpoint_period,
+            wait_for_local_write=self.wait_for_local_write,
             injector=self.injector,
             returning=returning,
         )

@@ -4,8 +4,8 @@ Each restart must resume from the newest local step committed when the process d
 steps lost, as its `restart_resumed` event counts them), and the run must end bitwise equal to an
 uninterrupted one, with the same batch at every step. The moments come from a seeded generator: random
 points in the step stream, right as a local save starts, and while the persistent save of step 50 is in
-flight. The loop waits for a local write one step after starting it, so the 5-step bound holds however
-long the write takes.
+flight. With local_checkpoint_wait_for_write=true the loop waits for a local write one step after
+starting it, so the 5-step bound holds however long the write takes.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def test_random_kill_9_with_the_local_tier_loses_at_most_5_steps_and_ends_bitwis
     tier = [
         f"local_checkpoint_directory={tmp_path / 'node_local'}",
         f"local_checkpoint_period={LOCAL_PERIOD}",
+        "local_checkpoint_wait_for_write=true",  # the hard bound: a lost process loses at most the period
         f"checkpoint_period={PERSISTENT_PERIOD}",
         f"steps={STEPS}",
         "num_slices=1",

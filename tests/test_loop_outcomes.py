@@ -212,6 +212,7 @@ def test_the_boundary_writes_the_local_tier_on_its_own_period():
         snapshots=snapshots,
         snapshot_period=2,
         local_checkpoint_period=3,
+        wait_for_local_write=True,
     )
     for s in range(1, 7):
         boundary.after_step(s, jnp.int32(s), lambda s=s: {"yielded": s})

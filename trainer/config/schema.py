@@ -230,11 +230,11 @@ class CheckpointConfig:
         2, "Committed local checkpoints kept (oldest deleted first): bounds the local disk use.", minimum=1
     )
     local_checkpoint_wait_for_write: bool = key(
-        True,
-        "The step after a local save waits until its write is committed, so a lost process never trains "
-        "more than local_checkpoint_period steps again. false: the write may overlap the following steps "
-        "(cheaper where training and the write share busy host cores, as in CPU training), and a process "
-        "lost mid-write loses up to the period plus the steps the write took.",
+        False,
+        "true: the step after a local save waits until its write is committed, so a lost process never "
+        "trains more than local_checkpoint_period steps again. false: the write may overlap the following "
+        "steps (free where host cores are idle, as on GPU/TPU hosts, where it ends within a step anyway); "
+        "a process lost mid-write then loses the period plus the steps the write took.",
     )
     load_parameters_path: str = key(
         "",

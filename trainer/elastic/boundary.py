@@ -6,8 +6,8 @@ order, after step N has been dispatched:
 1. the profiler window;
 2. the recovery timeline: the first step completed after a failure ends its downtime;
 3. a host-RAM snapshot every `snapshot_period` steps (taken asynchronously), and every
-   `local_checkpoint_period` steps one that is also written to the local checkpoint tier (by default
-   waited for one step later: it overlaps one step, and a lost process loses at most the period);
+   `local_checkpoint_period` steps one that is also written to the local checkpoint tier (with
+   `wait_for_local_write`, waited for one step later, so a lost process loses at most the period);
 4. fault injection (local virtual slices): faults due before step N+1 fire here;
 5. returning slices: the membership round (several processes, every step) or a health check of the
    inactive slices (at most every poll interval); any found are returned, for the supervisor to act on.
@@ -45,7 +45,7 @@ class StepBoundary:
         snapshots,
         snapshot_period: int,
         local_checkpoint_period: int = 0,
-        wait_for_local_write: bool = True,
+        wait_for_local_write: bool = False,
         injector=None,
         returning: Callable[[], list[int]] = list,
         wall_time: Callable[[], float] = time.time,

@@ -82,7 +82,7 @@ class Supervisor:
         single_controller: bool = False,
         sync: Callable[[], None] = lambda: None,
         local_checkpoint_period: int = 0,
-        wait_for_local_write: bool = True,
+        wait_for_local_write: bool = False,
         previous_last_step: int | None = None,
     ):
         self.elastic = elastic

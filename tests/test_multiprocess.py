@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.multiprocess_demo import Job, collect, kill_at_step, timeline, trainer_args  # noqa: E402
+from scripts.multiprocess_demo import Job, collect, kill_at_step, last_step, timeline, trainer_args  # noqa: E402
 from trainer.config.schema import DistributedConfig  # noqa: E402
 from trainer.data.batch import fingerprint  # noqa: E402
 from trainer.data.synthetic import SyntheticIterator  # noqa: E402
@@ -269,6 +269,95 @@ def test_killing_process_0_ends_the_job_and_the_restarted_job_resumes_from_the_n
     assert_data_order_is_the_uninterrupted_one(job.run_dir)
     assert_params_match(job.run_dir, baseline, atol=0.0)  # same mesh order, steps replayed: bitwise
     assert "(the coordination service) is gone" in job.output()
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
+def test_killing_process_0_with_the_local_tier_loses_at_most_5_steps_and_a_wiped_node_gets_a_peers_copy(
+    baseline, tmp_path, cache_dir
+):
+    """Local period 5, persistent period 50: process 0 dies at step 37; the restarted job resumes from the
+    newest local step. Process 2's node-local directory is wiped before the restart (it comes back on a
+    fresh node): the peers agree on their newest local step and send it to process 2."""
+    import shutil
+    import time
+
+    local_root = tmp_path / "node_local"
+    tier = (f"local_checkpoint_directory={local_root}", "local_checkpoint_period=5", "checkpoint_period=50")
+    args = trainer_args(tmp_path, "lt", steps=STEPS, min_slices=2, extra=(f"jax_cache_dir={cache_dir}", *tier))
+    job = Job(tmp_path, "lt", args, max_restarts=0, max_job_restarts=1, restart_delay=3.0)
+    try:
+        kill = kill_at_step(job, 0, 37, timeout=RUN_TIMEOUT)
+        deadline = time.monotonic() + 60
+        while not _launcher(job, "job_restart"):  # every old process is stopped; the new ones not started
+            assert time.monotonic() < deadline, job.output()[-3000:]
+            time.sleep(0.02)
+        shutil.rmtree(local_root / "lt" / "process_2", ignore_errors=True)
+        rc = job.wait(timeout=2 * RUN_TIMEOUT)
+    finally:
+        job.stop()
+    assert rc == 0, job.output()[-4000:]
+    assert len(_launcher(job, "job_restart")) == 1
+    for process in range(3):
+        evs = _events(job.run_dir, process)
+        resumed = [e for e in evs if e["event"] == "restart_resumed" and e["time"] > kill["time"]]
+        assert len(resumed) == 1, (process, resumed)
+        assert resumed[0]["source"].startswith("local:"), resumed[0]
+        assert resumed[0]["steps_lost"] <= 5, resumed[0]  # local period 5: at most 5 steps trained again
+        assert int(resumed[0]["source"].split(":")[1]) >= kill["step"] - 5
+    shared = [e for e in _events(job.run_dir, 2) if e["event"] == "snapshot_shared" and e["time"] > kill["time"]]
+    assert shared and shared[0]["source_process"] != 2 and shared[0]["origin"] == "local", shared
+    assert not any(
+        e["event"] == "local_checkpoint_read" and e["time"] > kill["time"] for e in _events(job.run_dir, 2)
+    ), "process 2's local directory was wiped: its copy came from a peer"
+    assert_data_order_is_the_uninterrupted_one(job.run_dir)
+    assert_params_match(job.run_dir, baseline)
+
+
+def _sigterm_at_step(job: Job, targets: list[int], step: int, *, skew_s: float) -> None:
+    """SIGTERM each process of `targets` once process targets[0]'s metrics show `step`, `skew_s` apart."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while last_step(job.run_dir, targets[0]) < step:
+        assert job.proc.poll() is None and time.monotonic() < deadline, job.output()[-3000:]
+        time.sleep(0.01)
+    for i, process in enumerate(targets):
+        if i:
+            time.sleep(skew_s)
+        os.kill(job.pid_of(process), signal.SIGTERM)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(4 * RUN_TIMEOUT)
+@pytest.mark.parametrize("targets, skew_s", [([2], 0.0), ([0, 1, 2], 0.3)], ids=["one-process", "all-skewed"])
+def test_sigterm_to_any_processes_stops_all_at_one_step_and_the_rerun_resumes_bitwise(
+    baseline, tmp_path, cache_dir, targets, skew_s
+):
+    name = "term"
+    job = Job(tmp_path, name, _args(tmp_path, name, cache_dir), max_restarts=0)
+    try:
+        _sigterm_at_step(job, targets, 8, skew_s=skew_s)
+        rc = job.wait(timeout=RUN_TIMEOUT)
+    finally:
+        job.stop()
+    assert rc == 0, job.output()[-4000:]
+    exits = {e["process"]: e["rc"] for e in _launcher(job, "exit")}
+    assert exits == {0: 0, 1: 0, 2: 0}, exits
+    stopped = {p: [e["step"] for e in _events(job.run_dir, p) if e["event"] == "preempted"] for p in range(3)}
+    assert all(len(v) == 1 for v in stopped.values()) and len({v[0] for v in stopped.values()}) == 1, stopped
+    step = stopped[0][0]
+    assert step < STEPS and final_params(job.run_dir, step) is not None  # one committed checkpoint there
+    agreed = {p: [e for e in _events(job.run_dir, p) if e["event"] == "stop_agreed"] for p in range(3)}
+    assert all(len(v) == 1 and v[0]["step"] == step for v in agreed.values()), agreed
+    rerun = Job(tmp_path, name, _args(tmp_path, name, cache_dir), max_restarts=0)
+    assert _run(rerun) == 0, rerun.output()[-4000:]
+    resumed = [e for e in _events(rerun.run_dir, 0) if e["event"] == "attempt_start"][-1]
+    assert resumed["source"] == f"checkpoint:{step}"
+    assert_data_order_is_the_uninterrupted_one(job.run_dir)
+    assert_params_match(job.run_dir, baseline, atol=0.0)  # same mesh order, no step replayed: bitwise
 
 
 # ---- fast checks of the pieces (no processes started) -------------------------------------------------

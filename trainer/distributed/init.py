@@ -136,6 +136,10 @@ def initialize(settings: DistributedSettings, *, fault_tolerant: bool) -> None:
     if fault_tolerant:
         # Before initialize: the coordination service is created recoverable only if this is already set.
         jax.config.update("jax_enable_recoverability", True)
+    # JAX's preemption service would install its own SIGTERM handler over the trainer's, and its sync
+    # point assumes every process trains from the same step for the job's lifetime, which elastic
+    # re-formations and replacements break; the trainer agrees on a stop step itself (distributed/stop.py).
+    jax.config.update("jax_enable_preemption_service", False)
     log.info(
         "joining %d-process job as process %d (coordinator %s, heartbeat timeout %d s, fault_tolerant=%s)",
         settings.num_processes,

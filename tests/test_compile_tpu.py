@@ -3,7 +3,7 @@
 Each test runs the CLI in a subprocess from a fresh working directory, as a user would, and reads its
 --json report. They need libtpu (the `tpu` extra, which CI installs) and skip without it. TPU compiles
 cost tens of CPU-seconds each even for qwen3-tiny, so these use short sequences and few compiles; the
-qwen3-mini ones are in the soak tier.
+3-slice, no-fit and qwen3-mini ones are in the soak tier (pytest -m soak, run by .ci/run).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def analytic_argument_bytes(overrides: list[str], *, fsdp: int, rows_per_chip: i
     return 3 * params * F32 // fsdp + BATCH_KEYS * rows_per_chip * cfg.data.max_target_length * 4
 
 
+@pytest.mark.soak  # ~1 min of CPU each: in the soak tier, which .ci/run also runs
 def test_tiny_on_three_v5e_4_slices_compiles_with_dcn_collectives_and_its_two_slice_resize_layout(tmp_path):
     model = ["model=qwen3-tiny", "max_target_length=128"]
     code, report, err = compile_cli(
@@ -87,6 +88,7 @@ def test_tiny_on_one_chip_compiles_without_collectives(tmp_path):
     assert layout["memory"]["arguments"] == pytest.approx(expected, rel=0.10)
 
 
+@pytest.mark.soak  # ~1 min of CPU each: in the soak tier, which .ci/run also runs
 def test_oversized_config_exits_no_fit_and_names_the_knob_that_fits(tmp_path):
     # qwen3-1.7b replicated on every chip (data parallel only): ~27 GiB per chip against v5e's 16.
     code, report, err = compile_cli(

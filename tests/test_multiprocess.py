@@ -241,6 +241,7 @@ def test_survivors_finish_the_run_when_the_replacement_never_arrives(baseline, t
     ), t["survivors"]
 
 
+@pytest.mark.soak  # two launcher runs (~2 min); the local-tier variant below is in the soak tier too
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
 def test_killing_process_0_ends_the_job_and_the_restarted_job_resumes_from_the_newest_checkpoint(
     baseline, tmp_path, cache_dir

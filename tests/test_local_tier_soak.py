@@ -10,7 +10,6 @@ starting it, so the 5-step bound holds however long the write takes.
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import subprocess
@@ -22,22 +21,11 @@ from cli_harness import assert_same_data_order, assert_same_params, cli_env, com
 
 from trainer.checkpoint import local_store
 from trainer.checkpoint.commit import committed_steps
+from trainer.io.jsonl import read_jsonl as _read_jsonl
 
 STEPS = 100
 LOCAL_PERIOD, PERSISTENT_PERIOD = 5, 50
 MOMENTS = ["local_save", "random", "random", "local_save", "persistent_save", "random", "local_save", "random"]
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # the torn last line of a killed writer
-    return out
 
 
 def _names(directory: Path) -> list[str]:

@@ -202,21 +202,20 @@ def test_the_boundary_snapshots_on_its_period_ends_downtime_once_and_reports_ret
     assert stats.downtime_s == 3.5 and stats.failed_at is None
 
 
-def test_the_boundary_writes_the_local_tier_on_its_own_period():
+def _snapshots_taken(steps: int, **periods) -> list:
+    """What a boundary with these periods asks of the snapshots over steps 1..steps."""
     snapshots = _Snapshots()
     boundary = StepBoundary(
-        active=[0],
-        stats=RecoveryStats(),
-        events=_Events(),
-        profiler=_Profiler(),
-        snapshots=snapshots,
-        snapshot_period=2,
-        local_checkpoint_period=3,
-        wait_for_local_write=True,
+        active=[0], stats=RecoveryStats(), events=_Events(), profiler=_Profiler(), snapshots=snapshots, **periods
     )
-    for s in range(1, 7):
+    for s in range(1, steps + 1):
         boundary.after_step(s, jnp.int32(s), lambda s=s: {"yielded": s})
-    assert snapshots.taken == [
+    return snapshots.taken
+
+
+def test_the_boundary_writes_the_local_tier_on_its_own_period():
+    taken = _snapshots_taken(6, snapshot_period=2, local_checkpoint_period=3, wait_for_local_write=True)
+    assert taken == [
         (2, {"yielded": 2}),
         (3, {"yielded": 3}, "persist"),
         "settled",  # the local write of step 3 commits before step 4's record: at most 3 steps lost
@@ -226,17 +225,5 @@ def test_the_boundary_writes_the_local_tier_on_its_own_period():
 
 
 def test_without_waiting_for_local_writes_the_boundary_never_settles_them():
-    snapshots = _Snapshots()
-    boundary = StepBoundary(
-        active=[0],
-        stats=RecoveryStats(),
-        events=_Events(),
-        profiler=_Profiler(),
-        snapshots=snapshots,
-        snapshot_period=0,
-        local_checkpoint_period=2,
-        wait_for_local_write=False,
-    )
-    for s in range(1, 5):
-        boundary.after_step(s, jnp.int32(s), lambda s=s: {"yielded": s})
-    assert snapshots.taken == [(2, {"yielded": 2}, "persist"), (4, {"yielded": 4}, "persist")]
+    taken = _snapshots_taken(4, snapshot_period=0, local_checkpoint_period=2, wait_for_local_write=False)
+    assert taken == [(2, {"yielded": 2}, "persist"), (4, {"yielded": 4}, "persist")]

@@ -116,6 +116,7 @@ def test_the_readme_and_the_scale_guide_have_commands_to_run():
 
 
 @pytest.mark.docs
+@pytest.mark.timeout(3000)  # every command of a document in turn (each has its own 900 s bound)
 @pytest.mark.parametrize("doc", _docs_with_local_commands())
 def test_documented_commands_run_as_printed(doc, tmp_path):
     runnable = [c for c in commands(REPO / doc) if c.kind in ("local", "shell")]

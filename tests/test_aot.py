@@ -132,10 +132,9 @@ def test_tpu_is_recognised_on_the_pci_bus_by_device_not_vendor(tmp_path):
     assert tpu_attached(tmp_path)
 
 
+@pytest.mark.skipif(tpu_attached(), reason="a TPU is attached")
 def test_an_installed_libtpu_without_a_tpu_keeps_jax_on_cpu_and_quiet():
     pytest.importorskip("libtpu", reason="needs libtpu: pip install -e '.[tpu]'")
-    if tpu_attached():
-        pytest.skip("a TPU is attached")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     code = "import trainer, jax; print(jax.config.jax_platforms, jax.devices()[0].platform)"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

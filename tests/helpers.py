@@ -73,3 +73,19 @@ def fresh_state_on_one_device(cfg):
     opt = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model), schedule=schedule)
     shardings, _ = state_shardings(cfg.model, cfg.mesh.logical_axis_rules, mesh, opt)
     return opt, init_state(cfg.model, opt, shardings, seed=cfg.train.init_weights_seed)
+
+
+def loader_processes(cfg, processes: int, *, global_batch_size: int, state=None) -> list:
+    """The ArrayRecord loaders of `processes` data processes, each resumed from `state` if given."""
+    from trainer.data.grain_pipeline import make_arrayrecord_iterator
+
+    loaders = [
+        make_arrayrecord_iterator(
+            cfg, vocab_size=32768, global_batch_size=global_batch_size, process_index=p, process_count=processes
+        )
+        for p in range(processes)
+    ]
+    if state is not None:
+        for loader in loaders:
+            loader.set_state(state)
+    return loaders

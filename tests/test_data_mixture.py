@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from array_record.python import array_record_module
 from cli_harness import assert_same_data_order, assert_same_params, cli_env, command, metrics, run_cli
+from helpers import loader_processes
 
 from trainer.config.schema import DataConfig
 from trainer.data.batch import BATCH_KEYS, fingerprint
@@ -145,15 +146,7 @@ def test_a_mixture_resumes_exactly_on_any_loader_process_count(tmp_path):
     reference = [next(it) for _ in range(9)]
     state, step = None, 0
     for processes in (1, 2, 4):
-        loaders = [
-            make_arrayrecord_iterator(
-                cfg, vocab_size=32768, global_batch_size=4, process_index=p, process_count=processes
-            )
-            for p in range(processes)
-        ]
-        for loader in loaders:
-            if state is not None:
-                loader.set_state(state)
+        loaders = loader_processes(cfg, processes, global_batch_size=4, state=state)
         for _ in range(3):
             parts = [next(loader) for loader in loaders]
             union = {k: np.concatenate([p[k] for p in parts]) for k in BATCH_KEYS}

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from array_record.python import array_record_module
+from helpers import loader_processes
 
 from trainer.config.schema import DataConfig
 from trainer.data.batch import BATCH_KEYS, check_batch, fingerprint
@@ -211,15 +212,7 @@ def test_resharding_4_to_2_to_4_loader_processes_keeps_every_global_batch(tmp_pa
     reference = batches(cfg, 9, rows=8)
     state, step, seen = None, 0, []
     for processes in (4, 2, 4):
-        loaders = [
-            make_arrayrecord_iterator(
-                cfg, vocab_size=32768, global_batch_size=8, process_index=p, process_count=processes
-            )
-            for p in range(processes)
-        ]
-        for loader in loaders:
-            if state is not None:
-                loader.set_state(state)
+        loaders = loader_processes(cfg, processes, global_batch_size=8, state=state)
         for _ in range(3):
             parts = [next(loader) for loader in loaders]
             assert all(p["inputs"].shape == (8 // processes, 32) for p in parts)

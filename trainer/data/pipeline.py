@@ -9,12 +9,19 @@ from trainer.data.synthetic import SyntheticIterator
 
 
 def make_train_iterator(
-    cfg: DataConfig, *, vocab_size: int, global_batch_size: int, process_index: int = 0, process_count: int = 1
+    cfg: DataConfig,
+    *,
+    vocab_size: int,
+    global_batch_size: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    stream: int = 0,
 ):
     """An iterator of this process's rows of each global batch, with get_state/set_state/close.
 
     Its state is global (independent of process_count), so a resumed run with a different number of
-    loader processes continues the same global example order.
+    loader processes continues the same global example order. `stream` tags a synthetic stream
+    (0: training; EVAL_STREAM: the held-out one).
     """
     if cfg.dataset_type == "synthetic":
         return SyntheticIterator(
@@ -24,6 +31,7 @@ def make_train_iterator(
             seed=cfg.data_shuffle_seed,
             process_index=process_index,
             process_count=process_count,
+            stream=stream,
         )
     from trainer.data.grain_pipeline import make_arrayrecord_iterator
 
@@ -56,23 +64,14 @@ def make_eval_iterator(
     the same tokens on any mesh and process count. Grain workers are not used: an evaluation rewinds
     the iterator, which would restart them every time.
     """
-    if cfg.dataset_type == "synthetic":
-        return SyntheticIterator(
-            vocab_size=vocab_size,
-            seq_len=cfg.max_target_length,
-            global_batch_size=global_batch_size,
-            seed=cfg.data_shuffle_seed,
-            process_index=process_index,
-            process_count=process_count,
-            stream=EVAL_STREAM,
-        )
-    from trainer.data.grain_pipeline import make_arrayrecord_iterator
-
-    held_out = dataclasses.replace(cfg, grain_train_files=eval_files, num_epoch=1, grain_worker_count=0)
-    return make_arrayrecord_iterator(
+    held_out = cfg
+    if cfg.dataset_type != "synthetic":
+        held_out = dataclasses.replace(cfg, grain_train_files=eval_files, num_epoch=1, grain_worker_count=0)
+    return make_train_iterator(
         held_out,
         vocab_size=vocab_size,
         global_batch_size=global_batch_size,
         process_index=process_index,
         process_count=process_count,
+        stream=EVAL_STREAM,
     )

@@ -12,12 +12,17 @@ from trainer.optim import learning_rate_schedule
 from trainer.step import LOSS_CHUNK_TOKENS, make_train_step, token_losses
 
 
+_STEPS: dict = {}  # (config, micro_steps) -> jitted step: tests of one config share its compiles
+
+
 def _one_step(cfg, micro_steps, batch):
     opt, state = fresh_state_on_one_device(cfg)
-    step = jax.jit(
-        make_train_step(cfg.model, opt, z_loss_multiplier=cfg.optim.z_loss_multiplier, micro_steps=micro_steps)
-    )
-    return jax.device_get(step(state, batch))
+    key = (repr(cfg), micro_steps)
+    if key not in _STEPS:
+        _STEPS[key] = jax.jit(
+            make_train_step(cfg.model, opt, z_loss_multiplier=cfg.optim.z_loss_multiplier, micro_steps=micro_steps)
+        )
+    return jax.device_get(_STEPS[key](state, batch))
 
 
 def test_k_micro_steps_equal_one_k_times_larger_batch():

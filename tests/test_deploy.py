@@ -457,11 +457,11 @@ exit $rc
 def test_slurm_tasks_get_process_ids_and_restart_in_place(tmp_path):
     p = _params("reference", nodes_per_slice=1)
     text = R.render("slurm", p).text
-    # The fake trainer fails once per task (exit 1), then succeeds; it logs its ids and argv.
+    # The fake trainer is killed once per task (exit 137: SIGKILL), then succeeds; it logs its ids and argv.
     body = r"""
 echo "$SLURM_PROCID $JAX_PROCESS_ID $JAX_NUM_PROCESSES $JAX_COORDINATOR_ADDRESS $NODES_PER_SLICE $*" >> "$LOG"
 marker="$LOG.$SLURM_PROCID"
-if [[ ! -e "$marker" ]]; then touch "$marker"; exit 1; fi
+if [[ ! -e "$marker" ]]; then touch "$marker"; exit 137; fi
 exit 0
 """
     out = _fake_slurm(tmp_path, text, body)
@@ -489,9 +489,9 @@ def test_slurm_does_not_restart_non_retriable_exits(tmp_path, code):
 def test_slurm_gives_up_after_max_task_restarts(tmp_path):
     text = R.render("slurm", PARAM_SETS["reference"]).text
     out = _fake_slurm(
-        tmp_path, text, 'echo run >> "$LOG"; exit 1\n', {"SLURM_NTASKS": "1", "MAX_TASK_RESTARTS": "2"}
+        tmp_path, text, 'echo run >> "$LOG"; exit 137\n', {"SLURM_NTASKS": "1", "MAX_TASK_RESTARTS": "2"}
     )
-    assert out.returncode == 1
+    assert out.returncode == 137
     assert (tmp_path / "log").read_text().count("run") == 3  # first run + 2 restarts
     assert "no restarts left" in out.stderr
 

@@ -145,6 +145,7 @@ def _launcher(job: Job, name: str, **match) -> list[dict]:
     ]
 
 
+@pytest.mark.soak  # every real-process run is in the soak tier (3 processes on 2 cores: minutes each)
 def test_uninterrupted_run_follows_the_global_data_order_and_moves_params_well_past_the_tolerance(baseline):
     assert set(assert_data_order_is_the_uninterrupted_one(baseline).values()) == {3}
     final, earlier = final_params(baseline), final_params(baseline, STEPS - 10)
@@ -154,6 +155,7 @@ def test_uninterrupted_run_follows_the_global_data_order_and_moves_params_well_p
     assert [a["source"] for a in start] == ["init"]
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_killed_process_is_replaced_rejoins_and_the_run_matches_an_uninterrupted_one(
     baseline, tmp_path, cache_dir
@@ -207,6 +209,7 @@ def test_killed_process_is_replaced_rejoins_and_the_run_matches_an_uninterrupted
     print(json.dumps(t, default=str))
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_survivors_finish_the_run_when_the_replacement_never_arrives(baseline, tmp_path, cache_dir):
     job = Job(tmp_path, "norejoin", _args(tmp_path, "norejoin", cache_dir), max_restarts=0)
@@ -239,6 +242,57 @@ def test_survivors_finish_the_run_when_the_replacement_never_arrives(baseline, t
         s["detected"] is not None and s["continued_slices"] is not None and len(s["continued_slices"]) == 2
         for s in t["survivors"].values()
     ), t["survivors"]
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_ten_kills_in_a_row_each_replacement_rejoins_and_the_run_matches_an_uninterrupted_one(
+    baseline, tmp_path, cache_dir
+):
+    """Pause-and-resume (every step on all 3 processes): processes 1 and 2 are killed in turn, 10 times, each
+    once its replacement has trained past the previous kill. Every formation keeps the one mesh order and
+    gets fresh communicators, so there is no limit on rejoins (a fresh order per rejoin allows 3! - 1)."""
+    kills = 10
+    args = _args(tmp_path, "ten", cache_dir, min_slices=-1) + [f"elastic_max_retries={3 * kills}"]
+    job = Job(tmp_path, "ten", args, restart_delay=1.0, max_restarts=kills)
+    try:
+        for k in range(kills):
+            kill_at_step(job, 1 + k % 2, 6 + 8 * k, timeout=RUN_TIMEOUT)
+        rc = job.wait(timeout=RUN_TIMEOUT)
+    finally:
+        job.stop()
+    assert rc == 0, job.output()[-4000:]
+    run = job.run_dir
+    assert len(_launcher(job, "spawn", process=0)) == 1
+    assert len({r["pid"] for r in collect(run)[0]["metrics"]}) == 1  # process 0 never stopped
+    assert [len(_launcher(job, "spawn", process=p)) for p in (1, 2)] == [kills // 2 + 1] * 2
+    starts = [e for e in _events(run, 0) if e["event"] == "attempt_start"]
+    assert len(starts) >= kills + 1 and all(len(a["slices"]) == 3 for a in starts)
+    formations = [e for e in _events(run, 0) if e["event"] == "formation"]
+    assert {tuple(f["mesh_order"]) for f in formations} == {(1, 2, 0)}
+    assert formations[-1]["fresh_clients"] >= kills
+    per_step = assert_data_order_is_the_uninterrupted_one(run)
+    assert set(per_step.values()) == {3}
+    assert_params_match(run, baseline)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(RUN_TIMEOUT + 60)
+def test_an_out_of_memory_on_one_process_ends_every_process_with_that_cause_and_no_retry(tmp_path, cache_dir):
+    args = _args(tmp_path, "oom", cache_dir) + ["fault_schedule=step=6,process=2,error=oom"]
+    job = Job(tmp_path, "oom", args, max_restarts=1)
+    rc = _run(job)
+    assert rc == 1, job.output()[-4000:]
+    assert len(_launcher(job, "spawn", process=2)) == 1  # exit 1 is final: nobody restarted it
+    for proc in (0, 1, 2):
+        events = _events(job.run_dir, proc)
+        names = [e["event"] for e in events]
+        assert "slice_down_detected" not in names and names.count("attempt_start") == 1
+        finish = [e for e in events if e["event"] == "finish"]
+        assert finish and finish[-1]["status"] == "failed", (proc, finish)
+        assert "RESOURCE_EXHAUSTED" in finish[-1]["error"], finish[-1]
+        if proc != 2:
+            assert "process 2 failed" in finish[-1]["error"]
 
 
 @pytest.mark.soak  # two launcher runs (~2 min); the local-tier variant below is in the soak tier too
@@ -403,31 +457,3 @@ def test_collective_timeout_is_added_to_xla_flags_unless_the_launcher_set_it():
     assert xla_flags_with_timeout(preset, 10) == preset
     settings = resolve_settings(DistributedConfig(), {"XLA_FLAGS": preset, "JAX_NUM_PROCESSES": "1"})
     assert settings.collective_timeout_seconds == 0  # the launcher's flag wins
-
-
-def test_process_0_gives_each_new_set_of_incarnations_a_never_used_order_with_itself_last():
-    from trainer.elastic.membership import Membership
-
-    class Dev:
-        def __init__(self, i):
-            self.id, self.process_index = i, i
-
-    class KV(dict):
-        def key_value_set(self, k, v):
-            assert k not in self
-            self[k] = v
-
-        def blocking_key_value_get(self, k, timeout_ms):
-            return self[k]
-
-    kv = KV()
-    m = Membership([Dev(i) for i in range(3)], 1, process_index=0, client=kv, events=None)
-    orders = []
-    for incarnation in range(7):
-        m._publish_order(f"sig{incarnation}", [0, 1, 2])
-        orders.append(json.loads(kv[f"trainer/mesh_order/sig{incarnation}"]))
-    assert orders[:2] == [[1, 2, 0], [2, 1, 0]]  # process 0 last while possible
-    assert len({tuple(o) for o in orders[:6]}) == 6 and orders[6] is None  # 3! orders, then none left
-    m._publish_order("sig0", [0, 1, 2])  # the same incarnations keep their order (published once)
-    assert m._form("sig0", [0, 1, 2]).slices == (1, 2, 0)
-    assert m._form("sig0", [0, 1, 2]).number == 1

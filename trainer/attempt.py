@@ -301,6 +301,10 @@ class AttemptBuilder:
         self.events = events
         self.plans: dict[tuple, SlicePlan] = {}
 
+    def forget_compiled(self) -> None:
+        """Drop every slice set's plan: the devices they were compiled for are gone (a fresh client)."""
+        self.plans.clear()
+
     def __call__(
         self,
         slices: list[list],

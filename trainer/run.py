@@ -25,9 +25,11 @@ from trainer.config.errors import ConfigError
 from trainer.config.loader import to_flat_dict
 from trainer.config.schema import RunConfig
 from trainer.distributed import DistributedSettings, coordination_client, initialize, leave, resolve_settings
+from trainer.distributed.communicators import forget_rendezvous, fresh_cpu_client, needs_fresh_communicators
 from trainer.distributed.stop import CoordinatedStop
 from trainer.elastic.faults import FaultInjector, Outages, parse_fault_schedule
 from trainer.elastic.membership import Membership
+from trainer.elastic.process_faults import ProcessFaultInjector, parse_process_faults
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.elastic.supervisor import Supervisor
 from trainer.io.paths import resolve
@@ -118,12 +120,14 @@ def build_supervisor(
 ) -> Supervisor:
     """The supervisor with every part it drives, each built from its own section of the config."""
     single_controller = cfg.mesh.enable_single_controller
-    outages = injector = None
-    if not single_controller:
+    outages = injector = process_faults = None
+    if jax.process_count() > 1:  # a process's own error; lost processes are killed from outside
+        faults = parse_process_faults(cfg.elastic.fault_schedule, jax.process_count())
+        process_faults = ProcessFaultInjector(faults, jax.process_index(), events)
+    elif not single_controller:
         outages = Outages()  # local virtual slices: which are down
-        if membership is None:
-            faults = parse_fault_schedule(cfg.elastic.fault_schedule, len(slices))
-            injector = FaultInjector(faults, outages, paths.local / "chaos", events)
+        faults = parse_fault_schedule(cfg.elastic.fault_schedule, len(slices))
+        injector = FaultInjector(faults, outages, paths.local / "chaos", events)
     run_loop = partial(
         train_loop,
         steps=cfg.train.steps,
@@ -148,6 +152,7 @@ def build_supervisor(
         injector=injector,
         outages=outages,
         membership=membership,
+        process_faults=process_faults,
         single_controller=single_controller,
         sync=paths.sync,
         local_checkpoint_period=cfg.checkpoint.local_checkpoint_period if paths.local_checkpoints else 0,
@@ -191,12 +196,16 @@ def process_slices(cfg: RunConfig, settings: DistributedSettings, events):
     """Several processes: (devices of each slice, Membership or None). Slices are groups of
     processes_per_slice processes; the Membership (live processes, rounds, mesh orders) only when
     elastic_enabled."""
+    client = coordination_client()
+    fresh = needs_fresh_communicators() and cfg.elastic.elastic_enabled
     membership = Membership(
         jax.devices(),
         settings.processes_per_slice,
         process_index=jax.process_index(),
-        client=coordination_client(),
+        client=client,
         events=events,
+        fresh_devices=partial(fresh_cpu_client, client, process_index=jax.process_index()) if fresh else None,
+        forget_rendezvous=partial(forget_rendezvous, client) if fresh else None,
     )
     if cfg.mesh.num_slices != membership.num_slices:
         raise ConfigError(
@@ -210,11 +219,7 @@ def process_slices(cfg: RunConfig, settings: DistributedSettings, events):
             f"(processes_per_slice=1); with processes_per_slice={settings.processes_per_slice} leave "
             "local_checkpoint_directory unset"
         )
-    if cfg.elastic.fault_schedule:
-        raise ConfigError(
-            "fault_schedule injects virtual-slice failures in one process; with several "
-            "processes, kill one (scripts/launch_local.py, scripts/multiprocess_demo.py)"
-        )
+    parse_process_faults(cfg.elastic.fault_schedule, settings.num_processes)  # a bad schedule stops here
     return membership.slice_devices(), (membership if cfg.elastic.elastic_enabled else None)
 
 

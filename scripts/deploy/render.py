@@ -41,7 +41,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 TRAINER_ENTRY = ["python", "-m", "trainer.train"]
 
 # Trainer exit codes that a restart of the same command cannot fix (see trainer/train.py).
-NON_RETRIABLE_EXIT_CODES = (2, 3)
+NON_RETRIABLE_EXIT_CODES = (1, 2, 3)
 
 # Pathways component ports (the defaults the Pathways images and xpk use).
 PATHWAYS_PROXY_PORT = 29000

@@ -11,20 +11,23 @@ A *formation* (the set of processes an attempt runs on) is settled only by a *st
 result equals the previous round's. Whatever each process was doing when membership changed (a step,
 waiting, starting up), they all settle on the same round.
 
-Fresh device orders: the CPU (gloo) collectives cache a communicator per ordered device list, and keep
-its rendezvous keys in the coordination service; both go stale when a process restarts. So every new
-formation (a new set of incarnations) gets a mesh order never used before on that device set.
-Process 0 (always alive: it hosts the service) picks it and publishes it in the service's key-value
-store; the others read it. With k processes per device set there are k! orders, so at most k! - 1
-rejoins per set of processes (5 for 3 processes); after that the job must be restarted.
+Every formation has one mesh order per set of slices (`mesh_order`), the same on every process and in
+every formation, so any number of rejoins work and a replayed step runs on the same order. What a
+formation after a failure needs instead is fresh collective communicators on every member
+(`trainer.distributed.communicators`): `_form` takes two barriers around deleting the old rendezvous,
+then each member that has used its communicators creates a new CPU client.
+
+Barriers here are rounds: a member records its arrival in the key-value store and takes rounds until
+every member has arrived. A round waits for every live process, so a slow member (still compiling) is
+waited for without a deadline, a member that died is seen at once (ProcessFailureError, a slice-down
+event), and a process that failed for another reason and recorded it (`trainer.distributed.fatal`) is
+seen at the next round (PeerFailed: every process stops with its cause).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -32,12 +35,19 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 
-from trainer.elastic.errors import ElasticGiveUp
+from trainer.distributed import fatal
 
 log = logging.getLogger(__name__)
 
-_ORDER_KEY = "trainer/mesh_order/"  # + signature: one order per set of incarnations
-_ORDER_WAIT_MS = 120_000
+_BARRIER_KEY = "trainer/barrier/"  # + name: how many members arrived
+_BARRIER_POLL_S = 0.05
+
+
+def mesh_order(slices: Sequence[int]) -> list[int]:
+    """The mesh order of a set of slices: ascending, slice 0 last (it holds process 0, which never fails
+    without ending the job; a failed peer at the last ring position is the case where a survivor's
+    receive waits longest)."""
+    return [s for s in sorted(slices) if s != 0] + ([0] if 0 in slices else [])
 
 
 def signature(incarnations: dict[int, int]) -> str:
@@ -71,11 +81,14 @@ class Membership:
         client,
         events,
         clock: Callable[[], float] = time.monotonic,
+        fresh_devices: Callable[[], Sequence[jax.Device]] | None = None,
+        forget_rendezvous: Callable[[], None] | None = None,
     ):
-        self.devices = sorted(devices, key=lambda d: d.id)
-        self.by_process: dict[int, list] = {}
-        for d in self.devices:
-            self.by_process.setdefault(d.process_index, []).append(d)
+        self._set_devices(devices)
+        self.fresh_devices = fresh_devices  # drops the collectives' state; None where it survives failures
+        self.forget_rendezvous = forget_rendezvous
+        self.communicators_used = False  # this process ran collectives since its devices were made
+        self.fresh_clients = 0  # how many times this process re-created its devices
         self.per_slice = processes_per_slice
         self.me = process_index
         self.client = client
@@ -84,8 +97,12 @@ class Membership:
         self.current: dict[int, int] | None = None  # the newest round: process -> incarnation
         self.previous: dict[int, int] | None = None  # the round before it
         self._formed: dict[str, int] = {}  # signature -> formations so far
-        self._orders_used: dict[frozenset, list[tuple]] = {}  # process 0 only
-        self._published: dict[str, list | None] = {}  # process 0 only: signature -> order
+
+    def _set_devices(self, devices: Sequence[jax.Device]) -> None:
+        self.devices = sorted(devices, key=lambda d: d.id)
+        self.by_process: dict[int, list] = {}
+        for d in self.devices:
+            self.by_process.setdefault(d.process_index, []).append(d)
 
     # ---- slices --------------------------------------------------------------------------------
 
@@ -174,14 +191,16 @@ class Membership:
         mine = self.slice_of(self.me)
         while True:
             live = self.round()
+            fatal.check(self.client, self.me)
             complete = self.complete_slices(live)
             enough = self.stable and len(complete) >= min_slices
             if enough:
                 sig = signature({p: live[p] for p in self.processes(complete)})
-                if self.me == 0:
-                    self._publish_order(sig, complete)  # also when process 0 itself waits
                 if mine in complete:
-                    return self._form(sig, complete)
+                    try:
+                        return self._form(sig, complete, timeout_s=timeout_s)
+                    except ProcessFailureError as e:  # a member died while forming: round again
+                        log.warning("formation interrupted: %s", e)
                 continue  # waiting for this slice to be whole: no sleep, the others' steps pace the rounds
             if not self.stable:
                 continue  # confirm at once: every other process is about to do the same round
@@ -192,52 +211,77 @@ class Membership:
                 )
             time.sleep(poll_s)
 
-    def _form(self, sig: str, slices: list[int]) -> Formation:
+    def _form(self, sig: str, slices: list[int], *, timeout_s: float) -> Formation:
         number = self._formed.get(sig, 0)
         self._formed[sig] = number + 1
-        order = json.loads(self.client.blocking_key_value_get(_ORDER_KEY + sig, _ORDER_WAIT_MS))
-        if order is None:
-            raise ElasticGiveUp(
-                f"no unused mesh device order is left for slices {slices}: each rejoin needs one "
-                f"(stale gloo communicators); restart the job to reset"
-            )
-        formation = Formation(tuple(order), sig, number)
-        log.info("formation %s: slices %s in mesh order %s", formation.key, slices, list(order))
+        formation = Formation(tuple(mesh_order(slices)), sig, number)
+        if self.fresh_devices is not None:
+            members = self.processes(slices)
+            self._meet(f"form/{formation.key}/enter", members, timeout_s=timeout_s)
+            if self.me == min(members):  # nobody runs a collective until every member left the next barrier
+                self.forget_rendezvous()
+            self._meet(f"form/{formation.key}/clean", members, timeout_s=timeout_s)
+            if self.communicators_used:
+                self._set_devices(self.fresh_devices())
+                self.fresh_clients += 1
+                # The next round compares with the newest one, on the new device objects (a first round
+                # would take two barrier calls where the other members take one).
+                live_devices.devices = {
+                    d: self.current[d.process_index]
+                    for d in self.devices
+                    if d.process_index in (self.current or {})
+                }
+        self.communicators_used = True  # the attempt on this formation runs collectives
+        log.info("formation %s: slices %s in mesh order %s", formation.key, slices, list(formation.slices))
         if self.events is not None:
             self.events.emit(
                 "formation",
                 key=formation.key,
-                mesh_order=list(order),
+                mesh_order=list(formation.slices),
                 incarnations={p: i for p, i in sorted((self.current or {}).items())},
+                fresh_clients=self.fresh_clients,
             )
         return formation
 
-    def _publish_order(self, sig: str, slices: list[int]) -> None:
-        if sig not in self._published:
-            order = self._choose_order(slices)
-            self._published[sig] = order
-            self.client.key_value_set(_ORDER_KEY + sig, json.dumps(order))
-
-    def _choose_order(self, slices: list[int]) -> list[int] | None:
-        """Process 0: an order never used before on this set of slices (None when all are used).
-        Slice 0 (holding process 0, which is never a failure victim) goes last when possible: a victim
-        at the last ring position is the case where a survivor's receive can hang until the timeout."""
-        used = self._orders_used.setdefault(frozenset(slices), [])
-        others = [s for s in sorted(slices) if s != 0]
-        candidates = ((*p, 0) for p in itertools.permutations(others)) if 0 in slices else iter(())
-        for order in itertools.chain(candidates, itertools.permutations(sorted(slices))):
-            if order not in used:
-                used.append(order)
-                return list(order)
-        return None
+    def fail(self, error: BaseException, *, wait_s: float) -> None:
+        """This process failed for a reason that is not a lost peer: record the cause for every process,
+        then take rounds (which the others' failing collectives and waits meet) until every other live
+        process has seen it or left, at most `wait_s`."""
+        fatal.publish(self.client, self.me, error)
+        deadline = self.clock() + wait_s
+        while self.clock() < deadline:
+            others = set(self.round()) - {self.me}
+            if others <= fatal.acknowledged(self.client):
+                return
+            time.sleep(_BARRIER_POLL_S)
+        log.warning("processes still running %s s after this one failed", wait_s)
 
     def barrier(self, name: str, formation: Formation, active_slices: Sequence[int], *, timeout_s: float) -> None:
-        """Wait for every process of the formation at a named coordination-service barrier. Used before an
-        attempt's first collective, so that one process compiling longer than the others waits here and
-        not inside a collective, whose timeout is short (collective_timeout_seconds)."""
-        self.client.wait_at_barrier(
-            f"trainer/{name}/{formation.key}", int(timeout_s * 1000), process_ids=self.processes(active_slices)
-        )
+        """Wait for every process of the formation. Used before an attempt's first collective, so that one
+        process compiling longer than the others waits here and not inside a collective, whose timeout is
+        short (collective_timeout_seconds)."""
+        self._meet(f"{name}/{formation.key}", self.processes(active_slices), timeout_s=timeout_s)
+
+    def _meet(self, name: str, members: Sequence[int], *, timeout_s: float) -> None:
+        """A barrier of rounds (see the module docstring): returns once every member arrived; raises
+        ProcessFailureError when a member dies or restarts meanwhile, PeerFailed when a process recorded a
+        fatal error, TimeoutError after `timeout_s` without a round (a round itself waits for every live
+        process without a deadline)."""
+        key = _BARRIER_KEY + name
+        self.client.key_value_increment(key, 1)
+        expected = {p: (self.current or {}).get(p) for p in members}
+        deadline = self.clock() + timeout_s
+        while True:
+            live = self.round()
+            fatal.check(self.client, self.me)
+            lost = [p for p in members if p not in live or (expected[p] is not None and live[p] != expected[p])]
+            if lost:
+                raise ProcessFailureError({d for p in lost for d in self.by_process.get(p, [])})
+            if self.client.key_value_increment(key, 0) >= len(members):
+                return
+            if self.clock() >= deadline:
+                raise TimeoutError(f"barrier {name}: members {list(members)} did not all arrive in {timeout_s} s")
+            time.sleep(_BARRIER_POLL_S)
 
     def checkpoint_options(self, active_slices: Sequence[int], formation: Formation | None):
         """Orbax multi-process options for an attempt on `active_slices`: barriers only over its processes,

@@ -28,7 +28,10 @@ When a slice dies at step N (its step fails; the steps before it completed):
 Several processes (jax.distributed, no Pathways): a slice is a group of processes and `membership`
 replaces the health checks: a peer lost during a step raises `ProcessFailureError` on every survivor at
 that step (a slice-down event); waiting is rounds of `live_devices`; a replacement seen in a step's
-round is a scale-up at that step, on every process.
+round is a scale-up at that step, on every process. A formation after a failure may come with fresh
+devices (new CPU communicators): the slices' devices are read again and compiled plans dropped. An error
+that is neither a lost peer nor a failed collective is this process's own: it is recorded for every
+process (`trainer.distributed.fatal`) and ends the job.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from pathwaysutils.elastic import elastic as pw_elastic
 
 from trainer.attempt import Attempt
 from trainer.config.schema import ElasticConfig
+from trainer.distributed import fatal
+from trainer.distributed.fatal import PeerFailed
 from trainer.elastic.boundary import RecoveryStats, StepBoundary
 from trainer.elastic.errors import ElasticGiveUp
 from trainer.elastic.shared_snapshots import SharedSnapshots
@@ -52,6 +57,9 @@ from trainer.elastic.snapshot import HostSnapshots
 from trainer.loop import ROLLBACK, SCALE_UP, Outcome
 
 log = logging.getLogger(__name__)
+
+FATAL_WAIT_S = 120.0  # how long a process that failed waits for the others to see why (they see it within
+# one collective timeout, or at their next round)
 
 
 class Supervisor:
@@ -62,6 +70,7 @@ class Supervisor:
     injector   the fault injector on local virtual slices (`outages` are its down slices), or None
     membership live processes when several run elastically, or None
     local_checkpoint_period  every this many steps the snapshot is also written to the local tier
+    process_faults  several processes: errors injected into this process (fault_schedule), or None
     previous_last_step  the last step an earlier process of this run recorded (a restart after the
                process was lost): the first attempt counts the steps it rewinds behind it as lost
     """
@@ -84,7 +93,9 @@ class Supervisor:
         local_checkpoint_period: int = 0,
         wait_for_local_write: bool = False,
         previous_last_step: int | None = None,
+        process_faults=None,
     ):
+        self.process_faults = process_faults
         self.elastic = elastic
         self.local_checkpoint_period = local_checkpoint_period
         self.wait_for_local_write = wait_for_local_write
@@ -118,10 +129,17 @@ class Supervisor:
             try:
                 outcome = self.run_attempt(number, active)
             except (ProcessFailureError, jax.errors.JaxRuntimeError) as err:
-                if not self._is_slice_down(err):
+                cause = self._slice_down_cause(err)
+                if cause is None:
+                    self._fail(err)
                     raise
-                self._on_slice_down(number, active, err)
+                self._on_slice_down(number, active, err, cause)
                 continue
+            except (PeerFailed, ElasticGiveUp, KeyboardInterrupt):
+                raise
+            except Exception as err:
+                self._fail(err)
+                raise
             if outcome.kind == SCALE_UP:
                 back = list(outcome.returning)
                 self.events.emit("scale_up", step=outcome.step, detail=f"slices {back} are back")
@@ -133,14 +151,37 @@ class Supervisor:
                 self._summary()
                 return outcome
 
-    def _is_slice_down(self, err: Exception) -> bool:
+    def _slice_down_cause(self, err: Exception) -> str | None:
+        """Why `err` is a slice-down event ("peer_lost", "collective_failed", "slice_down"), or None when it
+        is not one and ends the run.
+
+        Several processes: a round first, so that a peer's recorded fatal error is seen (PeerFailed) before
+        its departure is taken for a lost peer. A dead or restarted peer is a lost peer; a failed collective
+        with every peer alive (one was slow, a connection broke) is retried on fresh communicators; any
+        other error (out of memory, a compile error) is this process's own and ends the job."""
         if not self.elastic.elastic_enabled:
-            return False
-        # Several processes: a peer died during a step, or a collective failed outside a step (restore,
-        # first use of a mesh); the next membership round shows who is alive.
-        if isinstance(err, ProcessFailureError) or self.membership is not None:
-            return True
-        return pw_elastic.is_error_due_to_slice_down(err, log_traceback=False)
+            return None
+        if self.membership is not None:
+            self.membership.round()
+            fatal.check(self.membership.client, self.membership.me)
+            if isinstance(err, ProcessFailureError):
+                return "peer_lost"
+            return "collective_failed" if fatal.is_collective_failure(err) else None
+        if isinstance(err, ProcessFailureError):
+            return "peer_lost"
+        return "slice_down" if pw_elastic.is_error_due_to_slice_down(err, log_traceback=False) else None
+
+    def _fail(self, err: BaseException) -> None:
+        """Several processes: this process's own error ends every process (trainer.distributed.fatal)."""
+        if self.membership is None:
+            return
+        self.events.emit(
+            "fatal_error", error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        )
+        try:
+            self.membership.fail(err, wait_s=FATAL_WAIT_S)
+        except Exception as e:  # the cause is what matters; never hide it behind a failure to tell the others
+            log.warning("could not tell the other processes about this failure: %s", e)
 
     def wait_for_slices(self) -> list[int]:
         e = self.elastic
@@ -150,9 +191,15 @@ class Supervisor:
         self.events.emit("wait_start", min_slices=self.min_slices, total_slices=self.total)
         try:
             if self.membership is not None:  # slices in mesh order, agreed by every process
+                clients = self.membership.fresh_clients
                 self.formation = self.membership.wait_for_slices(
                     self.min_slices, timeout_s=e.elastic_timeout_seconds, poll_s=e.elastic_poll_interval_seconds
                 )
+                if self.membership.fresh_clients != clients:  # new device objects; executables went with the old
+                    self.slice_to_devices = dict(enumerate(self.membership.slice_devices()))
+                    forget = getattr(self.attempts, "forget_compiled", None)
+                    if forget is not None:
+                        forget()
                 active = list(self.formation.slices)
             else:
                 active = sorted(
@@ -238,7 +285,9 @@ class Supervisor:
                 self.events,
                 barrier=lambda: membership.barrier("attempt_start", formation, active, timeout_s=timeout_s),
             ),
-            "wrap_step": lambda fn: membership.guard(fn, active),
+            "wrap_step": lambda fn: membership.guard(
+                fn if self.process_faults is None else self.process_faults.wrap(fn), active
+            ),
             "checkpoint_multiprocessing": membership.checkpoint_options(active, formation),
         }
 
@@ -275,7 +324,7 @@ class Supervisor:
 
     # ---- failures ----------------------------------------------------------------------------------
 
-    def _on_slice_down(self, number: int, active: list[int], err: Exception) -> None:
+    def _on_slice_down(self, number: int, active: list[int], err: Exception, cause: str = "slice_down") -> None:
         log.warning("Slice down event detected. Retrying.")
         self.stats.failures += 1
         seen = self._failure_seen_at or time.time()
@@ -289,6 +338,7 @@ class Supervisor:
             last_step=self.stats.last_step,
             slices=active,
             error=str(err).splitlines()[0],
+            cause=cause,
             failures=self.stats.failures,
             time=seen,
             teardown_s=round(time.time() - seen, 3),

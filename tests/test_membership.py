@@ -1,0 +1,254 @@
+"""Membership's formation protocol and the fatal-error protocol, without starting processes.
+
+A fake coordination client (key-value store) and scripted rounds stand in for jax.distributed; the real
+processes are exercised by tests/test_multiprocess.py (soak tier).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from jax.experimental.multihost_utils import ProcessFailureError, live_devices
+
+from trainer.distributed import fatal
+from trainer.elastic.membership import Membership, mesh_order
+
+
+@pytest.fixture(autouse=True)
+def _jax_live_devices_untouched():
+    """A formation after a fresh client primes jax's live_devices with the new devices: undo it here."""
+    yield
+    live_devices.devices = None
+
+
+class Dev:
+    def __init__(self, i: int, generation: int = 0):
+        self.id, self.process_index, self.generation = i, i, generation
+
+    def __repr__(self):
+        return f"Dev({self.id}, gen={self.generation})"
+
+
+class FakeClient:
+    """The coordination service's key-value calls the trainer uses."""
+
+    def __init__(self):
+        self.kv: dict[str, str] = {}
+        self.counters: dict[str, int] = {}
+        self.deleted: list[str] = []
+
+    def key_value_increment(self, key, n):
+        self.counters[key] = self.counters.get(key, 0) + n
+        return self.counters[key]
+
+    def key_value_set(self, key, value):
+        if key in self.kv:
+            raise RuntimeError(f"ALREADY_EXISTS: {key}")
+        self.kv[key] = value
+
+    def key_value_try_get(self, key):
+        if key not in self.kv:
+            raise RuntimeError(f"NOT_FOUND: {key}")
+        return self.kv[key]
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix + "/")]
+
+    def key_value_delete(self, key):
+        self.deleted.append(key)
+        self.kv = {k: v for k, v in self.kv.items() if k != key and not k.startswith(key + "/")}
+
+
+class Scripted(Membership):
+    """A Membership whose rounds return what the test says; every other member arrives at each barrier
+    when this process's first round there runs."""
+
+    def __init__(self, n: int, me: int, client: FakeClient, *, fresh: bool = True, live=None):
+        self.generation = 0
+        self.rendezvous_forgotten = 0
+        super().__init__(
+            [Dev(i) for i in range(n)],
+            1,
+            process_index=me,
+            client=client,
+            events=None,
+            fresh_devices=self._fresh if fresh else None,
+            forget_rendezvous=self._forget if fresh else None,
+        )
+        self.live = live or {i: 100 + i for i in range(n)}
+
+    def _fresh(self):
+        self.generation += 1
+        return [Dev(i, self.generation) for i in range(len(self.live))]
+
+    def _forget(self):
+        self.rendezvous_forgotten += 1
+
+    def round(self):
+        for key in list(self.client.counters):  # the other members have arrived
+            self.client.counters[key] = len(self.live)
+        self.previous, self.current = self.current, dict(self.live)
+        return dict(self.live)
+
+
+def test_the_mesh_order_is_fixed_per_slice_set_with_slice_0_last():
+    assert mesh_order([0, 1, 2]) == [1, 2, 0]
+    assert mesh_order([2, 0]) == [2, 0]
+    assert mesh_order([2, 1]) == [1, 2]
+
+
+def test_any_number_of_formations_keep_the_order_and_each_after_the_first_gets_a_fresh_client():
+    client = FakeClient()
+    m = Scripted(3, 0, client)
+    m.round()
+    first = m._form("sig", [0, 1, 2], timeout_s=5)
+    assert first.slices == (1, 2, 0) and m.fresh_clients == 0  # nothing used yet: the client is fresh
+    for n in range(1, 30):  # far past the 3! = 6 orders a new-order-per-rejoin scheme would allow
+        f = m._form("sig", [0, 1, 2], timeout_s=5)
+        assert f.slices == (1, 2, 0) and f.number == n
+    assert m.fresh_clients == 29 and m.generation == 29
+    assert all(d.generation == 29 for d in m.devices)  # the membership uses the new client's devices
+    assert m.rendezvous_forgotten == 30  # process 0 is the lowest member of every formation
+
+
+def test_only_the_lowest_member_deletes_the_rendezvous_keys():
+    client = FakeClient()
+    m = Scripted(3, 2, client)
+    m.round()
+    m._form("sig", [1, 2], timeout_s=5)
+    assert m.rendezvous_forgotten == 0
+    lowest = Scripted(3, 1, client)
+    lowest.round()
+    lowest._form("sig2", [1, 2], timeout_s=5)
+    assert lowest.rendezvous_forgotten == 1
+
+
+def test_without_fresh_clients_a_formation_takes_no_barrier():
+    client = FakeClient()
+    m = Scripted(3, 1, client, fresh=False)
+    m.round()
+    assert m._form("sig", [0, 1, 2], timeout_s=5).slices == (1, 2, 0)
+    assert client.counters == {}
+
+
+def test_a_member_that_dies_or_restarts_during_a_barrier_is_a_process_failure():
+    client = FakeClient()
+    m = Scripted(3, 0, client)
+    m.round()
+    m.live = {0: 100, 1: 101}  # process 2 died
+    with pytest.raises(ProcessFailureError) as e:
+        m._meet("x", [0, 1, 2], timeout_s=5)
+    assert {d.process_index for d in e.value.failed_devices} == {2}
+    m.live = {0: 100, 1: 101, 2: 999}  # process 2 restarted (a new incarnation)
+    m.round()
+    m.current = {0: 100, 1: 101, 2: 102}  # what the barrier's members were
+    with pytest.raises(ProcessFailureError):
+        m._meet("y", [0, 1, 2], timeout_s=5)
+
+
+def test_a_barrier_times_out_when_members_never_arrive():
+    client = FakeClient()
+    m = Scripted(2, 0, client)
+    m.round = lambda: {0: 100, 1: 101}  # rounds complete, but process 1 never arrives
+    t = iter(range(100))
+    m.clock = lambda: next(t)
+    with pytest.raises(TimeoutError, match="did not all arrive"):
+        m._meet("z", [0, 1], timeout_s=3)
+
+
+def test_a_fatal_error_stops_every_other_process_with_its_cause():
+    client = FakeClient()
+    failing = Scripted(3, 2, client)
+    failing.clock = iter(range(1000)).__next__
+    failing.fail(MemoryError("RESOURCE_EXHAUSTED: out of memory allocating 3 GiB"), wait_s=3)
+    record = json.loads(client.kv["trainer/fatal"])
+    assert record == {"process": 2, "cause": "MemoryError: RESOURCE_EXHAUSTED: out of memory allocating 3 GiB"}
+    fatal.check(client, 2)  # its own record does not stop it twice
+    other = Scripted(3, 0, client)
+    with pytest.raises(fatal.PeerFailed, match="process 2 failed: MemoryError: RESOURCE_EXHAUSTED"):
+        other.wait_for_slices(1, timeout_s=5, poll_s=0)
+    with pytest.raises(fatal.PeerFailed):
+        Scripted(3, 1, client)._meet("b", [0, 1], timeout_s=5)
+    assert fatal.acknowledged(client) == {0, 1}
+    fatal.publish(client, 1, ValueError("later"))  # the first cause recorded wins
+    assert json.loads(client.kv["trainer/fatal"])["process"] == 2
+
+
+def test_the_failing_process_waits_until_every_live_process_saw_the_cause():
+    client = FakeClient()
+    failing = Scripted(3, 2, client)
+    seen = []
+
+    def round_():
+        seen.append(1)
+        if len(seen) == 3:  # the others see the cause at their next round
+            for p in (0, 1):
+                client.kv[f"trainer/fatal_ack/{p}"] = "1"
+        return {0: 1, 1: 1, 2: 1}
+
+    failing.round = round_
+    failing.fail(ValueError("bad batch"), wait_s=60)
+    assert len(seen) == 3
+
+
+@pytest.mark.parametrize(
+    "message, collective",
+    [
+        ("UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer [127.0.0.1]:1457", True),
+        ("UNKNOWN: Gloo context initialization failed: ALREADY_EXISTS: key cpu:gloo/0,2048/1", True),
+        ("DEADLINE_EXCEEDED: GetKeyValue() timed out with key: cpu:gloo/0,2048,4096/0", True),
+        ("INTERNAL: NCCL operation ncclAllReduce failed: remote process exited", True),
+        ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.1GiB", False),
+        ("INVALID_ARGUMENT: Executable expected shape f32[8,128] for argument 0", False),
+    ],
+)
+def test_only_collective_failures_count_as_failures_between_processes(message, collective):
+    assert fatal.is_collective_failure(RuntimeError(message)) is collective
+
+
+def test_the_supervisor_retries_a_failed_collective_on_fresh_clients_and_ends_on_an_own_error(monkeypatch):
+    import jax
+    from helpers import micro_config
+
+    from trainer.elastic.snapshot import HostSnapshots
+    from trainer.elastic.supervisor import Supervisor
+    from trainer.observe.events import EventLog
+
+    cfg = micro_config("num_slices=3", "elastic_enabled=true", "elastic_poll_interval_seconds=0.01")
+    monkeypatch.setattr("trainer.elastic.supervisor.FATAL_WAIT_S", 0.2)  # nobody here acknowledges
+    client = FakeClient()
+    membership = Scripted(3, 1, client)
+    seen = []
+    errors = iter(
+        [
+            jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: Connection closed by peer"),
+            jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.1GiB"),
+        ]
+    )
+
+    def attempt(slices, **parts):
+        seen.append([d.generation for s in slices for d in s])
+        raise next(errors)
+
+    emitted = []
+    events = EventLog(None)
+    events.emit = lambda name, **fields: emitted.append((name, fields))
+    membership.events = events
+    sup = Supervisor(
+        cfg.elastic,
+        membership.slice_devices(),
+        attempts=attempt,
+        run_loop=lambda attempt, boundary: pytest.fail("no attempt was built"),
+        events=events,
+        profiler=None,
+        snapshots=HostSnapshots(events),
+        membership=membership,
+    )
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        sup.run()
+    assert seen == [[0, 0, 0], [1, 1, 1]]  # the retry ran on the fresh client's devices
+    downs = [f for name, f in emitted if name == "slice_down_detected"]
+    assert [d["cause"] for d in downs] == ["collective_failed"]
+    assert json.loads(client.kv["trainer/fatal"])["cause"].startswith("JaxRuntimeError: RESOURCE_EXHAUSTED")
+    assert [name for name, _ in emitted].count("fatal_error") == 1

@@ -1,0 +1,61 @@
+"""Fresh CPU collective communicators for each new formation of processes.
+
+XLA's CPU collectives (gloo) keep one communicator per ordered device list for the life of the CPU
+client, and meet through keys `cpu:gloo/<device ids>/<rank>` in the coordination service. Both
+outlive a failure: after a peer restarts, a survivor's cached communicator still holds the dead
+peer's sockets ("Connection closed by peer"), and the replacement's rendezvous finds the old keys
+("ALREADY_EXISTS"). A collective that timed out with every process alive leaves the same broken
+state. (Communicators are not keyed by process incarnation on CPU; NCCL's are, on GPU.)
+
+So a formation after a failure starts clean on every member, between two barriers in which no member
+runs a collective:
+1. the lowest member process deletes every rendezvous key (`forget_rendezvous`);
+2. each member that has used its communicators drops its CPU client and creates a new one
+   (`fresh_cpu_client`; process 0, which publishes the client's global topology, deletes that key first
+   and publishes it again).
+This works any number of times on the same device order. Compiled executables belong to the dropped
+client: the next attempt compiles again, from the persistent compilation cache (`jax_cache_dir`)
+when it is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+_RENDEZVOUS_DIR = "cpu:gloo"  # gloo's rendezvous keys: cpu:gloo/<device ids>/<rank>
+_TOPOLOGY_KEY = "cpu:global_topology"  # published by process 0 when its CPU client is created
+
+
+def needs_fresh_communicators() -> bool:
+    """Whether this backend's collectives must be rebuilt after a failure (CPU / gloo only)."""
+    import jax
+
+    return jax.default_backend() == "cpu"
+
+
+def forget_rendezvous(client) -> None:
+    """Delete every gloo rendezvous key: the next collective of each device list meets afresh."""
+    client.key_value_delete(_RENDEZVOUS_DIR)
+
+
+def fresh_cpu_client(client, *, process_index: int) -> list:
+    """Drop this process's CPU client (its communicators and compiled executables) and create a new one;
+    returns the new client's devices (every process's, as `jax.devices()`)."""
+    import jax
+    from jax.experimental.multihost_utils import live_devices
+    from jax.extend import backend
+
+    t0 = time.perf_counter()
+    if process_index == 0:
+        client.key_value_delete(_TOPOLOGY_KEY)  # re-published by the new client below
+    jax.clear_caches()
+    backend.clear_backends()
+    # live_devices remembers the previous round's devices to detect failures; those objects belong to the
+    # dropped client, and compared with the new ones every device would look failed.
+    live_devices.devices = None
+    devices = jax.devices()
+    log.info("fresh CPU client: %d devices in %.2f s", len(devices), time.perf_counter() - t0)
+    return devices

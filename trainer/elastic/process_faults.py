@@ -1,0 +1,78 @@
+"""Errors injected into one process of a multi-process job: `fault_schedule='step=N,process=P,error=E'`.
+
+Lost processes are injected from outside (kill -9, `scripts/launch_local.py`); what cannot be is a
+process's own failure, an out-of-memory or a bug, which must end every process with its cause instead of
+being retried (`trainer.distributed.fatal`). E is `oom` (a JaxRuntimeError RESOURCE_EXHAUSTED, as XLA
+raises when an allocation fails) or `bug` (a RuntimeError); it is raised by the step N call on process P.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import jax
+
+from trainer.config.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_ERRORS = ("oom", "bug")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessFault:
+    step: int
+    process: int
+    error: str
+
+
+def parse_process_faults(text: str, num_processes: int) -> list[ProcessFault]:
+    """'step=5,process=2,error=oom; ...' -> ProcessFaults, or a ConfigError naming the bad entry."""
+    faults = []
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        try:
+            fields = dict(part.strip().split("=", 1) for part in entry.split(","))
+            if set(fields) != {"step", "process", "error"}:
+                raise ValueError
+            fault = ProcessFault(int(fields["step"]), int(fields["process"]), fields["error"].strip())
+        except ValueError:
+            raise ConfigError(
+                f"fault_schedule entry {entry!r}: with several processes the schedule injects a process's own "
+                f"error, step=N,process=P,error={'|'.join(_ERRORS)}; lose a process by killing it "
+                "(scripts/launch_local.py)"
+            ) from None
+        if fault.error not in _ERRORS or fault.step < 1 or not 0 <= fault.process < num_processes:
+            raise ConfigError(
+                f"fault_schedule entry {entry!r}: error must be one of {list(_ERRORS)}, step >= 1 and "
+                f"process in [0, {num_processes})"
+            )
+        faults.append(fault)
+    return faults
+
+
+class ProcessFaultInjector:
+    """Wraps the train step of this process: raises the scheduled error when the step it runs is due."""
+
+    def __init__(self, faults: list[ProcessFault], process_index: int, events):
+        self.due = {f.step: f for f in faults if f.process == process_index}
+        self.events = events
+
+    def wrap(self, step_fn: Callable) -> Callable:
+        if not self.due:
+            return step_fn
+
+        def step(state, *args, **kwargs):
+            fault = self.due.pop(int(jax.device_get(state["step"])) + 1, None)
+            if fault is not None:
+                self.events.emit("fault_injected", step=fault.step, process=fault.process, error=fault.error)
+                log.warning("injecting %s at step %d (fault_schedule)", fault.error, fault.step)
+                if fault.error == "oom":
+                    raise jax.errors.JaxRuntimeError(
+                        f"RESOURCE_EXHAUSTED: Out of memory while allocating (injected at step {fault.step})"
+                    )
+                raise RuntimeError(f"injected bug at step {fault.step}")
+            return step_fn(state, *args, **kwargs)
+
+        return step

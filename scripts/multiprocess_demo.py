@@ -166,15 +166,23 @@ def last_step(run_dir: Path, process: int) -> int:
     return max((r["step"] for r in recs), default=0)
 
 
+def wait_until(job: Job, condition, what: str, *, timeout: float):
+    """Poll `condition()` until it returns something truthy (returned); fails if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        if job.proc.poll() is not None:
+            raise RuntimeError(f"job ended (rc={job.proc.returncode}) before {what}:\n{job.output()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} in {timeout} s")
+        time.sleep(0.01)
+    return found
+
+
 def kill_at_step(job: Job, process: int, step: int, *, timeout: float) -> dict:
     """SIGKILL `process` once its metrics show `step` done; returns {pid, time, step}."""
-    deadline = time.monotonic() + timeout
-    while last_step(job.run_dir, process) < step:
-        if job.proc.poll() is not None:
-            raise RuntimeError(f"job ended (rc={job.proc.returncode}) before step {step}:\n{job.output()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"process {process} did not reach step {step} in {timeout} s")
-        time.sleep(0.01)
+    wait_until(
+        job, lambda: last_step(job.run_dir, process) >= step, f"step {step} on process {process}", timeout=timeout
+    )
     pid = job.pid_of(process)
     os.kill(pid, signal.SIGKILL)
     killed = {"pid": pid, "time": time.time(), "step": last_step(job.run_dir, process), "process": process}

@@ -349,3 +349,26 @@ def test_load_full_state_reads_a_step_directory_and_refuses_a_partial_one(tmp_pa
     os.remove(tmp_path / "ckpt" / "7" / "commit_success.txt")
     with pytest.raises(FileNotFoundError):
         load_full_state(tmp_path / "ckpt" / "7", abstract)
+
+
+def test_asking_whether_a_save_is_in_progress_never_hangs_on_a_save_stuck_in_a_barrier():
+    """With several processes Orbax's flag waits on a lock its finalize thread holds inside a barrier for
+    every process; a dead peer keeps it there. The question gets an answer, or None, in bounded time."""
+    import threading
+
+    from trainer.checkpoint.checkpointer import _saving_in_progress
+
+    stuck = threading.Event()
+
+    class Manager:
+        def __init__(self, blocked):
+            self.blocked = blocked
+
+        def is_saving_in_progress(self):
+            if self.blocked:
+                stuck.wait(60)
+            return False
+
+    assert _saving_in_progress(Manager(False), 5.0) is False
+    assert _saving_in_progress(Manager(True), 0.2) is None
+    stuck.set()

@@ -252,3 +252,118 @@ def test_the_supervisor_retries_a_failed_collective_on_fresh_clients_and_ends_on
     assert [d["cause"] for d in downs] == ["collective_failed"]
     assert json.loads(client.kv["trainer/fatal"])["cause"].startswith("JaxRuntimeError: RESOURCE_EXHAUSTED")
     assert [name for name, _ in emitted].count("fatal_error") == 1
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 1.0  # every poll advances a second
+        return self.t
+
+
+def test_a_checkpoint_barrier_returns_once_every_member_arrived():
+    from trainer.distributed.heartbeat import Barrier
+
+    client = FakeClient()
+    for p in range(3):
+        client.kv[f"trainer/heartbeat/{p}"] = f"tok{p}:0"
+    barrier = Barrier(client, [0, 1, 2], dead_after_s=5, clock=Clock())
+    client.counters["trainer/ckpt_barrier//save_start#1"] = 2  # the two others are there
+    barrier(key="save_start", timeout_ms=60_000)
+    assert client.counters["trainer/ckpt_barrier//save_start#1"] == 3
+
+
+def test_a_checkpoint_barrier_gives_up_on_a_member_whose_heartbeat_stopped_or_restarted():
+    from trainer.distributed.heartbeat import Barrier
+
+    client = FakeClient()
+    for p in range(3):
+        client.kv[f"trainer/heartbeat/{p}"] = f"tok{p}:0"
+    barrier = Barrier(client, [0, 1, 2], dead_after_s=5, devices_of=lambda p: [Dev(p)], clock=Clock())
+    with pytest.raises(ProcessFailureError) as e:  # nobody beats: after 5 polled seconds they are dead
+        barrier(key="k1", timeout_ms=60_000)
+    assert {d.process_index for d in e.value.failed_devices} == {0, 1, 2}
+    client.kv["trainer/heartbeat/2"] = "other:0"  # process 2 restarted: seen at the first poll
+    with pytest.raises(ProcessFailureError) as e:
+        barrier(key="k2", timeout_ms=60_000)
+    assert {d.process_index for d in e.value.failed_devices} == {2}
+
+
+def test_the_heartbeat_beats_until_stopped():
+    import time
+
+    from trainer.distributed.heartbeat import Heartbeat
+
+    client = FakeClient()
+    client.key_value_set = lambda k, v, allow_overwrite=False: client.kv.__setitem__(k, v)
+    beat = Heartbeat(client, 1, period_s=0.01)
+    first = client.kv["trainer/heartbeat/1"]
+    deadline = time.monotonic() + 30
+    while client.kv["trainer/heartbeat/1"] == first and time.monotonic() < deadline:
+        time.sleep(0.01)
+    beat.stop()
+    token, count = client.kv["trainer/heartbeat/1"].split(":")
+    assert token == first.split(":")[0] and int(count) >= 1
+
+
+def test_orbax_work_of_the_main_thread_is_abandoned_when_a_peer_is_lost_meanwhile():
+    import threading
+
+    from trainer.distributed.heartbeat import Barrier
+
+    client = FakeClient()
+    for p in range(2):
+        client.kv[f"trainer/heartbeat/{p}"] = f"tok{p}:0"
+    barrier = Barrier(client, [0, 1], dead_after_s=5, devices_of=lambda p: [Dev(p)], clock=Clock())
+    stuck = threading.Event()
+    worker = threading.Thread(target=lambda: stuck.wait(60), daemon=True)
+    worker.start()
+    with pytest.raises(ProcessFailureError):  # no heartbeat moves: both are declared lost
+        barrier.wait(worker, "save")
+    stuck.set()
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    barrier.wait(done, "save")  # a finished thread returns at once
+
+
+def test_every_orbax_barrier_goes_through_the_attempts_heartbeat_barrier_until_restored():
+    from orbax.checkpoint._src.multihost import multihost
+
+    from trainer.distributed.heartbeat import Barrier, watch_orbax_barriers
+
+    client = FakeClient()
+    barrier = Barrier(client, [0, 1, 2], dead_after_s=5, scope="f1")
+    original = multihost.get_barrier_sync_fn
+    assert original.__module__ == multihost.__name__  # a supervisor run leaves Orbax's own in place
+    try:
+        watch_orbax_barriers(barrier)
+        fn = multihost.get_barrier_sync_fn(processes={0, 2})
+        assert isinstance(fn, Barrier) and fn.members == [0, 2] and fn.scope == "f1"
+        client.counters["trainer/ckpt_barrier/f1/k#1"] = 1  # the other member arrived
+        fn(key="k", timeout_ms=1000)
+        client.counters["trainer/ckpt_barrier/f1/k#2"] = 1
+        fn(key="k", timeout_ms=1000)  # a key used again is a new barrier
+    finally:
+        watch_orbax_barriers(None)
+    assert multihost.get_barrier_sync_fn is original
+
+
+def test_a_process_error_schedule_is_checked_before_any_compute_and_only_runs_with_several_processes():
+    from helpers import micro_config
+
+    from trainer.config import ConfigError
+    from trainer.elastic.faults import parse_fault_schedule
+    from trainer.elastic.process_faults import parse_process_faults
+
+    assert parse_process_faults("step=6,process=2,error=oom", 3)[0].error == "oom"
+    micro_config("fault_schedule=step=6,process=2,error=oom")  # valid config: the process count comes later
+    with pytest.raises(ConfigError, match="error must be one of"):
+        micro_config("fault_schedule=step=6,process=2,error=segfault")
+    with pytest.raises(ConfigError, match="process in"):
+        parse_process_faults("step=6,process=3,error=oom", 3)
+    with pytest.raises(ConfigError, match="lose a process by killing it"):
+        parse_process_faults("step=6,slice=1", 3)
+    with pytest.raises(ConfigError, match="this run has one process"):
+        parse_fault_schedule("step=6,process=0,error=bug", 2)

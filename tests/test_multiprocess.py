@@ -19,6 +19,8 @@ membership/settings logic is unit-tested at the end without starting processes.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -29,7 +31,16 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.multiprocess_demo import Job, collect, kill_at_step, last_step, timeline, trainer_args  # noqa: E402
+from scripts.multiprocess_demo import (  # noqa: E402
+    Job,
+    collect,
+    kill_at_step,
+    last_step,
+    log_dir,
+    timeline,
+    trainer_args,
+    wait_until,
+)
 from trainer.config.schema import DistributedConfig  # noqa: E402
 from trainer.data.batch import fingerprint  # noqa: E402
 from trainer.data.synthetic import SyntheticIterator  # noqa: E402
@@ -271,6 +282,61 @@ def test_ten_kills_in_a_row_each_replacement_rejoins_and_the_run_matches_an_unin
     formations = [e for e in _events(run, 0) if e["event"] == "formation"]
     assert {tuple(f["mesh_order"]) for f in formations} == {(1, 2, 0)}
     assert formations[-1]["fresh_clients"] >= kills
+    per_step = assert_data_order_is_the_uninterrupted_one(run)
+    assert set(per_step.values()) == {3}
+    assert_params_match(run, baseline)
+
+
+def kill_when(job: Job, *, victim: int, watched: int, name: str, pid: int | None = None, **at_least) -> dict:
+    """SIGKILL process `victim` as soon as process `watched` (incarnation `pid`, if given) logs event `name`
+    with fields at least `at_least`; returns {pid, event}."""
+    from trainer.io.jsonl import read_jsonl
+
+    path = log_dir(job.run_dir, watched) / "events.jsonl"
+
+    def logged():
+        return [
+            e
+            for e in read_jsonl(path)
+            if e["event"] == name
+            and (pid is None or e.get("pid") == pid)
+            and all(e.get(k, -1) >= v for k, v in at_least.items())
+        ]
+
+    seen = wait_until(job, logged, f"{name} {at_least} on process {watched}", timeout=RUN_TIMEOUT)
+    target = job.pid_of(victim)
+    os.kill(target, signal.SIGKILL)
+    return {"pid": target, "event": seen[0]}
+
+
+def respawned(job: Job, process: int, old_pid: int) -> int:
+    """The pid of the process the launcher started in place of `old_pid`."""
+    wait_until(job, lambda: job.pid_of(process) != old_pid, f"a restart of process {process}", timeout=RUN_TIMEOUT)
+    return job.pid_of(process)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+def test_kills_during_a_save_and_during_a_rejoin_are_recovered_and_the_run_matches_an_uninterrupted_one(
+    baseline, tmp_path, cache_dir
+):
+    """Pause-and-resume. Process 1 dies the moment it starts writing checkpoint 20 (the others are in the same
+    save); then process 2 dies the moment process 1's replacement has joined a formation, while the rejoin is
+    in flight (barriers, fresh communicators, compiling, sharing the snapshot). Both are recovered in-process."""
+    args = _args(tmp_path, "faults", cache_dir, min_slices=-1) + ["elastic_max_retries=20"]
+    job = Job(tmp_path, "faults", args, restart_delay=1.0, max_restarts=4)
+    try:
+        in_save = kill_when(job, victim=1, watched=1, name="checkpoint_save_start", step=20)
+        replacement = respawned(job, 1, in_save["pid"])
+        in_rejoin = kill_when(job, victim=2, watched=1, name="formation", pid=replacement)
+        rc = job.wait(timeout=RUN_TIMEOUT)
+    finally:
+        job.stop()
+    assert rc == 0, job.output()[-4000:]
+    run = job.run_dir
+    assert in_save["event"]["step"] == 20 and in_rejoin["event"]["pid"] == replacement
+    assert len({r["pid"] for r in collect(run)[0]["metrics"]}) == 1  # process 0 never stopped
+    assert len([e for e in _events(run, 0) if e["event"] == "slice_down_detected"]) >= 2
     per_step = assert_data_order_is_the_uninterrupted_one(run)
     assert set(per_step.values()) == {3}
     assert_params_match(run, baseline)

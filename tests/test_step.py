@@ -11,7 +11,6 @@ from trainer.attempt import BatchPlan, plan_batch
 from trainer.optim import learning_rate_schedule
 from trainer.step import LOSS_CHUNK_TOKENS, make_train_step, token_losses
 
-
 _STEPS: dict = {}  # (config, micro_steps) -> jitted step: tests of one config share its compiles
 
 

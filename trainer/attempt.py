@@ -312,12 +312,14 @@ class AttemptBuilder:
         snapshots: SnapshotSource | None = None,
         wrap_step: Callable | None = None,
         checkpoint_multiprocessing=None,
+        checkpoint_barrier=None,
     ) -> Attempt:
         """Everything one attempt needs, on the mesh over `slices` (the active ones), fresh except the plan.
 
         `snapshots`: host-RAM snapshots to restore from (see `trainer.restore`).
         `wrap_step` wraps the compiled step (the fault injector's or the membership's guard).
         `checkpoint_multiprocessing`: Orbax MultiprocessingOptions when only some processes take part.
+        `checkpoint_barrier`: Orbax's barrier between processes (one that notices a dead peer), or None.
         """
         spec, events = self.spec, self.events
         stack = contextlib.ExitStack()
@@ -361,7 +363,11 @@ class AttemptBuilder:
                 events.emit("compile_cached", devices=plan.mesh.size, micro_steps=batch.micro_steps)
 
             checkpointer = open_checkpointer(
-                self.checkpoint_dir, spec.checkpoint, on_event=events, multiprocessing=checkpoint_multiprocessing
+                self.checkpoint_dir,
+                spec.checkpoint,
+                on_event=events,
+                multiprocessing=checkpoint_multiprocessing,
+                barrier_sync_fn=checkpoint_barrier,
             )
             # A normal finish has already waited for its saves; after a failure, settle an in-flight save
             # for a bounded time (Orbax finishes or fails it in the background; it never counts until

@@ -26,6 +26,7 @@ from trainer.config.loader import to_flat_dict
 from trainer.config.schema import RunConfig
 from trainer.distributed import DistributedSettings, coordination_client, initialize, leave, resolve_settings
 from trainer.distributed.communicators import forget_rendezvous, fresh_cpu_client, needs_fresh_communicators
+from trainer.distributed.heartbeat import Heartbeat
 from trainer.distributed.stop import CoordinatedStop
 from trainer.elastic.faults import FaultInjector, Outages, parse_fault_schedule
 from trainer.elastic.membership import Membership
@@ -117,6 +118,7 @@ def build_supervisor(
     sinks: Sinks,
     stop_requested: Callable[[int], bool],
     membership=None,
+    heartbeat_dead_after_s: float = 10.0,
 ) -> Supervisor:
     """The supervisor with every part it drives, each built from its own section of the config."""
     single_controller = cfg.mesh.enable_single_controller
@@ -153,6 +155,7 @@ def build_supervisor(
         outages=outages,
         membership=membership,
         process_faults=process_faults,
+        heartbeat_dead_after_s=heartbeat_dead_after_s,
         single_controller=single_controller,
         sync=paths.sync,
         local_checkpoint_period=cfg.checkpoint.local_checkpoint_period if paths.local_checkpoints else 0,
@@ -228,10 +231,12 @@ def run(
 ) -> Outcome:
     """Train `cfg` to the end (or until stopped); returns how it ended."""
     settings = setup_runtime(cfg)
-    membership = None
+    membership = heartbeat = None
     try:
         if settings.multi_process:  # one slice per group of processes; membership agreed across them
             slices, membership = process_slices(cfg, settings, events)
+            if membership is not None:  # checkpoint barriers watch it (trainer/distributed/heartbeat.py)
+                heartbeat = Heartbeat(coordination_client(), jax.process_index())
             # A SIGTERM to any process stops all of them at one step (trainer/distributed/stop.py).
             stop_requested = CoordinatedStop(stop_requested, coordination_client(), events)
         else:
@@ -251,8 +256,11 @@ def run(
                 sinks=sinks,
                 stop_requested=stop_requested,
                 membership=membership,
+                heartbeat_dead_after_s=3.0 * settings.heartbeat_timeout_seconds + 5.0 if heartbeat else 10.0,
             )
             return supervisor.run()
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         if settings.multi_process:
             leave(settings)  # process 0 last: its exit takes the coordination service down

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental.multihost_utils import ProcessFailureError
 
 from trainer.checkpoint import commit
 from trainer.config.schema import CheckpointConfig
@@ -83,12 +85,15 @@ def open_checkpointer(
     *,
     on_event: Callable[[str, dict], None] = lambda name, fields: None,
     multiprocessing: ocp.options.MultiprocessingOptions | None = None,
+    barrier_sync_fn: Callable | None = None,
 ):
     """The run's checkpoints: a `Checkpointer`, or `NoCheckpoints` under enable_checkpointing=false
     (the one place that setting is read)."""
     if not cfg.enable_checkpointing:
         return NoCheckpoints()
-    return Checkpointer(directory, cfg, on_event=on_event, multiprocessing=multiprocessing)
+    return Checkpointer(
+        directory, cfg, on_event=on_event, multiprocessing=multiprocessing, barrier_sync_fn=barrier_sync_fn
+    )
 
 
 class NoCheckpoints:
@@ -129,8 +134,12 @@ class Checkpointer:
         on_event: Callable[[str, dict], None] = lambda name, fields: None,
         clock: Callable[[], float] = time.monotonic,
         multiprocessing: ocp.options.MultiprocessingOptions | None = None,
+        barrier_sync_fn: Callable | None = None,
     ):
+        """`barrier_sync_fn`: Orbax's barriers between processes (trainer.distributed.heartbeat.Barrier,
+        which ends with ProcessFailureError when a peer dies); None: the coordination service's."""
         self._manager = None  # first, so that close() works on a half-built object
+        self._barrier = barrier_sync_fn
         self.directory = epath.Path(directory)
         self._cfg = cfg
         self._on_event = on_event
@@ -148,7 +157,9 @@ class Checkpointer:
             # Create the step's directory inside save(), not in the background: a broken path then
             # fails save() at once, whereas a failed background creation leaves Orbax's other writer
             # threads waiting minutes for a signal that never comes.
-            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+            async_options=ocp.AsyncOptions(
+                create_directories_asynchronously=False, barrier_sync_fn=barrier_sync_fn
+            ),
             # Several processes: which of them take part, and which one writes shared files (primary).
             multiprocessing_options=multiprocessing or ocp.options.MultiprocessingOptions(),
         )
@@ -247,7 +258,9 @@ class Checkpointer:
                 return False
             self._manager.reload()  # retention and "step exists" use Orbax's cache: refresh it
             self._emit("checkpoint_save_start", step=step)
-            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+            self._blocking(lambda: self._manager.save(step, args=ocp.args.Composite(**items), force=True))
+        except ProcessFailureError:
+            raise  # a peer died during the save: a slice-down event, not a failed save
         except Exception as e:
             self._record_failure(step, e)
             self._raise_failure()
@@ -255,6 +268,30 @@ class Checkpointer:
         if not self._cfg.async_checkpointing:
             self.wait()
         return True
+
+    def _blocking(self, fn: Callable[[], Any]) -> Any:
+        """Run Orbax work that waits for other processes. With a barrier that watches them (several
+        processes), it runs in a daemon thread while the barrier watches the peers' heartbeats, so that a
+        peer lost meanwhile raises ProcessFailureError here instead of leaving this thread in one of
+        Orbax's own barriers until its timeout."""
+        barrier = self._barrier
+        if barrier is None or not hasattr(barrier, "wait"):
+            return fn()
+        result: list = []
+
+        def work():
+            try:
+                result.append((True, fn()))
+            except BaseException as e:  # handed to the caller below
+                result.append((False, e))
+
+        thread = threading.Thread(target=work, name="checkpoint-save", daemon=True)
+        thread.start()
+        barrier.wait(thread, "checkpoint save")
+        ok, value = result[0]
+        if not ok:
+            raise value
+        return value
 
     def wait(self) -> None:
         """Block until the in-flight save is committed; raise CheckpointSaveError if a save failed."""
@@ -364,7 +401,7 @@ class Checkpointer:
 
     def _poll(self) -> None:
         """Report the in-flight save if it has ended; never blocks."""
-        if self._inflight is not None and not self._manager.is_saving_in_progress():
+        if self._inflight is not None and _saving_in_progress(self._manager, _POLL_S) is False:
             self._settle()
 
     def _settle(self, timeout_s: float | None = None, *, manager=None) -> bool:
@@ -373,8 +410,11 @@ class Checkpointer:
         if inflight is None:
             return True
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while deadline is not None and manager.is_saving_in_progress():
-            if time.monotonic() >= deadline:
+        while deadline is not None:
+            saving = _saving_in_progress(manager, max(0.0, deadline - time.monotonic()))
+            if saving is False:
+                break
+            if saving is None or time.monotonic() >= deadline:
                 return False
             time.sleep(_POLL_S)
         self._inflight = None
@@ -408,3 +448,24 @@ class Checkpointer:
     def _emit(self, name: str, level: int = logging.INFO, **fields) -> None:
         log.log(level, "%s %s", name, " ".join(f"{k}={v}" for k, v in fields.items()))
         self._on_event(name, fields)
+
+
+def _saving_in_progress(manager, timeout_s: float) -> bool | None:
+    """`manager.is_saving_in_progress()`, or None when it does not answer within `timeout_s`.
+
+    With several processes Orbax keeps that flag in a value synchronised across processes, whose lock its
+    finalize thread holds while it waits in a barrier for every process; when a peer died during the save,
+    that barrier (and any caller of the flag) waits for Orbax's async timeout. So the question is asked
+    from a daemon thread, which is left behind if it does not answer."""
+    answer: list[bool] = []
+    done = threading.Event()
+
+    def ask():
+        try:
+            answer.append(bool(manager.is_saving_in_progress()))
+        except Exception:  # a closed or broken manager: nothing to wait for
+            answer.append(False)
+        done.set()
+
+    threading.Thread(target=ask, name="checkpoint-saving-in-progress", daemon=True).start()
+    return answer[0] if done.wait(timeout_s) else None

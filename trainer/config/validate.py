@@ -75,9 +75,13 @@ def _run_problems(cfg: RunConfig) -> list[str]:
         )
     if e.fault_schedule.strip():
         from trainer.elastic.faults import parse_fault_schedule
+        from trainer.elastic.process_faults import parse_process_faults
 
         try:
-            parse_fault_schedule(e.fault_schedule, mesh.num_slices)
+            if "process=" in e.fault_schedule:  # several processes: checked again against their number
+                parse_process_faults(e.fault_schedule, 1 << 20)
+            else:
+                parse_fault_schedule(e.fault_schedule, mesh.num_slices)
         except ConfigError as err:
             problems.append(str(err))
     c = cfg.checkpoint

@@ -56,6 +56,11 @@ def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
             if not sep:
                 raise ConfigError(f"fault_schedule entry {entry!r}: {part!r} is not key=value")
             fields[k.strip()] = v.strip()
+        if "process" in fields:
+            raise ConfigError(
+                f"fault_schedule entry {entry!r}: step=N,process=P,error=E injects an error into one process "
+                "of a multi-process job; this run has one process"
+            )
         if "rate" in fields:
             fault = _poisson_entry(entry, fields, num_slices)
         elif "slow_s" in fields:

@@ -36,6 +36,7 @@ import jax
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 
 from trainer.distributed import fatal
+from trainer.distributed.heartbeat import Barrier
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +283,19 @@ class Membership:
             if self.clock() >= deadline:
                 raise TimeoutError(f"barrier {name}: members {list(members)} did not all arrive in {timeout_s} s")
             time.sleep(_BARRIER_POLL_S)
+
+    def checkpoint_barrier(
+        self, active_slices: Sequence[int], formation: Formation | None, *, dead_after_s: float
+    ) -> Barrier:
+        """Orbax's barrier for an attempt on `active_slices`: ends with ProcessFailureError when one of its
+        processes stops its heartbeat or restarts (trainer.distributed.heartbeat)."""
+        return Barrier(
+            self.client,
+            self.processes(active_slices),
+            dead_after_s=dead_after_s,
+            scope="" if formation is None else formation.key,
+            devices_of=lambda p: self.by_process.get(p, []),
+        )
 
     def checkpoint_options(self, active_slices: Sequence[int], formation: Formation | None):
         """Orbax multi-process options for an attempt on `active_slices`: barriers only over its processes,

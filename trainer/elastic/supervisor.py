@@ -49,6 +49,7 @@ from trainer.attempt import Attempt
 from trainer.config.schema import ElasticConfig
 from trainer.distributed import fatal
 from trainer.distributed.fatal import PeerFailed
+from trainer.distributed.heartbeat import watch_orbax_barriers
 from trainer.elastic.boundary import RecoveryStats, StepBoundary
 from trainer.elastic.errors import ElasticGiveUp
 from trainer.elastic.shared_snapshots import SharedSnapshots
@@ -71,6 +72,8 @@ class Supervisor:
     membership live processes when several run elastically, or None
     local_checkpoint_period  every this many steps the snapshot is also written to the local tier
     process_faults  several processes: errors injected into this process (fault_schedule), or None
+    heartbeat_dead_after_s  several processes: a checkpoint barrier gives up on a peer whose heartbeat
+               stopped this long ago
     previous_last_step  the last step an earlier process of this run recorded (a restart after the
                process was lost): the first attempt counts the steps it rewinds behind it as lost
     """
@@ -94,8 +97,10 @@ class Supervisor:
         wait_for_local_write: bool = False,
         previous_last_step: int | None = None,
         process_faults=None,
+        heartbeat_dead_after_s: float = 10.0,
     ):
         self.process_faults = process_faults
+        self.heartbeat_dead_after_s = heartbeat_dead_after_s
         self.elastic = elastic
         self.local_checkpoint_period = local_checkpoint_period
         self.wait_for_local_write = wait_for_local_write
@@ -122,6 +127,13 @@ class Supervisor:
     # ---- the retry loop ----------------------------------------------------------------------------
 
     def run(self) -> Outcome:
+        try:
+            return self._run()
+        finally:
+            if self.membership is not None:
+                watch_orbax_barriers(None)  # Orbax's own barriers again, outside the attempts
+
+    def _run(self) -> Outcome:
         number = 0
         while True:
             number += 1
@@ -155,18 +167,19 @@ class Supervisor:
         """Why `err` is a slice-down event ("peer_lost", "collective_failed", "slice_down"), or None when it
         is not one and ends the run.
 
-        Several processes: a round first, so that a peer's recorded fatal error is seen (PeerFailed) before
-        its departure is taken for a lost peer. A dead or restarted peer is a lost peer; a failed collective
-        with every peer alive (one was slow, a connection broke) is retried on fresh communicators; any
-        other error (out of memory, a compile error) is this process's own and ends the job."""
+        Several processes: an error that is neither a lost peer nor a failed collective (out of memory, a
+        compile error) is this process's own and ends the job. Otherwise a round first, so that a peer's
+        recorded fatal error is seen (PeerFailed) before its departure or its missing part of a collective
+        is taken for a lost peer; a dead or restarted peer is a lost peer, a failed collective with every
+        peer alive (one was slow, a connection broke) is retried on fresh communicators."""
         if not self.elastic.elastic_enabled:
             return None
         if self.membership is not None:
+            if not isinstance(err, ProcessFailureError) and not fatal.is_collective_failure(err):
+                return None  # this process's own error: recorded (by _fail) before any round
             self.membership.round()
             fatal.check(self.membership.client, self.membership.me)
-            if isinstance(err, ProcessFailureError):
-                return "peer_lost"
-            return "collective_failed" if fatal.is_collective_failure(err) else None
+            return "peer_lost" if isinstance(err, ProcessFailureError) else "collective_failed"
         if isinstance(err, ProcessFailureError):
             return "peer_lost"
         return "slice_down" if pw_elastic.is_error_due_to_slice_down(err, log_traceback=False) else None
@@ -279,6 +292,8 @@ class Supervisor:
             guard = None if self.injector is None else (lambda fn: self.injector.guard(fn, active))
             return {"snapshots": self.snapshots, "wrap_step": guard}
         membership, formation, timeout_s = self.membership, self.formation, self.elastic.elastic_timeout_seconds
+        barrier = membership.checkpoint_barrier(active, formation, dead_after_s=self.heartbeat_dead_after_s)
+        watch_orbax_barriers(barrier)  # a peer lost in any of Orbax's barriers is a ProcessFailureError
         return {
             "snapshots": SharedSnapshots(
                 self.snapshots,
@@ -289,6 +304,7 @@ class Supervisor:
                 fn if self.process_faults is None else self.process_faults.wrap(fn), active
             ),
             "checkpoint_multiprocessing": membership.checkpoint_options(active, formation),
+            "checkpoint_barrier": barrier,
         }
 
     def _boundary(self, active: list[int]) -> StepBoundary:

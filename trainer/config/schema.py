@@ -302,7 +302,8 @@ class ElasticConfig:
         "Injected failures (local slices): 'step=40,slice=1,down_s=5; step=90,slice=2,down_steps=10; "
         "step=120,nan=1; rate=0.5,seed=1' (down_steps: back after that many more steps; nan: a non-finite "
         "step; rate: Poisson failures per second of wall time from step 1 (or step=N), seeded, on a random "
-        "slice unless slice=K).",
+        "slice unless slice=K). With several processes only 'step=N,process=P,error=oom|bug': that process's "
+        "own error, which ends every process with its cause.",
     )
 
 

@@ -269,6 +269,13 @@ class Checkpointer:
             self.wait()
         return True
 
+    def _saving(self, manager, timeout_s: float) -> bool | None:
+        """Whether a save is in progress; None when several processes are saving and the question did not
+        answer in time (see _saving_in_progress). One process: asked directly (no barrier behind it)."""
+        if self._barrier is None:
+            return bool(manager.is_saving_in_progress())
+        return _saving_in_progress(manager, timeout_s)
+
     def _blocking(self, fn: Callable[[], Any]) -> Any:
         """Run Orbax work that waits for other processes. With a barrier that watches them (several
         processes), it runs in a daemon thread while the barrier watches the peers' heartbeats, so that a
@@ -401,7 +408,7 @@ class Checkpointer:
 
     def _poll(self) -> None:
         """Report the in-flight save if it has ended; never blocks."""
-        if self._inflight is not None and _saving_in_progress(self._manager, _POLL_S) is False:
+        if self._inflight is not None and self._saving(self._manager, _POLL_S) is False:
             self._settle()
 
     def _settle(self, timeout_s: float | None = None, *, manager=None) -> bool:
@@ -411,7 +418,7 @@ class Checkpointer:
             return True
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while deadline is not None:
-            saving = _saving_in_progress(manager, max(0.0, deadline - time.monotonic()))
+            saving = self._saving(manager, max(0.0, deadline - time.monotonic()))
             if saving is False:
                 break
             if saving is None or time.monotonic() >= deadline:

@@ -282,7 +282,7 @@ class Checkpointer:
         peer lost meanwhile raises ProcessFailureError here instead of leaving this thread in one of
         Orbax's own barriers until its timeout."""
         barrier = self._barrier
-        if barrier is None or not hasattr(barrier, "wait"):
+        if barrier is None:
             return fn()
         result: list = []
 

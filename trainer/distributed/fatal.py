@@ -32,13 +32,8 @@ def publish(client, process_index: int, error: BaseException) -> None:
     """Record this process's fatal error for the others (the first one recorded wins)."""
     cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:500]
     try:
-        if client.key_value_try_get(_KEY):
-            return
-    except Exception:  # not set yet
-        pass
-    try:
         client.key_value_set(_KEY, json.dumps({"process": process_index, "cause": cause}))
-    except Exception:  # another process recorded its cause first
+    except Exception:  # ALREADY_EXISTS: another process recorded its cause first
         pass
 
 

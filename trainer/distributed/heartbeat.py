@@ -15,6 +15,7 @@ ends the wait with `ProcessFailureError`, the error a lost peer raises everywher
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -114,8 +115,7 @@ class Barrier:
 
     def over(self, processes) -> Barrier:
         """The same barrier (same incarnations to watch) over `processes` (None: every member)."""
-        other = Barrier.__new__(Barrier)
-        other.__dict__.update(self.__dict__)
+        other = copy.copy(self)  # shares the incarnations, the use counts and their lock
         if processes is not None:
             other.members = sorted(processes)
         return other

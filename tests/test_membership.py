@@ -7,11 +7,14 @@ processes are exercised by tests/test_multiprocess.py (soak tier).
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 
 from trainer.distributed import fatal
+from trainer.distributed.communicators import mesh_cliques
 from trainer.elastic.membership import Membership, mesh_order
 
 
@@ -64,7 +67,7 @@ class Scripted(Membership):
     """A Membership whose rounds return what the test says; every other member arrives at each barrier
     when this process's first round there runs."""
 
-    def __init__(self, n: int, me: int, client: FakeClient, *, fresh: bool = True, live=None):
+    def __init__(self, n: int, me: int, client: FakeClient, *, fresh: bool = True, live=None, cliques_of=None):
         self.generation = 0
         self.rendezvous_forgotten = 0
         super().__init__(
@@ -75,6 +78,7 @@ class Scripted(Membership):
             events=None,
             fresh_devices=self._fresh if fresh else None,
             forget_rendezvous=self._forget if fresh else None,
+            cliques_of=cliques_of,
         )
         self.live = live or {i: 100 + i for i in range(n)}
 
@@ -110,6 +114,39 @@ def test_any_number_of_formations_keep_the_order_and_each_after_the_first_gets_a
     assert m.fresh_clients == 29 and m.generation == 29
     assert all(d.generation == 29 for d in m.devices)  # the membership uses the new client's devices
     assert m.rendezvous_forgotten == 30  # process 0 is the lowest member of every formation
+
+
+def _data_parallel_cliques(slices):
+    """One device per slice on a data axis: mesh_cliques of that mesh."""
+    devices = np.array([d for s in slices for d in s], dtype=object).reshape(-1, 1)
+    return mesh_cliques(SimpleNamespace(devices=devices))
+
+
+def test_mesh_cliques_are_the_cross_process_groups_along_every_axis_subset():
+    devs = np.array([Dev(i) for i in range(4)], dtype=object).reshape(2, 2)  # data x fsdp, a process each
+    groups = mesh_cliques(SimpleNamespace(devices=devs))
+    assert groups == {(0, 1), (2, 3), (0, 2), (1, 3), (0, 1, 2, 3)}
+    two_per_process = np.array([Dev(0), Dev(0), Dev(1), Dev(1)], dtype=object).reshape(2, 2)
+    for i, d in enumerate(two_per_process.flat):
+        d.id = 10 + i
+    assert mesh_cliques(SimpleNamespace(devices=two_per_process)) == {(10, 12), (11, 13), (10, 11, 12, 13)}
+
+
+def test_survivors_on_new_device_groups_keep_their_client_and_a_rejoin_renews_it():
+    """3 slices of one process: the survivors of slice 1's loss run on groups they never used (no new
+    client, compiled steps kept); when slice 1 rejoins, the full group is used again: a new client."""
+    client = FakeClient()
+    m = Scripted(3, 0, client, cliques_of=_data_parallel_cliques)
+    m.round()
+    m._form("a", [0, 1, 2], timeout_s=5)
+    assert m.fresh_clients == 0 and m.cliques_used == {(0, 1, 2)}
+    m._form("b", [0, 2], timeout_s=5)
+    assert m.fresh_clients == 0 and m.cliques_used == {(0, 1, 2), (0, 2)}
+    m._form("c", [0, 1, 2], timeout_s=5)
+    assert m.fresh_clients == 1 and m.cliques_used == {(0, 1, 2)}, "used before: communicators renewed"
+    m._form("d", [0, 1, 2], timeout_s=5)  # a retry on the same processes (a failed collective)
+    assert m.fresh_clients == 2
+    assert m.rendezvous_forgotten == 4, "the rendezvous keys are deleted at every formation all the same"
 
 
 def test_only_the_lowest_member_deletes_the_rendezvous_keys():

@@ -53,6 +53,9 @@ SEQ_LEN = 128  # the demo's rows (scripts/multiprocess_demo.py TINY)
 RUN_TIMEOUT = 480  # seconds per launcher run: only catches a hang (a run takes 2-3 minutes on 2 shared cores)
 PARAM_ATOL = 1e-5
 GLOBAL_BATCH = 6  # per_device_batch_size=2 x 3 processes
+# 2 slices x 2 processes (1 device each): each slice's train state is fsdp-sharded over its 2 processes, so
+# snapshots, restores and rejoins move shards. Global batch 8 (2 per device x 4 devices).
+TWO_BY_TWO = {"processes": 4, "slices": 2, "global_batch": 8}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +64,16 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("jax_cache")
 
 
-def _args(root: Path, name: str, cache_dir: Path, *, min_slices: int = 2) -> list[str]:
+def _args(root: Path, name: str, cache_dir: Path, *, min_slices: int = 2, two_by_two: bool = False) -> list[str]:
+    if two_by_two:
+        return trainer_args(
+            root,
+            name,
+            steps=STEPS,
+            processes=TWO_BY_TWO["slices"],  # num_slices
+            min_slices=min_slices,
+            extra=(f"jax_cache_dir={cache_dir}", "processes_per_slice=2"),
+        )
     return trainer_args(root, name, steps=STEPS, min_slices=min_slices, extra=(f"jax_cache_dir={cache_dir}",))
 
 
@@ -76,6 +88,15 @@ def _run(job: Job) -> int:
 def baseline(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("mp_baseline")
     job = Job(root, "base", _args(root, "base", cache_dir), max_restarts=0)
+    rc = _run(job)
+    assert rc == 0, job.output()[-4000:]
+    return job.run_dir
+
+
+@pytest.fixture(scope="module")
+def baseline_2x2(tmp_path_factory, cache_dir):
+    root = tmp_path_factory.mktemp("mp_baseline_2x2")
+    job = Job(root, "base", _args(root, "base", cache_dir, two_by_two=True), processes=4, max_restarts=0)
     rc = _run(job)
     assert rc == 0, job.output()[-4000:]
     return job.run_dir
@@ -99,10 +120,10 @@ def final_params(run_dir: Path, step: int | None = None) -> dict[str, np.ndarray
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree["params"])}
 
 
-def _final_records(run_dir: Path) -> dict[int, list[dict]]:
+def _final_records(run_dir: Path, processes: int = 3) -> dict[int, list[dict]]:
     """step -> the records of the step's final execution (one per process of the mesh that ran it last)."""
     last: dict[tuple[int, int], dict] = {}
-    for proc, data in collect(run_dir).items():
+    for proc, data in collect(run_dir, processes).items():
         for r in data["metrics"]:
             last[(proc, r["step"])] = r  # a replayed step's later record replaces the earlier one
     by_step: dict[int, list[dict]] = {}
@@ -117,23 +138,25 @@ def _final_records(run_dir: Path) -> dict[int, list[dict]]:
     return out
 
 
-def assert_data_order_is_the_uninterrupted_one(run_dir: Path) -> dict[int, int]:
+def assert_data_order_is_the_uninterrupted_one(
+    run_dir: Path, *, processes: int = 3, global_batch: int = GLOBAL_BATCH
+) -> dict[int, int]:
     """Every step 1..STEPS ran on k processes whose row blocks are exactly the k blocks of that step's global
     batch; returns step -> k."""
-    stream = SyntheticIterator(vocab_size=512, seq_len=SEQ_LEN, global_batch_size=GLOBAL_BATCH, seed=0)
-    final = _final_records(run_dir)
+    stream = SyntheticIterator(vocab_size=512, seq_len=SEQ_LEN, global_batch_size=global_batch, seed=0)
+    final = _final_records(run_dir, processes)
     assert sorted(final) == list(range(1, STEPS + 1))
     processes_per_step = {}
     for step, recs in sorted(final.items()):
         k = recs[0]["devices"]
         batch = stream.batch_at(step - 1)
-        rows = GLOBAL_BATCH // k
+        rows = global_batch // k
         blocks = {fingerprint({key: v[j * rows : (j + 1) * rows] for key, v in batch.items()}) for j in range(k)}
         seen = [r["batch_fingerprint"] for r in recs]
         # Metrics are written one step late, so a killed process's last completed step has no record.
         assert len(seen) >= k - 1 and len(set(seen)) == len(seen), f"step {step}: {len(seen)} records, k={k}"
         assert set(seen) <= blocks, f"step {step}: rows differ from the data order"
-        assert len({r["global_batch_size"] for r in recs}) == 1 and recs[0]["global_batch_size"] == GLOBAL_BATCH
+        assert len({r["global_batch_size"] for r in recs}) == 1 and recs[0]["global_batch_size"] == global_batch
         processes_per_step[step] = k
     return processes_per_step
 
@@ -147,7 +170,7 @@ def assert_params_match(run_dir: Path, baseline_dir: Path, *, atol: float = PARA
 
 
 def _events(run_dir: Path, process: int) -> list[dict]:
-    return collect(run_dir)[process]["events"]
+    return collect(run_dir, process + 1)[process]["events"]
 
 
 def _launcher(job: Job, name: str, **match) -> list[dict]:
@@ -257,34 +280,46 @@ def test_survivors_finish_the_run_when_the_replacement_never_arrives(baseline, t
 
 @pytest.mark.soak
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
-def test_ten_kills_in_a_row_each_replacement_rejoins_and_the_run_matches_an_uninterrupted_one(
-    baseline, tmp_path, cache_dir
+def test_ten_kills_in_a_slice_of_two_processes_each_replacement_rejoins_and_the_run_matches_an_uninterrupted_one(
+    baseline_2x2, tmp_path, cache_dir
 ):
-    """Pause-and-resume (every step on all 3 processes): processes 1 and 2 are killed in turn, 10 times, each
-    once its replacement has trained past the previous kill. Every formation keeps the one mesh order and
-    gets fresh communicators, so there is no limit on rejoins (a fresh order per rejoin allows 3! - 1)."""
+    """2 slices x 2 processes, pause-and-resume (every step on all 4): processes 2 and 3 (slice 1) are killed
+    in turn, 10 times, each once its replacement has trained past the previous kill. Every formation keeps
+    the one mesh order and gets fresh communicators, so there is no limit on rejoins; the replacement
+    receives only its own shards of slice 0's snapshot, and slice 1's survivor keeps its PID throughout."""
     kills = 10
-    args = _args(tmp_path, "ten", cache_dir, min_slices=-1) + [f"elastic_max_retries={3 * kills}"]
-    job = Job(tmp_path, "ten", args, restart_delay=1.0, max_restarts=kills)
+    args = _args(tmp_path, "ten", cache_dir, min_slices=-1, two_by_two=True) + [f"elastic_max_retries={3 * kills}"]
+    job = Job(tmp_path, "ten", args, processes=4, restart_delay=1.0, max_restarts=kills)
     try:
         for k in range(kills):
-            kill_at_step(job, 1 + k % 2, 6 + 8 * k, timeout=RUN_TIMEOUT)
+            kill_at_step(job, 2 + k % 2, 6 + 8 * k, timeout=RUN_TIMEOUT)
         rc = job.wait(timeout=RUN_TIMEOUT)
     finally:
         job.stop()
     assert rc == 0, job.output()[-4000:]
     run = job.run_dir
-    assert len(_launcher(job, "spawn", process=0)) == 1
-    assert len({r["pid"] for r in collect(run)[0]["metrics"]}) == 1  # process 0 never stopped
-    assert [len(_launcher(job, "spawn", process=p)) for p in (1, 2)] == [kills // 2 + 1] * 2
+    for p in (0, 1):  # slice 0 never stopped
+        assert len(_launcher(job, "spawn", process=p)) == 1
+        assert len({r["pid"] for r in collect(run, 4)[p]["metrics"]}) == 1
+    assert [len(_launcher(job, "spawn", process=p)) for p in (2, 3)] == [kills // 2 + 1] * 2
     starts = [e for e in _events(run, 0) if e["event"] == "attempt_start"]
-    assert len(starts) >= kills + 1 and all(len(a["slices"]) == 3 for a in starts)
+    assert len(starts) >= kills + 1 and all(len(a["slices"]) == 2 for a in starts)
     formations = [e for e in _events(run, 0) if e["event"] == "formation"]
-    assert {tuple(f["mesh_order"]) for f in formations} == {(1, 2, 0)}
+    assert {tuple(f["mesh_order"]) for f in formations} == {(1, 0)}
     assert formations[-1]["fresh_clients"] >= kills
-    per_step = assert_data_order_is_the_uninterrupted_one(run)
-    assert set(per_step.values()) == {3}
-    assert_params_match(run, baseline)
+    # Each rejoin restored the newest snapshot, sent from slice 0 (the processes that held all of it), one
+    # shard per device: a process receives its half of the state, not all of it.
+    shared = [e for e in _events(run, 0) if e["event"] == "snapshot_shared"]
+    assert len(shared) >= kills and all(e["source_processes"] == [0, 1] for e in shared), shared
+    whole = [e["bytes"] for e in _events(run, 0) if e["event"] == "restore_end"][0]  # the state's global size
+    assert all(0.4 * whole < e["bytes"] < 0.6 * whole for e in shared), (whole, shared)
+    per_step = assert_data_order_is_the_uninterrupted_one(run, **_shape(TWO_BY_TWO))
+    assert set(per_step.values()) == {4}
+    assert_params_match(run, baseline_2x2)
+
+
+def _shape(shape: dict) -> dict:
+    return {"processes": shape["processes"], "global_batch": shape["global_batch"]}
 
 
 def kill_when(job: Job, *, victim: int, watched: int, name: str, pid: int | None = None, **at_least) -> dict:
@@ -318,28 +353,30 @@ def respawned(job: Job, process: int, old_pid: int) -> int:
 @pytest.mark.soak
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
 def test_kills_during_a_save_and_during_a_rejoin_are_recovered_and_the_run_matches_an_uninterrupted_one(
-    baseline, tmp_path, cache_dir
+    baseline_2x2, tmp_path, cache_dir
 ):
-    """Pause-and-resume. Process 1 dies the moment it starts writing checkpoint 20 (the others are in the same
-    save); then process 2 dies the moment process 1's replacement has joined a formation, while the rejoin is
-    in flight (barriers, fresh communicators, compiling, sharing the snapshot). Both are recovered in-process."""
-    args = _args(tmp_path, "faults", cache_dir, min_slices=-1) + ["elastic_max_retries=20"]
-    job = Job(tmp_path, "faults", args, restart_delay=1.0, max_restarts=4)
+    """2 slices x 2 processes, pause-and-resume. Process 2 dies the moment it starts writing checkpoint 20
+    (the others are in the same save); then process 3 dies the moment process 2's replacement has joined a
+    formation, while the rejoin is in flight (barriers, fresh communicators, compiling, sharing the
+    snapshot). Both are recovered in-process."""
+    args = _args(tmp_path, "faults", cache_dir, min_slices=-1, two_by_two=True) + ["elastic_max_retries=20"]
+    job = Job(tmp_path, "faults", args, processes=4, restart_delay=1.0, max_restarts=4)
     try:
-        in_save = kill_when(job, victim=1, watched=1, name="checkpoint_save_start", step=20)
-        replacement = respawned(job, 1, in_save["pid"])
-        in_rejoin = kill_when(job, victim=2, watched=1, name="formation", pid=replacement)
+        in_save = kill_when(job, victim=2, watched=2, name="checkpoint_save_start", step=20)
+        replacement = respawned(job, 2, in_save["pid"])
+        in_rejoin = kill_when(job, victim=3, watched=2, name="formation", pid=replacement)
         rc = job.wait(timeout=RUN_TIMEOUT)
     finally:
         job.stop()
     assert rc == 0, job.output()[-4000:]
     run = job.run_dir
     assert in_save["event"]["step"] == 20 and in_rejoin["event"]["pid"] == replacement
-    assert len({r["pid"] for r in collect(run)[0]["metrics"]}) == 1  # process 0 never stopped
+    for p in (0, 1):  # slice 0 never stopped
+        assert len({r["pid"] for r in collect(run, 4)[p]["metrics"]}) == 1
     assert len([e for e in _events(run, 0) if e["event"] == "slice_down_detected"]) >= 2
-    per_step = assert_data_order_is_the_uninterrupted_one(run)
-    assert set(per_step.values()) == {3}
-    assert_params_match(run, baseline)
+    per_step = assert_data_order_is_the_uninterrupted_one(run, **_shape(TWO_BY_TWO))
+    assert set(per_step.values()) == {4}
+    assert_params_match(run, baseline_2x2)
 
 
 @pytest.mark.soak
@@ -427,7 +464,7 @@ def test_killing_process_0_with_the_local_tier_loses_at_most_5_steps_and_a_wiped
         assert resumed[0]["steps_lost"] <= 5, resumed[0]  # local period 5: at most 5 steps trained again
         assert int(resumed[0]["source"].split(":")[1]) >= kill["step"] - 5
     shared = [e for e in _events(job.run_dir, 2) if e["event"] == "snapshot_shared" and e["time"] > kill["time"]]
-    assert shared and shared[0]["source_process"] != 2 and shared[0]["origin"] == "local", shared
+    assert shared and 2 not in shared[0]["source_processes"] and shared[0]["origin"] == "local", shared
     assert not any(
         e["event"] == "local_checkpoint_read" and e["time"] > kill["time"] for e in _events(job.run_dir, 2)
     ), "process 2's local directory was wiped: its copy came from a peer"

@@ -25,7 +25,12 @@ from trainer.config.errors import ConfigError
 from trainer.config.loader import to_flat_dict
 from trainer.config.schema import RunConfig
 from trainer.distributed import DistributedSettings, coordination_client, initialize, leave, resolve_settings
-from trainer.distributed.communicators import forget_rendezvous, fresh_cpu_client, needs_fresh_communicators
+from trainer.distributed.communicators import (
+    forget_rendezvous,
+    fresh_cpu_client,
+    mesh_cliques,
+    needs_fresh_communicators,
+)
 from trainer.distributed.heartbeat import Heartbeat
 from trainer.distributed.stop import CoordinatedStop
 from trainer.elastic.faults import FaultInjector, Outages, parse_fault_schedule
@@ -40,7 +45,7 @@ from trainer.observe.profiler import StepProfiler
 from trainer.observe.rundir import RunPaths
 from trainer.observe.sinks import JsonlSink, LogSink, ProgressSink, Sinks, TensorBoardSink
 from trainer.observe.slowsteps import CoordinationHostTimes, HostTimes, SlowStepMonitor
-from trainer.parallel.mesh import group_into_slices
+from trainer.parallel.mesh import build_mesh, group_into_slices
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +214,7 @@ def process_slices(cfg: RunConfig, settings: DistributedSettings, events):
         events=events,
         fresh_devices=partial(fresh_cpu_client, client, process_index=jax.process_index()) if fresh else None,
         forget_rendezvous=partial(forget_rendezvous, client) if fresh else None,
+        cliques_of=lambda slices: mesh_cliques(build_mesh(cfg.mesh, slices)),
     )
     if cfg.mesh.num_slices != membership.num_slices:
         raise ConfigError(

@@ -15,7 +15,8 @@ Every formation has one mesh order per set of slices (`mesh_order`), the same on
 every formation, so any number of rejoins work and a replayed step runs on the same order. What a
 formation after a failure needs instead is fresh collective communicators on every member
 (`trainer.distributed.communicators`): `_form` takes two barriers around deleting the old rendezvous,
-then each member that has used its communicators creates a new CPU client.
+then each member that already ran collectives over one of the new mesh's device groups creates a new
+CPU client.
 
 Barriers here are rounds: a member records its arrival in the key-value store and takes rounds until
 every member has arrived. A round waits for every live process, so a slow member (still compiling) is
@@ -84,11 +85,15 @@ class Membership:
         clock: Callable[[], float] = time.monotonic,
         fresh_devices: Callable[[], Sequence[jax.Device]] | None = None,
         forget_rendezvous: Callable[[], None] | None = None,
+        cliques_of: Callable[[list[list[jax.Device]]], set] | None = None,
     ):
         self._set_devices(devices)
         self.fresh_devices = fresh_devices  # drops the collectives' state; None where it survives failures
         self.forget_rendezvous = forget_rendezvous
-        self.communicators_used = False  # this process ran collectives since its devices were made
+        # Device groups (`trainer.distributed.communicators.mesh_cliques` of each slice's devices in mesh
+        # order) this process's client ran collectives over; None: unknown, every formation reuses them.
+        self.cliques_of = cliques_of
+        self.cliques_used: set = set()
         self.fresh_clients = 0  # how many times this process re-created its devices
         self.per_slice = processes_per_slice
         self.me = process_index
@@ -222,7 +227,10 @@ class Membership:
             if self.me == min(members):  # nobody runs a collective until every member left the next barrier
                 self.forget_rendezvous()
             self._meet(f"form/{formation.key}/clean", members, timeout_s=timeout_s)
-            if self.communicators_used:
+            devices = self.slice_devices()
+            cliques = self.cliques_of([devices[s] for s in formation.slices]) if self.cliques_of else {"all"}
+            if self.cliques_used & cliques:
+                self.cliques_used = set()
                 self._set_devices(self.fresh_devices())
                 self.fresh_clients += 1
                 # The next round compares with the newest one, on the new device objects (a first round
@@ -232,7 +240,7 @@ class Membership:
                     for d in self.devices
                     if d.process_index in (self.current or {})
                 }
-        self.communicators_used = True  # the attempt on this formation runs collectives
+            self.cliques_used |= cliques  # the attempt on this formation runs collectives over them
         log.info("formation %s: slices %s in mesh order %s", formation.key, slices, list(formation.slices))
         if self.events is not None:
             self.events.emit(

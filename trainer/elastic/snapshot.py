@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -23,8 +24,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from trainer.state import tree_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -46,24 +45,62 @@ def _distinct_shards(x: jax.Array) -> list[tuple[tuple, jax.Array]]:
     The copy is dispatched now, so the next step may donate `x` right after."""
     seen, out = set(), []
     for shard in x.addressable_shards:
-        key = tuple((i.start, i.stop) for i in shard.index)
+        key = block_key(shard.index, x.shape)
         if key not in seen:
             seen.add(key)
             out.append((shard.index, jnp.copy(shard.data)))
     return out
 
 
-def _assemble(shape, dtype, shards: list[tuple[tuple, jax.Array]]) -> np.ndarray:
+def block_key(index: tuple, shape: tuple) -> tuple[tuple[int, int], ...]:
+    """A shard's index (slices, maybe open-ended) as ((start, stop), ...) per dimension."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+@dataclasses.dataclass
+class Blocks:
+    """The blocks of one array that this process holds, when its devices hold only part of it (a slice
+    spread over several processes): one copy per distinct block, keyed by `block_key`."""
+
+    shape: tuple
+    dtype: np.dtype
+    blocks: dict[tuple[tuple[int, int], ...], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks.values())
+
+    def block(self, index: tuple) -> np.ndarray | None:
+        """The region `index` names, if one held block contains it (else None)."""
+        want = block_key(index, self.shape)
+        if want in self.blocks:
+            return self.blocks[want]
+        for key, data in self.blocks.items():
+            if all(a <= c and d <= b for (a, b), (c, d) in zip(key, want)):
+                return data[tuple(slice(c - a, d - a) for (a, _), (c, d) in zip(key, want))]
+        return None
+
+
+def block_of(leaf, index: tuple) -> np.ndarray | None:
+    """The region `index` of a snapshot leaf (a whole numpy array, or this process's `Blocks`)."""
+    return leaf.block(index) if isinstance(leaf, Blocks) else leaf[index]
+
+
+def held_nbytes(host) -> int:
+    """Bytes a snapshot occupies in this process's RAM."""
+    return int(sum(leaf.nbytes for leaf in jax.tree.leaves(host)))
+
+
+def _assemble(shape, dtype, shards: list[tuple[tuple, jax.Array]]):
+    """The host copy of one leaf: a numpy array when this process's blocks cover it, else `Blocks`."""
     if len(shards) == 1 and tuple(shards[0][1].shape) == tuple(shape):
         return np.asarray(shards[0][1])  # one block holds it all (the copy is ours): no second copy
+    blocks = {block_key(index, shape): np.asarray(data) for index, data in shards}
+    if sum(b.size for b in blocks.values()) != math.prod(shape):
+        return Blocks(tuple(shape), np.dtype(dtype), blocks)  # the rest lives on other processes
     host = np.empty(shape, dtype)
-    covered = 0
-    for index, data in shards:
-        block = np.asarray(data)
-        host[index] = block
-        covered += block.size
-    if covered != host.size:  # a block lives on another process: not this process's to snapshot alone
-        raise ValueError(f"addressable shards cover {covered} of {host.size} elements")
+    for key, block in blocks.items():
+        host[tuple(slice(a, b) for a, b in key)] = block
     return host
 
 
@@ -96,7 +133,7 @@ class HostSnapshots:
             except Exception as e:  # a snapshot lost with its slice is simply not used
                 log.warning("snapshot of step %d failed: %s", step, e)
                 return
-            nbytes = tree_nbytes(host)
+            nbytes = held_nbytes(host)
             with self._lock:
                 self.latest = Snapshot(step, host, data_state, nbytes)
             self.events.emit(
@@ -106,7 +143,9 @@ class HostSnapshots:
                 seconds=round(time.perf_counter() - t0, 4),
                 blocking=block,
             )
-            if persist:
+            if persist and any(isinstance(leaf, Blocks) for leaf in jax.tree.leaves(host)):
+                log.warning("local checkpoint of step %d skipped: this process holds part of the state", step)
+            elif persist:
                 try:
                     self.store.write(step, host, data_state, started=t0)
                 except OSError as e:  # a full or failing local disk costs the tier, not the run
@@ -162,19 +201,41 @@ class HostSnapshots:
                 log.warning("%s; trying an older one", e)
                 self.events.emit("local_checkpoint_skipped", step=step, reason=str(e))
                 continue
-            nbytes = tree_nbytes(host)
+            nbytes = held_nbytes(host)
             self.latest = Snapshot(step, host, data_state, nbytes, origin="local")
             self.events.emit(
                 "local_checkpoint_read", step=step, bytes=nbytes, seconds=round(time.perf_counter() - t0, 4)
             )
             return
 
+    def can_serve(self, abstract_state) -> bool:
+        """Whether the newest snapshot holds every block this process's devices need on the shardings of
+        `abstract_state` (always, unless a slice spreads over several processes and its layout moved)."""
+        snap = self.latest
+        if snap is None:
+            return False
+        leaves, abstract = jax.tree.leaves(snap.state), jax.tree.leaves(abstract_state)
+        if len(leaves) != len(abstract):
+            return False
+        for leaf, a in zip(leaves, abstract):
+            if tuple(leaf.shape) != tuple(a.shape):
+                return False
+            if isinstance(leaf, Blocks):
+                index_map = a.sharding.addressable_devices_indices_map(a.shape)
+                if any(leaf.block(index) is None for index in index_map.values()):
+                    return False
+        return True
+
     def load(self, abstract_state) -> tuple[Any, dict]:
         """The newest snapshot on the shardings of `abstract_state`, and its data-iterator state."""
         snap = self.latest
         t0 = time.perf_counter()
-        shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
-        state = jax.block_until_ready(jax.device_put(snap.state, shardings))
+        leaves, treedef = jax.tree.flatten(snap.state)
+        arrays = [
+            jax.make_array_from_callback(a.shape, a.sharding, lambda index, leaf=leaf: block_of(leaf, index))
+            for leaf, a in zip(leaves, jax.tree.leaves(abstract_state))
+        ]
+        state = jax.block_until_ready(jax.tree.unflatten(treedef, arrays))
         self.events.emit(
             "snapshot_restored",
             step=snap.step,

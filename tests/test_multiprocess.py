@@ -357,23 +357,27 @@ def test_kills_during_a_save_and_during_a_rejoin_are_recovered_and_the_run_match
 ):
     """2 slices x 2 processes, pause-and-resume. Process 2 dies the moment it starts writing checkpoint 20
     (the others are in the same save); then process 3 dies the moment process 2's replacement has joined a
-    formation, while the rejoin is in flight (barriers, fresh communicators, compiling, sharing the
-    snapshot). Both are recovered in-process."""
+    formation, while the rejoin is in flight (barriers, fresh communicators, compiling); then that
+    replacement dies the moment process 3's replacement starts restoring (gathering who holds the
+    snapshot, receiving its shards). All are recovered in-process."""
     args = _args(tmp_path, "faults", cache_dir, min_slices=-1, two_by_two=True) + ["elastic_max_retries=20"]
     job = Job(tmp_path, "faults", args, processes=4, restart_delay=1.0, max_restarts=4)
     try:
         in_save = kill_when(job, victim=2, watched=2, name="checkpoint_save_start", step=20)
         replacement = respawned(job, 2, in_save["pid"])
         in_rejoin = kill_when(job, victim=3, watched=2, name="formation", pid=replacement)
+        other = respawned(job, 3, in_rejoin["pid"])
+        in_restore = kill_when(job, victim=2, watched=3, name="restore_start", pid=other)
         rc = job.wait(timeout=RUN_TIMEOUT)
     finally:
         job.stop()
     assert rc == 0, job.output()[-4000:]
     run = job.run_dir
     assert in_save["event"]["step"] == 20 and in_rejoin["event"]["pid"] == replacement
+    assert in_restore["pid"] == replacement and in_restore["event"]["pid"] == other
     for p in (0, 1):  # slice 0 never stopped
         assert len({r["pid"] for r in collect(run, 4)[p]["metrics"]}) == 1
-    assert len([e for e in _events(run, 0) if e["event"] == "slice_down_detected"]) >= 2
+    assert len([e for e in _events(run, 0) if e["event"] == "slice_down_detected"]) >= 3
     per_step = assert_data_order_is_the_uninterrupted_one(run, **_shape(TWO_BY_TWO))
     assert set(per_step.values()) == {4}
     assert_params_match(run, baseline_2x2)

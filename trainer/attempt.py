@@ -29,6 +29,7 @@ from trainer.config.schema import CheckpointConfig, DataConfig, EvalConfig, Mesh
 from trainer.data.batch import BATCH_KEYS
 from trainer.data.pipeline import make_eval_iterator, make_train_iterator
 from trainer.evaluate import EvalSchedule, Evaluator
+from trainer.executable_cache import compile_lowered
 from trainer.optim import learning_rate_schedule, make_optimizer
 from trainer.parallel.activations import ActivationSharding
 from trainer.parallel.mesh import build_mesh
@@ -231,7 +232,7 @@ def compile_step(spec: TrainSpec, plan: SlicePlan):
         k: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=batch_sharding) for k in BATCH_KEYS
     }
     t0 = time.perf_counter()
-    compiled = jitted.lower(plan.abstract_state, abstract_batch).compile()
+    compiled = compile_lowered(jitted.lower(plan.abstract_state, abstract_batch), mesh.devices.flat)
     return compiled, time.perf_counter() - t0
 
 
@@ -257,7 +258,7 @@ def compile_eval_step(spec: TrainSpec, plan: SlicePlan):
         k: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=batch_sharding) for k in BATCH_KEYS
     }
     t0 = time.perf_counter()
-    compiled = jitted.lower(plan.abstract_state["params"], abstract_batch).compile()
+    compiled = compile_lowered(jitted.lower(plan.abstract_state["params"], abstract_batch), mesh.devices.flat)
     return compiled, time.perf_counter() - t0
 
 

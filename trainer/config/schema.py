@@ -364,7 +364,9 @@ class TrainConfig:
     init_weights_seed: int = key(0, "Seed of parameter initialisation.")
     jax_cache_dir: str = key(
         "~/.cache/elastic-trainer/jax",
-        "JAX persistent compilation cache (restarts skip compiling); empty disables.",
+        "JAX persistent compilation cache (restarts skip compiling); with several processes, processes "
+        "other than 0 keep their own executables under <dir>/processes (JAX's cache serves process 0 "
+        "only); empty disables both.",
     )
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_runs import SMOKE_SHAPE_TEXT, announce_smoke, smoke, smoke_env  # noqa: E402
+from cli_runs import announce_smoke, smoke, smoke_env  # noqa: E402
 
 from scripts.multiprocess_demo import Job, collect, kill_at_step, trainer_args  # noqa: E402
 
@@ -108,13 +108,17 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
-    per_slice, processes = args.processes_per_slice, args.slices * args.processes_per_slice
     model = list(MODEL)
     if smoke():
         args.steps, args.kill_at, args.restart_delay = 16, 4, 1.0
+        args.slices, args.processes_per_slice = 2, 2
         model = []  # the demo's 2-layer model
         smoke_env(os.environ)
-    announce_smoke(f"{args.steps} steps, kill after step {args.kill_at}, {SMOKE_SHAPE_TEXT}")
+    per_slice, processes = args.processes_per_slice, args.slices * args.processes_per_slice
+    announce_smoke(
+        f"2 slices x 2 processes, {args.steps} steps, kill after step {args.kill_at}, the demo's 2-layer "
+        "model compiled without XLA optimisation"
+    )
     root = args.run_root or Path(tempfile.mkdtemp(prefix="rejoin_memory_"))
     extra = (*model, f"processes_per_slice={per_slice}", f"jax_cache_dir={root / 'jax_cache'}", *args.overrides)
     job = Job(
@@ -156,7 +160,7 @@ def main() -> int:
         f"({state_bytes / per_slice / 2**20:.0f} MiB per process); kill -9 process {victim} after step "
         f"{kill['step']}; snapshot shared at step {shared['step']} from processes {shared['source_processes']}"
     )
-    print(f"{'process':<22} {'steady peak':>12} {'rejoin peak':>12} {'ratio':>6}")
+    print(f"{'process':<22} {'steady peak':>12} {'rejoin peak':>12} {'ratio':>6}  (resident memory, VmRSS)")
     for proc in range(processes):
         pid0 = sorted({r["pid"] for r in data[proc]["metrics"]})[0]
         steady = sampler.peak(proc, start0, t0, pid=pid0)
@@ -180,12 +184,14 @@ def main() -> int:
     det = first(ev0, "slice_down_detected", t0)
     wait = first(ev0, "wait_end", det["time"]) if det else None
     restore = first(ev0, "restore_end", det["time"]) if det else None
+    restore_start = first(ev0, "restore_start", det["time"]) if det else None
     resumed = first(ev0, "first_step_after_recovery", det["time"]) if det else None
     phases = {
         "detection (kill -> failure seen)": det and det["time"] - t0,
         "re-forming (-> formation agreed)": wait and det and wait["time"] - det["time"],
-        "restore (own snapshot)": restore and restore["seconds"],
-        "to first step (compile, step)": resumed and restore and resumed["time"] - restore["time"],
+        "compile, barrier (-> restore start)": restore_start and wait and restore_start["time"] - wait["time"],
+        "restore": restore and restore["seconds"],
+        "first step": resumed and restore and resumed["time"] - restore["time"],
         "kill -> next step on slice 0": resumed and resumed["time"] - t0,
     }
     print("\nslice 0 after the kill:")
@@ -193,14 +199,18 @@ def main() -> int:
         print(f"  {k:<36} {v:8.2f} s" if v is not None else f"  {k:<36}      n/a")
     formed = first(ev0, "wait_end", up["time"] if up else respawn["time"])
     rejoin_restore = first(ev0, "restore_end", up["time"] if up else respawn["time"])
+    rejoin_restore_start = first(ev0, "restore_start", up["time"] if up else respawn["time"])
     all_step = grown[0]["time"] if grown else None
     rejoin = {
         "replacement started (after kill)": respawn["time"] - t0,
         "seen by slice 0 (-> scale up)": up and up["time"] - respawn["time"],
         "re-forming (-> formation agreed)": formed and formed["time"] - (up or respawn)["time"],
+        "compile, barrier (-> restore start)": rejoin_restore_start
+        and formed
+        and rejoin_restore_start["time"] - formed["time"],
         "transfer of shards (snapshot_shared)": shared["seconds"],
         "restore total": rejoin_restore and rejoin_restore["seconds"],
-        "to first step on all processes": all_step and rejoin_restore and all_step - rejoin_restore["time"],
+        "first step on all processes": all_step and rejoin_restore and all_step - rejoin_restore["time"],
         "kill -> first step on all processes": all_step and all_step - t0,
     }
     print("rejoin:")

@@ -2,9 +2,10 @@
 
 `take` makes an on-device copy of each distinct shard of the state (cheap, asynchronous: the next step
 may donate the original; replicas are copied once) and copies it to host memory on a background
-thread while training continues. Recovery restores the newest complete snapshot by the
-restore order of `trainer.restore` (unless a committed checkpoint is newer), so a slice failure rewinds
-at most `snapshot_period` steps instead of `checkpoint_period`.
+thread while training continues. A process keeps only what its own devices hold: the whole state when
+its slice is one process, else its blocks of each array (`Blocks`). Recovery restores the newest
+complete snapshot by the restore order of `trainer.restore` (unless a committed checkpoint is newer),
+so a slice failure rewinds at most `snapshot_period` steps instead of `checkpoint_period`.
 
 With the local checkpoint tier on (`trainer.checkpoint.local_store`), every `local_checkpoint_period`
 steps the same background thread also writes the host copy to node-local disk, and a new process

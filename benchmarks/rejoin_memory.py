@@ -38,8 +38,9 @@ from cli_runs import announce_smoke, smoke, smoke_env  # noqa: E402
 
 from scripts.multiprocess_demo import Job, collect, kill_at_step, trainer_args  # noqa: E402
 
-# A state of ~150 MB (qwen3-tiny widened): several times the base resident memory of a process is not
-# reachable on 2 cores in minutes, so the figures state the base alongside.
+# qwen3-tiny widened to an 86 MiB train state, 3x a process's shard with 3 processes per slice. A state
+# several times a CPU process's base resident memory (~1 GB) does not train on 2 cores in minutes, so the
+# printed peaks include that base.
 MODEL = [
     "base_num_decoder_layers=4",
     "base_emb_dim=256",

@@ -11,6 +11,8 @@ arithmetic that multi-process runs rely on (tests/test_multiprocess.py runs them
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,4 +110,8 @@ def test_a_leaf_sharded_over_the_data_axis_is_refused():
 
 
 def test_data_rows_name_the_processes_of_each_replica():
-    assert data_rows_of(_mesh(2, 4)) == [{0}, {0}]  # one process here; the multi-process runs check more
+    assert data_rows_of(_mesh(2, 4)) == [{0}, {0}]  # one process here
+    # 2 slices x 2 processes x 2 devices, as a mesh's (data, fsdp) grid of devices with their processes:
+    devices = np.array([[SimpleNamespace(process_index=2 * r + f // 2) for f in range(4)] for r in range(2)])
+    mesh = SimpleNamespace(devices=devices, axis_names=("data", "fsdp"))
+    assert data_rows_of(mesh) == [{0, 1}, {2, 3}]

@@ -40,7 +40,7 @@ class SharedSnapshots:
         self.events = events
         self.barrier = barrier
         self.mesh = None
-        self._table: np.ndarray | None = None  # one row per process
+        self._table: dict[int, np.ndarray] | None = None  # process -> its gathered row
         self._best: int | None = None
         self._source_row: int | None = None  # data row to send from; None: every process holds it
 
@@ -92,8 +92,9 @@ class SharedSnapshots:
             return self.snapshots.load(abstract_state)
         t0 = time.perf_counter()
         best, source_row = self._best, self._source_row
+        senders = data_rows_of(self.mesh)[source_row]
         snap = self.snapshots.latest
-        held = snap is not None and snap.step == best and self.me_in(source_row)
+        held = snap is not None and snap.step == best and jax.process_index() in senders
         size = max(int(v[BLOB]) for v in self._table.values())
         blob = np.frombuffer(self._data_blob().ljust(size), np.uint8) if held else None
         leaves = jax.tree.leaves({"state": snap.state, "data": blob}) if held else None  # abstract's order
@@ -112,15 +113,12 @@ class SharedSnapshots:
         self.events.emit(
             "snapshot_shared",
             step=best,
-            source_processes=sorted(data_rows_of(self.mesh)[source_row]),
+            source_processes=sorted(senders),
             origin=self.origin(),
             bytes=int(sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards)),
             seconds=round(time.perf_counter() - t0, 4),
         )
         return state, data_state
-
-    def me_in(self, row: int) -> bool:
-        return jax.process_index() in data_rows_of(self.mesh)[row]
 
     def _data_blob(self) -> bytes:
         snap = self.snapshots.latest

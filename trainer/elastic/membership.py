@@ -131,10 +131,12 @@ class Membership:
 
     # ---- rounds --------------------------------------------------------------------------------
 
-    def _record(self, entry: set[int] | None = None) -> dict[int, int]:
-        new: dict[int, int] = {}
-        for d, incarnation in (live_devices.devices or {}).items():
-            new[d.process_index] = int(incarnation)
+    @staticmethod
+    def _newest_round() -> dict[int, int]:
+        """What jax's live_devices saw last: {process: incarnation}."""
+        return {d.process_index: int(i) for d, i in (live_devices.devices or {}).items()}
+
+    def _record(self, new: dict[int, int], entry: set[int] | None = None) -> dict[int, int]:
         if entry is not None:  # this process's first rounds: entry and exit of one live_devices call
             self.current = new if entry == set(new) else None
         self.previous = self.current
@@ -150,7 +152,7 @@ class Membership:
                 entry = {d.process_index for d in alive}
         except ProcessFailureError:
             pass  # a process died or restarted since the last round: that is what rounds are for
-        return self._record(entry if first else None)
+        return self._record(self._newest_round(), entry if first else None)
 
     @property
     def stable(self) -> bool:
@@ -167,7 +169,7 @@ class Membership:
                 with live_devices(self.devices):
                     out = jax.block_until_ready(step_fn(*args, **kwargs))
             except ProcessFailureError as e:
-                self._record()
+                self._record(self._newest_round())
                 lost = {d.process_index for d in e.failed_devices} & active
                 if lost or out is None:
                     raise
@@ -176,7 +178,7 @@ class Membership:
                     sorted({d.process_index for d in e.failed_devices}),
                 )
                 return out
-            self._record()
+            self._record(self._newest_round())
             return out
 
         return guarded
@@ -192,16 +194,28 @@ class Membership:
     def wait_for_slices(self, min_slices: int, *, timeout_s: float, poll_s: float) -> Formation:
         """Rounds until a stable one has >= min_slices complete slices including this process's; then
         the formation (mesh order from process 0). A process whose own slice is incomplete while the
-        others train keeps taking part in their rounds (it is paced by their steps) until it is whole."""
+        others train keeps taking part in their rounds (it is paced by their steps) until it is whole.
+
+        The rule is applied first to the newest round this process already took (the failed step's, the
+        supervisor's after it, or the two calls of a first round), then after every new one. So every
+        process applies it after every round from the one where it left its attempt, and all decide on the
+        same round however many rounds their own path took: a replacement whose first round met the
+        survivors' failing step decides after its second call, which is the survivors' supervisor round.
+        A process deciding a round after another would enter the formation's barriers a round behind,
+        read their counters at other moments, and could wait in a round that the others, gone ahead to a
+        barrier without rounds, never take."""
         deadline = self.clock() + timeout_s
         mine = self.slice_of(self.me)
+        live = self.current
         while True:
-            live = self.round()
-            fatal.check(self.client, self.me)
+            if live is None:
+                live = self.round()
+                fatal.check(self.client, self.me)
             complete = self.complete_slices(live)
+            live = None
             enough = self.stable and len(complete) >= min_slices
             if enough:
-                sig = signature({p: live[p] for p in self.processes(complete)})
+                sig = signature({p: self.current[p] for p in self.processes(complete)})
                 if mine in complete:
                     try:
                         return self._form(sig, complete, timeout_s=timeout_s)
@@ -213,7 +227,7 @@ class Membership:
             if self.clock() >= deadline:
                 raise TimeoutError(
                     f"{len(complete)} complete slice(s) {complete} < {min_slices} after "
-                    f"{timeout_s} s; live processes {sorted(live)}"
+                    f"{timeout_s} s; live processes {sorted(self.current)}"
                 )
             time.sleep(poll_s)
 

@@ -488,6 +488,25 @@ def _kv_only_barrier(client, key: str, members: int, timeout_s: float) -> None:
         time.sleep(0.001)
 
 
+def _one_process(m: Simulated, heartbeat_detected, client, formed: dict, errors: list) -> None:
+    """A survivor from its failing step (or a replacement from its start) to its attempt's first step."""
+    rounds = m.rounds
+    try:
+        if m.me != 2:
+            if m.me not in heartbeat_detected:
+                m._record(rounds.call(m.me))  # the failing step's round raised ProcessFailureError
+            m.round()  # the supervisor's round after it (Supervisor._slice_down_cause)
+        formation = m.wait_for_slices(2, timeout_s=5.0, poll_s=0)
+        _kv_only_barrier(client, f"restore/{formation.key}", 4, timeout_s=5.0)
+        m._record(rounds.call(m.me))  # the first step's round
+        formed[m.me] = formation
+    except Exception as e:
+        errors.append(f"process {m.me}: {type(e).__name__}: {e}")
+        with rounds.cond:  # the others' rounds end too
+            rounds.live.pop(m.me, None)
+            rounds.cond.notify_all()
+
+
 @pytest.mark.parametrize("heartbeat_detected", [(), (0,)], ids=["all-in-the-step", "process-0-in-a-save"])
 def test_every_process_forms_on_the_same_round_whatever_path_brought_it_there(heartbeat_detected):
     """Process 2 of slice 1 died and its replacement's first round (two calls) met the survivors' failing
@@ -502,27 +521,16 @@ def test_every_process_forms_on_the_same_round_whatever_path_brought_it_there(he
         members = {p: Simulated(p, rounds, client, survivor=p != 2) for p in range(4)}
         formed, errors = {}, []
 
-        def run(m: Simulated, trial=trial, heartbeat_detected=heartbeat_detected, formed=formed, errors=errors, rounds=rounds, client=client):
-            try:
-                if m.me != 2:
-                    if m.me not in heartbeat_detected:
-                        m._record(rounds.call(m.me))  # the failing step's round raised ProcessFailureError
-                    m.round()  # the supervisor's round after it (Supervisor._slice_down_cause)
-                formation = m.wait_for_slices(2, timeout_s=5.0, poll_s=0)
-                _kv_only_barrier(client, f"restore/{formation.key}", 4, timeout_s=5.0)
-                m._record(rounds.call(m.me))  # the first step's round
-                formed[m.me] = formation
-            except Exception as e:
-                errors.append(f"trial {trial}, process {m.me}: {type(e).__name__}: {e}")
-                with rounds.cond:  # let the others' rounds end too
-                    rounds.live.pop(m.me, None)
-                    rounds.cond.notify_all()
-
-        threads = [threading.Thread(target=run, args=(m,), name=f"process {m.me}") for m in members.values()]
+        threads = [
+            threading.Thread(
+                target=_one_process, args=(m, heartbeat_detected, client, formed, errors), name=f"process {m.me}"
+            )
+            for m in members.values()
+        ]
         for t in threads:
             t.start()
         for t in threads:
             t.join(60)
-        assert not errors, errors
+        assert not errors, f"trial {trial}: {errors}"
         assert len({f.key for f in formed.values()}) == 1 and len(formed) == 4
         assert all(m.fresh_clients == (0 if m.me == 2 else 1) for m in members.values())

@@ -148,3 +148,43 @@ def test_an_installed_libtpu_without_a_tpu_keeps_jax_on_cpu_and_quiet():
         timeout=120,
     )
     assert pinned.stdout.strip() == "proxy"  # an explicit choice (Pathways) is left alone
+
+
+def test_tile_padding_counts_whole_tiles_of_the_two_minor_dimensions():
+    from trainer.aot.analysis import tiled_bytes
+
+    f32_tiles = SimpleNamespace(major_to_minor=(0, 1, 2), tiling=((8, 128),))
+    # head_dim 64 in the minor dimension: padded to 128 lanes, twice the bytes.
+    assert tiled_bytes((8, 64, 64), 4, f32_tiles) == 8 * 64 * 128 * 4
+    # The minor dimension is the layout's, not the shape's last: (8, 1536, 64) stored with 1536 minor.
+    assert tiled_bytes((8, 1536, 64), 4, SimpleNamespace(major_to_minor=(0, 2, 1), tiling=((8, 128),))) == (
+        8 * 1536 * 64 * 4
+    )
+    assert tiled_bytes((3, 5), 4, f32_tiles) == 3 * 5 * 4  # a layout of another rank: no claim
+    assert tiled_bytes((3, 5), 4, None) == 60
+    assert tiled_bytes((5,), 4, SimpleNamespace(major_to_minor=(0,), tiling=((512,),))) == 512 * 4
+
+
+def test_the_roofline_never_takes_less_than_the_model_plus_its_recompute_nor_less_than_one_state_update():
+    from trainer.aot.analysis import roofline
+    from trainer.aot.topology import CHIPS
+    from trainer.model import recompute_flops_per_token, training_flops_per_token
+
+    chip = CHIPS["v5p"]
+    cfg = load_config("base.yml", ["model=qwen3-8b"]).model
+    tokens = 2 * 2048  # per chip: per_device_batch_size 2
+    model, recompute = training_flops_per_token(cfg, 2048) * tokens, recompute_flops_per_token(cfg, 2048) * tokens
+    assert 0.30 < recompute / model < 0.34  # remat full: the forward again, a third of forward + backward
+    # The compiler counted a scanned layer once: far fewer FLOPs and bytes than the step needs.
+    est = roofline(
+        hlo_cost={"flops": model / 30, "bytes_accessed": 1.0},
+        collective_summary={},
+        model_flops_per_chip=model,
+        recompute_flops_per_chip=recompute,
+        state_bytes_per_chip=1e9,
+        chip=chip,
+    )
+    assert est["bound_by"] == "compute" and est["mfu"] == pytest.approx(model / (model + recompute), abs=1e-4)
+    assert est["hbm_s"] == pytest.approx(2e9 / chip.hbm_bandwidth, rel=1e-3)  # rounded to microseconds
+    none = load_config("base.yml", ["model=qwen3-8b", "remat_policy=none"]).model
+    assert recompute_flops_per_token(none, 2048) == 0.0

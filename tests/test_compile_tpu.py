@@ -164,9 +164,12 @@ def test_mini_compiles_and_fits(tmp_path, topology, slices):
     params, _ = count_params(load_config("base.yml", model).model)
     assert params * F32 / fsdp <= mem["params"] <= params * F32
     batch = BATCH_KEYS * (layout["global_batch_size"] // 8) * 128 * 4
-    state = mem["params"] + mem["optimizer"] + batch
-    # On 2x v5e-4 (fsdp 4) the compiler's argument bytes are within 10% of that; on one v5e-8 slice
-    # (fsdp 8) it holds 15% more (72.5 vs 63.0 MB measured, not yet explained), so the bound is looser.
-    assert state <= mem["arguments"] <= (1.10 if slices == "2" else 1.20) * state
+    state = mem["params"] + mem["optimizer"]
+    # The compiler's argument bytes are the state in the chip's tiled layouts plus the batch. qwen3-mini's
+    # head_dim of 64 is half a 128-lane tile, so its attention weights take twice their size there: on
+    # one v5e-8 slice (fsdp 8, the head dimension minor) 15% more than the shardings' bytes.
+    assert state <= mem["state_tiled"] <= 1.25 * state
+    assert mem["arguments"] == pytest.approx(mem["state_tiled"] + batch, rel=0.10)
+    assert mem["arguments"] <= 1.10 * (state + batch) if slices == "2" else mem["state_tiled"] > 1.10 * state
     assert layout["collectives"]["ici"]["all-gather"]["count"] > 0
     assert ("dcn" in layout["collectives"]) == (slices == "2")

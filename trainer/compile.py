@@ -170,6 +170,13 @@ def format_report(report: dict) -> str:
                 f"  the compiler refused it: {m['compiler_error']}",
             ]
             continue
+        tiled = m.get("state_tiled")
+        if tiled is not None and tiled > 1.02 * (m["params"] + m["optimizer"]):
+            lines.append(
+                f"  tile padding: params + optimizer take {_gib(tiled)} in the chip's layouts, "
+                f"{100 * (tiled / (m['params'] + m['optimizer']) - 1):.0f}% over their "
+                f"{_gib(m['params'] + m['optimizer'])} (dimensions that are not multiples of the tile)"
+            )
         lines.append(
             f"  memory per chip: params {_gib(m['params'])}, optimizer {_gib(m['optimizer'])}, arguments "
             f"{_gib(m['arguments'])}, temporaries {_gib(m['temporaries'])}, total {_gib(m['total'])} "

@@ -3,14 +3,16 @@
 Memory comes from the compiler (`Compiled.memory_analysis()`, per device): arguments (train state and
 batch), outputs, the donated part they share, and temporaries (activations, gradients, the compiler's
 scratch). Parameter and optimizer-state bytes per chip are also computed from the state's shardings,
-so the compiler's figure can be checked against the analytic one.
+and again in the compiled layouts with their tile padding, so the compiler's figure can be checked
+against the analytic one.
 
-The step-time estimate is a roofline, a lower bound: the slowest of compute (the compiled program's
-FLOPs, or the model's analytic FLOPs where the compiler counts fewer, at the chip's peak), HBM
-traffic (the compiler's bytes accessed at the HBM bandwidth), and the collectives' per-chip traffic
-at the ICI and DCN bandwidths, assuming each overlaps the others perfectly. MFU is the model's
-analytic FLOPs (trainer/model/flops.py, no rematerialisation) over that time at the peak, so it is
-an upper bound on what a run reaches.
+The step-time estimate is a roofline, a lower bound: the slowest of compute, HBM traffic and the
+collectives' per-chip traffic at the ICI and DCN bandwidths, assuming each overlaps the others
+perfectly. The compiler's own counts (`cost_analysis`) leave out Pallas kernels and count a scanned
+layer's body once, so each term has an analytic floor: compute at least the model's FLOPs plus the
+rematerialised forward, HBM traffic at least reading and writing the train state once (the update).
+MFU is the model's analytic FLOPs (trainer/model/flops.py, no rematerialisation) over that time at
+the peak, so it is an upper bound on what a run reaches.
 """
 
 from __future__ import annotations
@@ -34,6 +36,42 @@ def shard_bytes(tree) -> int:
     return int(total)
 
 
+def tiled_bytes(shape, itemsize: int, layout) -> int:
+    """Bytes of one array in a device layout: its minor dimensions padded to whole tiles (a TPU tile of
+    a float32 array is 8 x 128, so a head_dim of 64 in the minor dimension takes twice its size)."""
+    tiling = getattr(layout, "tiling", None)
+    order = getattr(layout, "major_to_minor", None)
+    if not tiling or order is None or len(order) != len(shape):
+        return math.prod(shape) * itemsize
+    dims = [shape[i] for i in order]  # major to minor
+    for k, tile in enumerate(reversed(tiling[0])):
+        i = len(dims) - 1 - k
+        if i < 0:
+            break
+        dims[i] = -(-dims[i] // tile) * tile
+    return math.prod(dims) * itemsize
+
+
+def state_tiled_bytes(compiled, abstract_state) -> int | None:
+    """Parameters and optimizer state one chip holds in the compiled step's input layouts (tile padding
+    included); None where the executable does not say its layouts."""
+    try:
+        formats = jax.tree.leaves(compiled.input_formats[0][0], is_leaf=lambda x: hasattr(x, "layout"))
+    except Exception:
+        return None
+    state = {k: abstract_state[k] for k in ("params", "opt_state")}
+    leaves = jax.tree.leaves(abstract_state)
+    if len(formats) != len(leaves):
+        return None
+    wanted = {id(leaf) for leaf in jax.tree.leaves(state)}
+    total = 0
+    for leaf, fmt in zip(leaves, formats):
+        if id(leaf) in wanted:
+            shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+            total += tiled_bytes(shape, np.dtype(leaf.dtype).itemsize, fmt.layout)
+    return int(total)
+
+
 @dataclasses.dataclass(frozen=True)
 class Memory:
     """Bytes per chip."""
@@ -50,6 +88,9 @@ class Memory:
     # bytes it said were required; the compiler's own figures above are then 0.
     compiler_error: str | None = None
     required: int | None = None
+    # params + optimizer in the compiled layouts, tile padding included (None: layouts unknown); the
+    # compiler's `arguments` are this plus the batch.
+    state_tiled: int | None = None
 
     @property
     def total(self) -> int:
@@ -80,6 +121,7 @@ def memory(compiled, abstract_state, chip: ChipSpec) -> Memory:
         temporaries=int(stats.temp_size_in_bytes),
         code=int(stats.generated_code_size_in_bytes),
         hbm=chip.hbm_bytes,
+        state_tiled=state_tiled_bytes(compiled, abstract_state),
     )
 
 
@@ -113,17 +155,27 @@ def cost(compiled) -> dict:
     return {"flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0))}
 
 
-def roofline(*, hlo_cost: dict, collective_summary: dict, model_flops_per_chip: float, chip: ChipSpec) -> dict:
-    """Step-time terms (seconds), the bound, and the MFU it implies; with the chip numbers used."""
+def roofline(
+    *,
+    hlo_cost: dict,
+    collective_summary: dict,
+    model_flops_per_chip: float,
+    chip: ChipSpec,
+    recompute_flops_per_chip: float = 0.0,
+    state_bytes_per_chip: float = 0.0,
+) -> dict:
+    """Step-time terms (seconds), the bound, and the MFU it implies; with the chip numbers used.
+    `recompute_flops_per_chip`: the rematerialised forward, computed but not model FLOPs;
+    `state_bytes_per_chip`: parameters and optimizer state, read and written by every update."""
 
     def traffic(net: str) -> float:
         return float(sum(v["traffic_bytes"] for v in collective_summary.get(net, {}).values()))
 
     terms = {
-        # The compiler's count leaves out Pallas kernels (splash attention) and can miss loop trips; the
-        # model's analytic FLOPs are a floor under what the chip must compute.
-        "compute_s": max(hlo_cost["flops"], model_flops_per_chip) / chip.peak_flops,
-        "hbm_s": hlo_cost["bytes_accessed"] / chip.hbm_bandwidth,
+        # Floors under the compiler's counts (module docstring): a compute-bound step with
+        # remat_policy=full has an MFU of at most ~75%.
+        "compute_s": max(hlo_cost["flops"], model_flops_per_chip + recompute_flops_per_chip) / chip.peak_flops,
+        "hbm_s": max(hlo_cost["bytes_accessed"], 2.0 * state_bytes_per_chip) / chip.hbm_bandwidth,
         "ici_s": traffic("ici") / chip.ici_bandwidth,
         "dcn_s": traffic("dcn") / chip.dcn_bandwidth,
     }
@@ -133,6 +185,7 @@ def roofline(*, hlo_cost: dict, collective_summary: dict, model_flops_per_chip: 
         "step_time_s": round(step_s, 6),
         "bound_by": max(terms, key=terms.get).removesuffix("_s"),
         "model_flops_per_chip": model_flops_per_chip,
+        "recompute_flops_per_chip": recompute_flops_per_chip,
         "hlo_flops_per_chip": hlo_cost["flops"],
         "mfu": round(model_flops_per_chip / (step_s * chip.peak_flops), 4) if step_s > 0 else None,
         "chip": dataclasses.asdict(chip),

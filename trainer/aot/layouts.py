@@ -87,6 +87,8 @@ def compile_layout(spec: TrainSpec, slices: list[list], target: Target, *, label
     length = spec.data.max_target_length
     tokens = plan.batch.global_batch_size * length
     model_flops = qwen3.training_flops_per_token(spec.model, length) * tokens / chips
+    recompute_flops = qwen3.recompute_flops_per_token(spec.model, length) * tokens / chips
+    memory = analysis.memory(compiled, plan.abstract_state, target.chip)
     result = LayoutResult(
         label=label,
         active_slices=len(slices),
@@ -96,12 +98,14 @@ def compile_layout(spec: TrainSpec, slices: list[list], target: Target, *, label
         micro_steps=plan.batch.micro_steps,
         lr_scale=plan.batch.lr_scale,
         compile_s=round(seconds, 2),
-        memory=analysis.memory(compiled, plan.abstract_state, target.chip),
+        memory=memory,
         collectives=summary,
         estimate=analysis.roofline(
             hlo_cost=analysis.cost(compiled),
             collective_summary=summary,
             model_flops_per_chip=model_flops,
+            recompute_flops_per_chip=recompute_flops,
+            state_bytes_per_chip=memory.params + memory.optimizer,
             chip=target.chip,
         ),
         state_bytes=tree_nbytes(plan.abstract_state),

@@ -8,9 +8,10 @@ forward(params, cfg, inputs, positions, segment_ids, *, shard=UNSHARDED)
 logits_from_hidden(params, cfg, hidden)              -> float32 logits [..., vocab]
 count_params(cfg)                -> (total, active per token)
 training_flops_per_token(cfg, seq_len) -> float
+recompute_flops_per_token(cfg, seq_len) -> float
 """
 
-from trainer.model.flops import count_params, training_flops_per_token
+from trainer.model.flops import count_params, recompute_flops_per_token, training_flops_per_token
 from trainer.model.transformer import (
     Params,
     abstract_params,
@@ -28,5 +29,6 @@ __all__ = [
     "init_params",
     "logits_from_hidden",
     "param_logical_axes",
+    "recompute_flops_per_token",
     "training_flops_per_token",
 ]

@@ -55,3 +55,16 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     matmul = layers * (_attention_matmul_params(cfg) + mlp_active) + cfg.vocab_size * cfg.base_emb_dim
     attention = 6.0 * layers * cfg.base_num_query_heads * cfg.head_dim * seq_len
     return 6.0 * matmul + attention
+
+
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """FLOPs per token a step spends computing the blocks' forward again for the backward pass: the whole
+    forward of every block (its matmuls and attention) with `remat_policy=full`, none with `none`, and with
+    `minimal` (matmul outputs saved) only the elementwise work, counted as none here. Model FLOPs (and so
+    MFU) leave this out; the chip computes it all the same."""
+    if cfg.remat_policy != "full":
+        return 0.0
+    _, mlp_active = _mlp_matmul_params(cfg)
+    layers = cfg.base_num_decoder_layers
+    matmul = layers * (_attention_matmul_params(cfg) + mlp_active)
+    return 2.0 * matmul + 2.0 * layers * cfg.base_num_query_heads * cfg.head_dim * seq_len

@@ -170,6 +170,5 @@ def test_mini_compiles_and_fits(tmp_path, topology, slices):
     # one v5e-8 slice (fsdp 8, the head dimension minor) 15% more than the shardings' bytes.
     assert state <= mem["state_tiled"] <= 1.25 * state
     assert mem["arguments"] == pytest.approx(mem["state_tiled"] + batch, rel=0.10)
-    assert mem["arguments"] <= 1.10 * (state + batch) if slices == "2" else mem["state_tiled"] > 1.10 * state
     assert layout["collectives"]["ici"]["all-gather"]["count"] > 0
     assert ("dcn" in layout["collectives"]) == (slices == "2")

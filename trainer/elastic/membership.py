@@ -9,7 +9,9 @@ meet the survivors' step-end round, so all of them see it at the same step and s
 
 A *formation* (the set of processes an attempt runs on) is settled only by a *stable* round: one whose
 result equals the previous round's. Whatever each process was doing when membership changed (a step,
-waiting, starting up), they all settle on the same round.
+waiting, starting up), they all settle on the same round: each applies the rule from the newest round
+it already took (`wait_for_slices`), so paths with different numbers of rounds do not put one process a
+round ahead of another.
 
 Every formation has one mesh order per set of slices (`mesh_order`), the same on every process and in
 every formation, so any number of rejoins work and a replayed step runs on the same order. What a

@@ -56,19 +56,22 @@ def state_tiled_bytes(compiled, abstract_state) -> int | None:
     """Parameters and optimizer state one chip holds in the compiled step's input layouts (tile padding
     included); None where the executable does not say its layouts."""
     try:
-        formats = jax.tree.leaves(compiled.input_formats[0][0], is_leaf=lambda x: hasattr(x, "layout"))
+        formats = compiled.input_formats[0][0]  # the state argument's, in the state's tree structure
+        pairs = [
+            pair
+            for key in ("params", "opt_state")
+            for pair in zip(
+                jax.tree.leaves(abstract_state[key]),
+                jax.tree.leaves(formats[key], is_leaf=lambda x: hasattr(x, "layout")),
+                strict=True,
+            )
+        ]
     except Exception:
         return None
-    state = {k: abstract_state[k] for k in ("params", "opt_state")}
-    leaves = jax.tree.leaves(abstract_state)
-    if len(formats) != len(leaves):
-        return None
-    wanted = {id(leaf) for leaf in jax.tree.leaves(state)}
     total = 0
-    for leaf, fmt in zip(leaves, formats):
-        if id(leaf) in wanted:
-            shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-            total += tiled_bytes(shape, np.dtype(leaf.dtype).itemsize, fmt.layout)
+    for leaf, fmt in pairs:
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += tiled_bytes(shape, np.dtype(leaf.dtype).itemsize, fmt.layout)
     return int(total)
 
 

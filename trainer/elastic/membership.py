@@ -208,16 +208,17 @@ class Membership:
         barrier without rounds, never take."""
         deadline = self.clock() + timeout_s
         mine = self.slice_of(self.me)
-        live = self.current
+        take_round = self.current is None
         while True:
-            if live is None:
-                live = self.round()
+            if take_round:
+                self.round()
                 fatal.check(self.client, self.me)
+            take_round = True
+            live = self.current
             complete = self.complete_slices(live)
-            live = None
             enough = self.stable and len(complete) >= min_slices
             if enough:
-                sig = signature({p: self.current[p] for p in self.processes(complete)})
+                sig = signature({p: live[p] for p in self.processes(complete)})
                 if mine in complete:
                     try:
                         return self._form(sig, complete, timeout_s=timeout_s)
@@ -229,7 +230,7 @@ class Membership:
             if self.clock() >= deadline:
                 raise TimeoutError(
                     f"{len(complete)} complete slice(s) {complete} < {min_slices} after "
-                    f"{timeout_s} s; live processes {sorted(self.current)}"
+                    f"{timeout_s} s; live processes {sorted(live)}"
                 )
             time.sleep(poll_s)
 

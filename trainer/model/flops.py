@@ -40,6 +40,15 @@ def count_params(cfg: ModelConfig) -> tuple[int, int]:
     return fixed + layers * (per_block + mlp_total), fixed + layers * (per_block + mlp_active)
 
 
+def _block_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of every block: its matmuls, 2 per active weight, and causal attention,
+    QK^T and PV at 2*2*T*N*hd per token with half the pairs masked."""
+    _, mlp_active = _mlp_matmul_params(cfg)
+    layers = cfg.base_num_decoder_layers
+    matmul = layers * (_attention_matmul_params(cfg) + mlp_active)
+    return 2.0 * matmul + 2.0 * layers * cfg.base_num_query_heads * cfg.head_dim * seq_len
+
+
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per token, the usual 6N + attention estimate:
 
@@ -50,21 +59,12 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
     Norms, RoPE, softmax and MoE dispatch are ignored; packed documents are counted as full-length
     causal sequences (an upper bound on the attention work actually needed)."""
-    _, mlp_active = _mlp_matmul_params(cfg)
-    layers = cfg.base_num_decoder_layers
-    matmul = layers * (_attention_matmul_params(cfg) + mlp_active) + cfg.vocab_size * cfg.base_emb_dim
-    attention = 6.0 * layers * cfg.base_num_query_heads * cfg.head_dim * seq_len
-    return 6.0 * matmul + attention
+    return 3.0 * _block_forward_flops_per_token(cfg, seq_len) + 6.0 * cfg.vocab_size * cfg.base_emb_dim
 
 
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """FLOPs per token a step spends computing the blocks' forward again for the backward pass: the whole
-    forward of every block (its matmuls and attention) with `remat_policy=full`, none with `none`, and with
-    `minimal` (matmul outputs saved) only the elementwise work, counted as none here. Model FLOPs (and so
-    MFU) leave this out; the chip computes it all the same."""
-    if cfg.remat_policy != "full":
-        return 0.0
-    _, mlp_active = _mlp_matmul_params(cfg)
-    layers = cfg.base_num_decoder_layers
-    matmul = layers * (_attention_matmul_params(cfg) + mlp_active)
-    return 2.0 * matmul + 2.0 * layers * cfg.base_num_query_heads * cfg.head_dim * seq_len
+    forward of every block with `remat_policy=full`, none with `none`, and with `minimal` (matmul outputs
+    saved) only the elementwise work, counted as none here. Model FLOPs (and so MFU) leave this out; the
+    chip computes it all the same."""
+    return _block_forward_flops_per_token(cfg, seq_len) if cfg.remat_policy == "full" else 0.0

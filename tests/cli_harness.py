@@ -107,3 +107,13 @@ def assert_same_data_order(run_dir: Path, baseline_dir: Path, steps: int | None 
     assert [got[s]["batch_fingerprint"] for s in sorted(got)] == [
         base[s]["batch_fingerprint"] for s in sorted(got)
     ]
+
+
+def killed_during(run_dir: Path, pid: int, start: str, end: str, *, key: str = "step") -> dict:
+    """The `start` event the killed process `pid` logged without its `end` (same `key` value): proof, from
+    the run's own events, that the kill landed inside that phase. Fails when there is none."""
+    evs = [e for e in events(run_dir) if e.get("pid") == pid]
+    ended = {e.get(key) for e in evs if e["event"] == end}
+    open_ = [e for e in evs if e["event"] == start and e.get(key) not in ended]
+    assert open_, f"pid {pid} has no {start} without its {end}: the kill did not land inside that phase"
+    return open_[-1]

@@ -28,6 +28,10 @@ from trainer.checkpoint import (
     open_checkpointer,
     save_parameters,
 )
+from trainer.checkpoint.checkpointer import CheckpointRestoreTransient, RunStepsAllCorrupt
+from trainer.checkpoint.compat import CheckpointMismatch
+from trainer.checkpoint.fence import SaveFence
+from trainer.checkpoint.storage_faults import StorageFaults
 from trainer.config.schema import CheckpointConfig
 
 
@@ -155,7 +159,7 @@ def test_restore_reshards_onto_meshes_of_other_sizes_and_axes(tmp_path, mesh4):
     ckpt.close()
 
 
-def test_cleanup_partial_removes_every_partial_step_and_restore_never_reads_one(tmp_path, mesh4):
+def test_cleanup_removes_its_own_partial_steps_leaves_other_tools_steps_and_restore_reads_neither(tmp_path, mesh4):
     events = Events()
     root = tmp_path / "ckpt"
     ckpt = Checkpointer(root, _cfg(), on_event=events)
@@ -166,11 +170,16 @@ def test_cleanup_partial_removes_every_partial_step_and_restore_never_reads_one(
         ckpt.wait()
     # A save killed before its rename, older than the newest committed step:
     shutil.copytree(root / "10", root / "15.orbax-checkpoint-tmp")
-    # the newest step, complete but for its commit marker (an unfinished object-store save):
+    # the newest step, complete but for its commit marker, beside this trainer's in-flight marker (an
+    # unfinished object-store save of ours):
     shutil.copytree(root / "30", root / "40")
     os.remove(root / "40" / "commit_success.txt")
+    (root / "40.saving").write_text("0")
     # a save killed between writing the marker and the rename:
     shutil.copytree(root / "30", root / "50.orbax-checkpoint-tmp")
+    # a marker-less step without our in-flight marker: another tool's, never removed here:
+    shutil.copytree(root / "30", root / "60")
+    os.remove(root / "60" / "commit_success.txt")
 
     assert ckpt.committed_steps() == [10, 20, 30] and ckpt.latest_committed_step() == 30
     assert ckpt.restore(abstract).data_state == {"position": 30}
@@ -182,7 +191,8 @@ def test_cleanup_partial_removes_every_partial_step_and_restore_never_reads_one(
     expected = sorted(str(root / name) for name in ("15.orbax-checkpoint-tmp", "40", "50.orbax-checkpoint-tmp"))
     assert sorted(removed) == expected
     assert sorted(f["path"] for f in events.named("checkpoint_partial_removed")) == expected
-    assert sorted(os.listdir(root)) == ["10", "20", "30"]
+    assert sorted(os.listdir(root)) == ["10", "20", "30", "60"]
+    assert [f["path"] for f in events.named("checkpoint_foreign_step")] == [str(root / "60")]
     ckpt.close()
 
 
@@ -219,6 +229,7 @@ def test_an_unreadable_step_is_set_aside_and_saved_again_when_training_reaches_i
     assert ckpt.restore(_abstract(_state(mesh4, P("fsdp")), mesh4, P("fsdp"))).step == 10
     [aside] = events.named("checkpoint_set_aside")
     assert aside["step"] == 20 and aside["reason"]
+    assert aside["check"].startswith("truncated state/"), aside["check"]  # the failed check is named
     assert not (root / "20").exists() and Path(aside["path"]).is_dir(), "kept for inspection, not deleted"
     assert ckpt.committed_steps() == [10] and ckpt.cleanup_partial() == [], "neither a step nor a partial"
     # Training from step 10 reaches step 20 again: it is saved, not skipped as "already committed".
@@ -228,6 +239,104 @@ def test_an_unreadable_step_is_set_aside_and_saved_again_when_training_reaches_i
     assert again.step == 20 and again.data_state == {"position": 20}
     _assert_same(again.state, _state(mesh4, P("fsdp"), 20))
     ckpt.close()
+
+
+def _steps_10_and_20(root, mesh4, **kwargs) -> tuple[Checkpointer, Events]:
+    events = Events()
+    ckpt = Checkpointer(root, _cfg(), on_event=events, sleep=lambda s: None, **kwargs)
+    for step in (10, 20):
+        ckpt.save(step, _state(mesh4, P("fsdp"), step), {"position": step}, {})
+        ckpt.wait()
+    return ckpt, events
+
+
+def test_a_transient_read_error_is_retried_and_changes_nothing_on_storage(tmp_path, mesh4):
+    root = tmp_path / "ckpt"
+    ckpt, events = _steps_10_and_20(root, mesh4, storage_faults=StorageFaults(restore=1))
+
+    restored = ckpt.restore(_abstract(_state(mesh4, P("fsdp")), mesh4, P("fsdp")))
+
+    assert restored.step == 20, "the newest step, read again: a storage blip is not corruption"
+    [failed] = events.named("checkpoint_restore_failed")
+    assert failed["step"] == 20 and failed["transient"] and "injected" in failed["error"]
+    assert not events.named("checkpoint_set_aside") and sorted(os.listdir(root)) == ["10", "20"]
+    ckpt.close()
+
+
+def test_a_read_error_that_outlasts_the_retries_exits_transient_with_every_step_in_place(tmp_path, mesh4):
+    root = tmp_path / "ckpt"
+    ckpt, events = _steps_10_and_20(root, mesh4, storage_faults=StorageFaults(restore=10))
+
+    with pytest.raises(CheckpointRestoreTransient, match="nothing was changed"):
+        ckpt.restore(_abstract(_state(mesh4, P("fsdp")), mesh4, P("fsdp")))
+
+    assert [f["step"] for f in events.named("checkpoint_restore_failed")] == [20, 20, 20]
+    assert sorted(os.listdir(root)) == ["10", "20"], "no step renamed, none fallen back from"
+    ckpt.close()
+
+
+def test_a_tree_that_does_not_fit_the_config_raises_a_mismatch_naming_the_leaves_and_changes_nothing(
+    tmp_path, mesh4
+):
+    root = tmp_path / "ckpt"
+    ckpt, events = _steps_10_and_20(root, mesh4)
+    other = _state(mesh4, P("fsdp"))
+    other["opt_state"] = {"mu": other["opt_state"]["mu"], "nu": other["opt_state"]["mu"]}  # another optimizer
+
+    with pytest.raises(CheckpointMismatch, match="opt_state: 1 only in this config \\(opt_state/nu\\)"):
+        ckpt.restore(_abstract(other, mesh4, P("fsdp")))
+
+    assert not events.named("checkpoint_set_aside") and sorted(os.listdir(root)) == ["10", "20"]
+    ckpt.close()
+
+
+def test_when_every_step_fails_verification_the_run_is_not_restarted_from_scratch(tmp_path, mesh4):
+    root = tmp_path / "ckpt"
+    ckpt, events = _steps_10_and_20(root, mesh4)
+    for chunk in (root / "10" / "state").glob("**/d/*"):
+        chunk.unlink()  # step 10 loses its array files, step 20 its array bytes
+    for chunk in (root / "20" / "state").glob("**/d/*"):
+        chunk.write_bytes(chunk.read_bytes()[:3])
+
+    with pytest.raises(RunStepsAllCorrupt, match="20 \\(truncated .*10 \\(missing file"):
+        ckpt.restore(_abstract(_state(mesh4, P("fsdp")), mesh4, P("fsdp")))
+
+    assert [a["step"] for a in events.named("checkpoint_set_aside")] == [20, 10]
+    ckpt.close()
+
+
+def test_a_save_of_an_older_attempt_is_fenced_and_never_commits(tmp_path, mesh4):
+    fence = SaveFence()
+    events = Events()
+    old = Checkpointer(tmp_path / "ckpt", _cfg(async_checkpointing=False), on_event=events, fence=fence)
+    newer = Checkpointer(tmp_path / "ckpt", _cfg(), fence=fence)  # the next attempt: the fence advances
+
+    with pytest.raises(CheckpointSaveError):
+        old.save(10, _state(mesh4, P("fsdp")), {}, {})
+
+    assert [f["step"] for f in events.named("checkpoint_save_fenced")] == [10]
+    assert old.committed_steps() == [] and newer.cleanup_partial(), "left as a partial, removed by cleanup"
+    assert sorted(os.listdir(tmp_path / "ckpt")) == []
+    assert newer.save(10, _state(mesh4, P("fsdp")), {}, {})
+    newer.wait()
+    assert newer.committed_steps() == [10]
+    old.close()
+    newer.close()
+
+
+def test_every_committed_step_records_its_files_for_verification(tmp_path, mesh4):
+    from trainer.checkpoint.verify import FILES, verify_step
+
+    root = tmp_path / "ckpt"
+    ckpt, _ = _steps_10_and_20(root, mesh4)
+    ckpt.close()
+
+    assert verify_step(root / "20") is None and (root / "20" / FILES).is_file()
+    [chunk] = list((root / "20" / "state").glob("**/d/*"))[:1]
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0xFF  # one bit flipped, size unchanged
+    chunk.write_bytes(bytes(data))
+    assert verify_step(root / "20") == f"checksum mismatch {chunk.relative_to(root / '20').as_posix()}"
 
 
 def test_a_save_to_broken_storage_raises_and_a_later_save_to_a_healthy_directory_commits(tmp_path, mesh4):

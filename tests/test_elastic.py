@@ -123,11 +123,12 @@ def test_retries_exhausted_exits_non_zero_and_keeps_the_committed_checkpoint(tmp
     assert committed and committed[-1] == 8
 
 
-def test_waiting_longer_than_the_timeout_exits_non_zero(tmp_path):
+def test_waiting_longer_than_the_timeout_exits_transient_for_the_scheduler_to_restart(tmp_path):
     proc = run_cli(
         tmp_path, "to", *COMMON, "elastic_timeout_seconds=1", "fault_schedule=step=3,slice=0,down_s=120"
     )
-    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.returncode == 75, proc.stderr[-3000:]  # infrastructure: a restart may get new slices
+    assert proc.stdout.strip().splitlines()[-1].startswith("STATUS: transient: SlicesUnavailable")
     assert "elastic_timeout_seconds=1.0" in proc.stdout
     assert "wait_timeout" in _names(events(tmp_path / "to"))
 

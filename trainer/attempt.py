@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer import model as qwen3
 from trainer.checkpoint import open_checkpointer
+from trainer.checkpoint.fence import SaveFence
 from trainer.config.schema import CheckpointConfig, DataConfig, EvalConfig, MeshConfig, ModelConfig, OptimConfig
 from trainer.data.batch import BATCH_KEYS
 from trainer.data.pipeline import make_eval_iterator, make_train_iterator
@@ -296,10 +297,14 @@ def slice_set_key(slices: list[list]) -> tuple:
 class AttemptBuilder:
     """Builds the attempts of one run; keeps each slice set's `SlicePlan` (compiled step) across them."""
 
-    def __init__(self, spec: TrainSpec, *, checkpoint_dir, events):
+    def __init__(self, spec: TrainSpec, *, checkpoint_dir, events, fence=None, storage_faults=None):
+        """`fence`: the process's save fence, advanced by each attempt's checkpointer (none given: one of
+        its own); `storage_faults`: injected storage failures (fault_schedule storage=...)."""
         self.spec = spec
         self.checkpoint_dir = checkpoint_dir
         self.events = events
+        self.fence = fence or SaveFence()
+        self.storage_faults = storage_faults
         self.plans: dict[tuple, SlicePlan] = {}
 
     def forget_compiled(self) -> None:
@@ -369,6 +374,8 @@ class AttemptBuilder:
                 on_event=events,
                 multiprocessing=checkpoint_multiprocessing,
                 barrier_sync_fn=checkpoint_barrier,
+                fence=self.fence,
+                storage_faults=self.storage_faults,
             )
             # A normal finish has already waited for its saves; after a failure, settle an in-flight save
             # for a bounded time (Orbax finishes or fails it in the background; it never counts until

@@ -77,12 +77,18 @@ class Evaluator:
         loss = row["eval_loss"]
         return self.target_loss > 0 and loss is not None and loss <= self.target_loss
 
-    def __call__(self, step: int, params) -> dict[str, Any]:
-        """Evaluate `params` (the state after `step`); blocks until the sums are on the host."""
+    def __call__(
+        self, step: int, params, *, interrupt: Callable[[], bool] = lambda: False
+    ) -> dict[str, Any] | None:
+        """Evaluate `params` (the state after `step`); blocks until the sums are on the host. None when
+        `interrupt()` turned true between batches (a stop request): no row for a partial evaluation."""
         t0 = self.timer()
         self.iterator.set_state(self.start_state)
         sums = []
         while self.batches < 0 or len(sums) < self.batches:
+            if interrupt():
+                jax.block_until_ready(sums)
+                return None
             try:
                 host_batch = next(self.iterator)
             except StopIteration:

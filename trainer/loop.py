@@ -20,6 +20,7 @@ from trainer.data.batch import fingerprint
 from trainer.nonfinite import NonFinitePolicy
 from trainer.observe.peaks import peak_tflops
 from trainer.observe.sinks import Sinks
+from trainer.preemption import STEPPING, phase
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ class Boundary(Protocol):
 
     def after_step(self, step: int, state, data_state: Callable[[], dict]) -> list[int]: ...
 
+    def before_stop(self, step: int, state, data_state: dict) -> None:
+        """A stop (SIGTERM) at `step`: save what is fastest to save first (the local tier)."""
+
 
 class _NoBoundary:
     def before_step(self, step: int) -> None:
@@ -59,6 +63,9 @@ class _NoBoundary:
 
     def after_step(self, step: int, state, data_state) -> list[int]:
         return []
+
+    def before_stop(self, step: int, state, data_state: dict) -> None:
+        pass
 
 
 @dataclasses.dataclass
@@ -147,10 +154,13 @@ def train_loop(
     peak_tflops_per_device: float = 0.0,
     boundary: Boundary | None = None,
     stop_requested: Callable[[int], bool] = lambda step: False,
+    interrupt_eval: Callable[[], bool] = lambda: False,
 ) -> Outcome:
     """Run steps start_step+1 .. `steps` (a batch `nonfinite` rolled back is skipped).
 
-    `peak_tflops_per_device` overrides the device's known peak for MFU (0: look it up)."""
+    `peak_tflops_per_device` overrides the device's known peak for MFU (0: look it up). `stop_requested`
+    is asked at every step boundary (SIGTERM: save and return `preempted`), `interrupt_eval` between
+    evaluation batches (one process: a SIGTERM ends an evaluation early; the step boundary then stops)."""
     boundary = boundary or _NoBoundary()
     records = StepRecords(
         flops_per_step=attempt.flops_per_step,
@@ -178,70 +188,76 @@ def train_loop(
         return Outcome(ROLLBACK, done.step) if nonfinite.check(record) else None
 
     try:
-        while step < steps:
-            if nonfinite.skips(step + 1):
-                next(iterator)  # the batch that produced a non-finite update is skipped
-            boundary.before_step(step + 1)
-            host_batch = next(iterator)
-            fp = fingerprint(host_batch)
-            state, metrics = attempt.step_fn(state, attempt.device_batch(host_batch))
-            step += 1
-            if rollback := settle():  # blocks on step-1 only, while `step` runs on the device
-                return rollback
-            pending = _Pending(step, metrics, fp)
-            final = step == steps
-            # The iterator has yielded exactly `step` batches: its state pairs with this model state.
-            if ckpt.should_save(step, final=final):
-                t0 = time.perf_counter()
-                jax.block_until_ready(state)  # the save copies it; timed apart from the save's own work
-                waited = time.perf_counter() - t0
-                records.waited_for_devices(waited)
-                if ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata):
-                    events.emit(
-                        "checkpoint_save_blocked",
-                        step=step,
-                        seconds=round(time.perf_counter() - t0, 4),
-                        waited_for_step_s=round(waited, 4),
-                    )
-            # Evaluate after the save and before the boundary (snapshot, injected fault): a restore to this
-            # step finds it evaluated; a rewind to before it trains and evaluates it again.
-            if attempt.evaluator is not None and attempt.evaluator.due(step):
-                row = _evaluate(attempt.evaluator, step, state, records, sinks)
-                if attempt.evaluator.reached_target(row) and not final:
+        with phase(STEPPING):  # a SIGTERM here is acted on at the step boundary (trainer.preemption)
+            while step < steps:
+                if nonfinite.skips(step + 1):
+                    next(iterator)  # the batch that produced a non-finite update is skipped
+                boundary.before_step(step + 1)
+                host_batch = next(iterator)
+                fp = fingerprint(host_batch)
+                state, metrics = attempt.step_fn(state, attempt.device_batch(host_batch))
+                step += 1
+                if rollback := settle():  # blocks on step-1 only, while `step` runs on the device
+                    return rollback
+                pending = _Pending(step, metrics, fp)
+                final = step == steps
+                # The iterator has yielded exactly `step` batches: its state pairs with this model state.
+                if ckpt.should_save(step, final=final):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(state)  # the save copies it; timed apart from the save's own work
+                    waited = time.perf_counter() - t0
+                    records.waited_for_devices(waited)
+                    if ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata):
+                        events.emit(
+                            "checkpoint_save_blocked",
+                            step=step,
+                            seconds=round(time.perf_counter() - t0, 4),
+                            waited_for_step_s=round(waited, 4),
+                        )
+                # Evaluate after the save and before the boundary (snapshot, injected fault): a restore to
+                # this step finds it evaluated; a rewind to before it trains and evaluates it again.
+                if attempt.evaluator is not None and attempt.evaluator.due(step):
+                    row = _evaluate(attempt.evaluator, step, state, records, sinks, interrupt_eval)
+                    if row is not None and attempt.evaluator.reached_target(row) and not final:
+                        if rollback := settle(last=True):
+                            return rollback
+                        ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata)
+                        ckpt.wait()
+                        events.emit("target_eval_loss_reached", step=step, eval_loss=row["eval_loss"])
+                        return Outcome(TARGET_REACHED, step, eval_loss=row["eval_loss"])
+                returning = boundary.after_step(step, state, iterator.get_state)
+                if returning:
+                    return settle() or Outcome(SCALE_UP, step, state, tuple(sorted(returning)))
+                if stop_requested(step) and not final:
                     if rollback := settle(last=True):
                         return rollback
-                    ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata)
+                    # The fastest tier first (local), then the persistent checkpoint, inside the stop bound.
+                    boundary.before_stop(step, state, iterator.get_state())
+                    ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata, force=True)
                     ckpt.wait()
-                    events.emit("target_eval_loss_reached", step=step, eval_loss=row["eval_loss"])
-                    return Outcome(TARGET_REACHED, step, eval_loss=row["eval_loss"])
-            returning = boundary.after_step(step, state, iterator.get_state)
-            if returning:
-                return settle() or Outcome(SCALE_UP, step, state, tuple(sorted(returning)))
-            if stop_requested(step) and not final:
-                if rollback := settle(last=True):
-                    return rollback
-                ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata, force=True)
-                ckpt.wait()
-                events.emit("preempted", step=step)
-                return Outcome(PREEMPTED, step)
+                    events.emit("preempted", step=step)
+                    return Outcome(PREEMPTED, step)
+            if rollback := settle(last=True):
+                return rollback
+            ckpt.wait()
+            return Outcome(FINISHED, step)
     except BaseException:
         # A failure ends the attempt; the step before it did complete: keep its record.
         _write_best_effort(records, sinks, nonfinite, pending)
         raise
-    if rollback := settle(last=True):
-        return rollback
-    ckpt.wait()
-    return Outcome(FINISHED, step)
 
 
-def _evaluate(evaluator, step: int, state, records: StepRecords, sinks: Sinks) -> dict[str, Any]:
+def _evaluate(evaluator, step: int, state, records: StepRecords, sinks: Sinks, interrupt) -> dict[str, Any] | None:
     """Evaluate the state after `step` and write its eval row; the eval's wall time is its own, not the
-    step's (trainer.evaluate)."""
+    step's (trainer.evaluate). None, with no row, when `interrupt()` ended it early (a SIGTERM)."""
     t0 = time.perf_counter()
     jax.block_until_ready(state)  # the step's remaining device time stays in the step's time
     records.waited_for_devices(time.perf_counter() - t0)
-    row = evaluator(step, state["params"])
-    records.exclude(row["eval_time_s"])
+    row = evaluator(step, state["params"], interrupt=interrupt)
+    records.exclude(time.perf_counter() - t0 if row is None else row["eval_time_s"])
+    if row is None:
+        log.warning("evaluation at step %d interrupted by a stop request: no eval row", step)
+        return None
     sinks.write(row)
     return row
 

@@ -8,7 +8,6 @@ each part its own section (attempts get a `TrainSpec`, the supervisor `ElasticCo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import sys
@@ -20,7 +19,9 @@ from typing import TextIO
 import jax
 
 from trainer.attempt import AttemptBuilder, TrainSpec
+from trainer.checkpoint.fence import SaveFence
 from trainer.checkpoint.local_store import LocalStore
+from trainer.checkpoint.storage_faults import parse_storage_faults
 from trainer.config.errors import ConfigError
 from trainer.config.loader import to_flat_dict
 from trainer.config.schema import RunConfig
@@ -43,9 +44,10 @@ from trainer.loop import Outcome, train_loop
 from trainer.nonfinite import NonFinitePolicy
 from trainer.observe.profiler import StepProfiler
 from trainer.observe.rundir import RunPaths
-from trainer.observe.sinks import JsonlSink, LogSink, ProgressSink, Sinks, TensorBoardSink
+from trainer.observe.sinks import JsonlSink, LogSink, ProgressSink, RecordedSteps, Sinks, TensorBoardSink
 from trainer.observe.slowsteps import CoordinationHostTimes, HostTimes, SlowStepMonitor
 from trainer.parallel.mesh import build_mesh, group_into_slices
+from trainer.preemption import StopSignal
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +60,15 @@ def make_sinks(
     events=None,
     process_index: int = 0,
     host_times: HostTimes | None = None,
+    recorded: RecordedSteps | None = None,
 ) -> Sinks:
-    """metrics.jsonl always; a live progress line when stderr is a terminal, else a log line every
-    log_period steps; TensorBoard when enabled. Given the run's event log: slow-step events
-    (monitor_step_time_deviation) and, on process 0, Weights & Biases (enable_wandb)."""
+    """metrics.jsonl always (then `recorded`, which tracks the rows written); a live progress line when
+    stderr is a terminal, else a log line every log_period steps; TensorBoard when enabled. Given the
+    run's event log: slow-step events (monitor_step_time_deviation) and, on process 0, Weights & Biases
+    (enable_wandb)."""
     stderr = sys.stderr if stderr is None else stderr
     console = ProgressSink(cfg.train.steps, stream=stderr) if stderr.isatty() else LogSink(cfg.observe.log_period)
-    sinks = [JsonlSink(run_dir / "metrics.jsonl"), console]
+    sinks = [JsonlSink(run_dir / "metrics.jsonl"), *([recorded] if recorded is not None else []), console]
     if cfg.observe.enable_tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
     o = cfg.observe
@@ -124,8 +128,13 @@ def build_supervisor(
     stop_requested: Callable[[int], bool],
     membership=None,
     heartbeat_dead_after_s: float = 10.0,
+    recorded: RecordedSteps | None = None,
+    fence: SaveFence | None = None,
+    interrupt_eval: Callable[[], bool] | None = None,
 ) -> Supervisor:
-    """The supervisor with every part it drives, each built from its own section of the config."""
+    """The supervisor with every part it drives, each built from its own section of the config.
+    `recorded`: the rows metrics.jsonl holds (the local tier commits behind them); `fence`: the process's
+    save fence (trainer.checkpoint.fence), holding the run's lease on process 0."""
     single_controller = cfg.mesh.enable_single_controller
     outages = injector = process_faults = None
     if jax.process_count() > 1:  # a process's own error; lost processes are killed from outside
@@ -143,6 +152,7 @@ def build_supervisor(
         nonfinite=NonFinitePolicy(cfg.observe.nan_policy, events),
         peak_tflops_per_device=cfg.observe.peak_tflops_per_device,
         stop_requested=stop_requested,
+        interrupt_eval=interrupt_eval or (lambda: False),
     )
     return Supervisor(
         cfg.elastic,
@@ -151,11 +161,13 @@ def build_supervisor(
             train_spec(cfg),
             checkpoint_dir=paths.checkpoints,
             events=events,
+            fence=fence or SaveFence(),
+            storage_faults=parse_storage_faults(cfg.elastic.fault_schedule),
         ),
         run_loop=run_loop,
         events=events,
         profiler=StepProfiler(cfg.observe, paths.local / "profile", events),
-        snapshots=HostSnapshots(events, store=local_store(cfg, paths, events)),
+        snapshots=HostSnapshots(events, store=local_store(cfg, paths, events, recorded)),
         injector=injector,
         outages=outages,
         membership=membership,
@@ -169,15 +181,18 @@ def build_supervisor(
     )
 
 
-def local_store(cfg: RunConfig, paths: RunPaths, events) -> LocalStore | None:
-    """This process's local checkpoint tier (None when off)."""
+def local_store(
+    cfg: RunConfig, paths: RunPaths, events, recorded: RecordedSteps | None = None
+) -> LocalStore | None:
+    """This process's local checkpoint tier (None when off); a step commits once `recorded` has its row."""
     if paths.local_checkpoints is None:
         return None
     return LocalStore(
         paths.local_checkpoints,
         keep=cfg.checkpoint.max_num_local_checkpoints_to_keep,
         events=events,
-        config=dataclasses.asdict(cfg.model),
+        config=to_flat_dict(cfg),
+        recorded=recorded,
     )
 
 
@@ -233,9 +248,17 @@ def process_slices(cfg: RunConfig, settings: DistributedSettings, events):
 
 
 def run(
-    cfg: RunConfig, *, paths: RunPaths, events, stop_requested: Callable[[int], bool] = lambda step: False
+    cfg: RunConfig,
+    *,
+    paths: RunPaths,
+    events,
+    stop_requested: Callable[[int], bool] = lambda step: False,
+    fence: SaveFence | None = None,
+    stop: StopSignal | None = None,
 ) -> Outcome:
-    """Train `cfg` to the end (or until stopped); returns how it ended."""
+    """Train `cfg` to the end (or until stopped); returns how it ended. `fence`: the process's save fence
+    (with the run's lease on process 0); `stop`: the process's SIGTERM handling (its emergency save is the
+    supervisor's; one process also ends an evaluation early on it)."""
     settings = setup_runtime(cfg)
     membership = heartbeat = None
     try:
@@ -250,8 +273,14 @@ def run(
         host_times = (
             CoordinationHostTimes(coordination_client(), jax.process_index()) if settings.multi_process else None
         )
+        recorded = RecordedSteps() if paths.local_checkpoints is not None else None
         sinks = make_sinks(
-            cfg, paths.local, events=events, process_index=jax.process_index(), host_times=host_times
+            cfg,
+            paths.local,
+            events=events,
+            process_index=jax.process_index(),
+            host_times=host_times,
+            recorded=recorded,
         )
         with contextlib.closing(sinks):
             supervisor = build_supervisor(
@@ -263,7 +292,12 @@ def run(
                 stop_requested=stop_requested,
                 membership=membership,
                 heartbeat_dead_after_s=3.0 * settings.heartbeat_timeout_seconds + 5.0 if heartbeat else 10.0,
+                recorded=recorded,
+                fence=fence,
+                interrupt_eval=None if stop is None or settings.multi_process else (lambda: stop.requested),
             )
+            if stop is not None:
+                stop.add_saver(supervisor.emergency_save)
             return supervisor.run()
     finally:
         if heartbeat is not None:

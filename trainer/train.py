@@ -1,20 +1,19 @@
 """CLI: `python -m trainer.train [CONFIG] [key=value ...] [--print-config]`.
 
-CONFIG is a path, or a name inside configs/ (default base.yml). Exit codes: 0 finished (or preempted
-after a final save), 2 bad config or data (before any compute), 3 elastic retries exhausted or
-timed out, 1 any other failure. The last line printed is one `STATUS:` line saying how it ended.
+CONFIG is a path, or a name inside configs/ (default base.yml). The exit code follows the contract in
+`trainer/errors.py` (0 finished, 1 failed, 2 bad input, 3 gave up, 42 preempted, 75 transient); the
+last line printed is one `STATUS:` line saying how it ended.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ELASTIC = 0, 1, 2, 3
+from trainer.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_OK, EXIT_PREEMPTED, EXIT_TRANSIENT
+
 _EPILOG = """Config layers, each later one winning: configs/base.yml (every key, its default and a one-line
 description), the model preset configs/models/<model>.yml, CONFIG when it is not base.yml, then
 key=value arguments (flags and key=value may come in any order). --print-config shows the result and
@@ -24,9 +23,11 @@ The run directory is <base_output_directory>/<run_name>; with no run_name it is 
 ($JOBSET_NAME, $SLURM_JOB_NAME-$SLURM_JOB_ID), else <model>-<data>, so the same command resumes the
 same run.
 
-Exit codes: 0 finished (or preempted by SIGTERM after a final save); 2 bad config, data or input
-path (before any compute); 3 elastic recovery gave up; 1 any other failure. The last line is
-always 'STATUS: ...'."""
+Exit codes (the contract with Kubernetes and Slurm): 0 finished; 1 a bug or unknown error; 2 bad
+config, data, input path or checkpoint, or the run directory is held by another job (before any
+compute); 3 gave up (failures came faster than progress); 42 preempted (SIGTERM: the newest state is
+saved, restart me); 75 transient (infrastructure failed, everything is resumable: restart me). The
+last line is always 'STATUS: ...'."""
 
 
 def _parse_args(argv):
@@ -62,23 +63,6 @@ def _setup_logging() -> None:
 
 def _status(line: str) -> None:
     print(f"STATUS: {line}", flush=True)
-
-
-class _StopFlag:
-    """Set by SIGTERM (a preemption notice): the loop finishes the step, saves and exits 0."""
-
-    def __init__(self):
-        self._event = threading.Event()
-
-    def install(self) -> None:
-        def handler(signum, frame):
-            logging.getLogger(__name__).warning("SIGTERM received: finishing the current step and saving")
-            self._event.set()
-
-        signal.signal(signal.SIGTERM, handler)
-
-    def __call__(self, step: int | None = None) -> bool:
-        return self._event.is_set()
 
 
 def main(argv=None) -> int:
@@ -135,20 +119,30 @@ def _prepare(cfg):
         why,
         where.replace(" ", "_"),
     )
-    print(f"run_dir={paths.run_dir} ({where}; run_name from {why})", flush=True)
+    unused = "".join(f"; {given} not used: the run resumes" for given in checked.unused_load_paths)
+    print(f"run_dir={paths.run_dir} ({where}; run_name from {why}{unused})", flush=True)
     return paths, checked
 
 
 def _train(cfg, paths, checked, config_text: str) -> int:
-    from trainer.elastic.errors import ElasticGiveUp
+    from trainer.checkpoint.fence import SaveFence
     from trainer.errors import UserInputError
     from trainer.hostmem import hugepages_requested
     from trainer.loop import PREEMPTED, TARGET_REACHED
     from trainer.observe.events import EventLog
+    from trainer.preemption import Preempted, StopSignal
     from trainer.run import run
 
     log = logging.getLogger("trainer.train")
+    stop = StopSignal(cfg.train.stop_timeout_seconds)
+    stop.install()
     run_dir = paths.local
+    try:  # before the first write: two jobs must never train one run directory
+        lease, taken = _take_lease(cfg, paths)
+    except UserInputError as e:
+        print(f"input error: {e}", file=sys.stderr)
+        _status("input_error")
+        return EXIT_BAD_INPUT
     run_dir.mkdir(parents=True, exist_ok=True)
     paths.pull()
     (run_dir / "config.yml").write_text(config_text)
@@ -162,17 +156,24 @@ def _train(cfg, paths, checked, config_text: str) -> int:
         argv=sys.argv[1:],
         host_hugepages=hugepages_requested(),
     )
-    stop = _StopFlag()
-    stop.install()
+    if taken is not None:
+        events.emit("lease_acquired", **taken)
+    for given in checked.unused_load_paths:
+        key, _, value = given.partition("=")
+        events.emit("load_path_unused", key=key, path=value, resume_step=checked.resume_step)
+    if lease is not None:
+        stop.add_check(lambda: _check_lease(lease))
+        stop.add_saver(lease.release)
+        lease.start_heartbeat(on_lost=lambda: log.error("the run's lease was taken over by another job"))
     try:
-        outcome = run(cfg, paths=paths, events=events, stop_requested=stop)
+        outcome = run(cfg, paths=paths, events=events, stop_requested=stop, fence=SaveFence(lease), stop=stop)
         if outcome.kind == PREEMPTED:
             saved = (
                 "checkpoint saved; rerun the same command to resume"
                 if cfg.checkpoint.enable_checkpointing
                 else "no checkpoint saved (enable_checkpointing=false): a rerun starts over"
             )
-            code, status, line = EXIT_OK, "preempted", f"preempted step={outcome.step}: {saved}"
+            code, status, line = EXIT_PREEMPTED, "preempted", f"preempted step={outcome.step}: {saved}"
         elif outcome.kind == TARGET_REACHED:
             code, status = EXIT_OK, TARGET_REACHED
             line = (
@@ -182,23 +183,73 @@ def _train(cfg, paths, checked, config_text: str) -> int:
         else:
             code, status, line = EXIT_OK, "finished", f"finished step={outcome.step} run_dir={paths.run_dir}"
         fields = {"step": outcome.step}
-    except UserInputError as e:
-        status = _input_status(e)
-        print(f"{status.replace('_', ' ')}: {e}", file=sys.stderr)
-        code, line, fields = EXIT_BAD_INPUT, status, {"error": str(e)}
-    except ElasticGiveUp as e:
-        log.error("elastic recovery gave up: %s", e)
-        code, status, line, fields = EXIT_ELASTIC, "elastic_gave_up", f"elastic_gave_up: {e}", {"error": str(e)}
-    except Exception as e:  # every other failure: logged with its traceback, reported, non-zero
-        log.exception("training failed")
-        code, status = EXIT_FAILED, "failed"
-        line, fields = f"failed: {type(e).__name__}: {e}", {"error": f"{type(e).__name__}: {e}"}
+    except Preempted as e:
+        log.warning("stopped by SIGTERM during %s; rerun the same command to resume", e.phase)
+        code, status = EXIT_PREEMPTED, "preempted"
+        line, fields = f"preempted during {e.phase}: rerun the same command to resume", {"phase": e.phase}
+    except Exception as e:  # every failure ends with the contract's code for its cause (trainer.errors)
+        code, status, line, fields = _failure(e, log)
     _emit_goodput(events, run_dir)
-    events.emit("finish", status=status, **fields)
+    events.emit("finish", status=status, exit_code=code, **fields)
     events.close()
     paths.sync()
+    if lease is not None:
+        lease.release()
+    stop.finished()
     _status(line)
     return code
+
+
+def _failure(error: Exception, log) -> tuple[int, str, str, dict]:
+    """(exit code, status, STATUS line, finish-event fields) of the error that ended the run."""
+    from trainer.errors import exit_code_for
+
+    code = exit_code_for(error)
+    text = f"{type(error).__name__}: {error}"
+    if code == EXIT_BAD_INPUT:
+        status = _input_status(error)
+        print(f"{status.replace('_', ' ')}: {error}", file=sys.stderr)
+        return code, status, status, {"error": str(error)}
+    if code == EXIT_GAVE_UP:
+        log.error("elastic recovery gave up: %s", error)
+        return code, "elastic_gave_up", f"elastic_gave_up: {error}", {"error": str(error)}
+    if code == EXIT_TRANSIENT:
+        log.exception("infrastructure failure; everything saved is intact: rerun the same command to resume")
+        return code, "transient", f"transient: {text}", {"error": text}
+    if code == EXIT_PREEMPTED:
+        return code, "preempted", f"preempted: {error}", {"error": text}
+    log.exception("training failed")
+    return code, "failed", f"failed: {text}", {"error": text}
+
+
+def _take_lease(cfg, paths):
+    """(lease, event fields) for process 0 of the job; (None, None) for the others or when leases are off."""
+    from trainer.checkpoint.lease import RunLease
+    from trainer.config import ConfigError
+    from trainer.distributed import resolve_settings
+
+    if cfg.train.run_lease_stale_seconds <= 0:
+        return None, None
+    try:
+        if resolve_settings(cfg.distributed).process_id != 0:
+            return None, None
+    except ConfigError:
+        pass  # reported, with exit code 2, when run() resolves the settings again
+    root = paths.remote if paths.remote is not None else paths.local
+    if paths.remote is None:
+        paths.local.mkdir(parents=True, exist_ok=True)
+    lease = RunLease(root, stale_s=cfg.train.run_lease_stale_seconds)
+    return lease, lease.acquire()
+
+
+def _check_lease(lease) -> None:
+    from trainer.checkpoint.lease import LeaseLost
+
+    if lease.lost:
+        raise LeaseLost(
+            f"the run directory's lease was taken over by another job (a heartbeat older than "
+            f"run_lease_stale_seconds={lease.stale_s:g}): this job stops; its saves no longer commit"
+        )
 
 
 def _process_paths(paths, cfg):

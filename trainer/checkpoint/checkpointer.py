@@ -7,8 +7,14 @@ Every outcome is a log line and an `on_event(name, fields)` call:
 
     checkpoint_save_start {step}         checkpoint_save_committed {step, seconds, bytes}
     checkpoint_restore_start {step}      checkpoint_restore_done {step, seconds, bytes}
-    checkpoint_save_failed {step, error}      checkpoint_restore_failed {step, error}
-    checkpoint_partial_removed {path}
+    checkpoint_save_failed {step, error}      checkpoint_restore_failed {step, error, transient, attempt}
+    checkpoint_partial_removed {path}         checkpoint_set_aside {step, path, check, reason}
+    checkpoint_save_fenced {step, error}      checkpoint_foreign_step {path}
+
+Restore failures are classified (`restore`): a step that does not fit the config's train state raises
+`CheckpointMismatch` (exit 2, nothing changed); a device or peer failure propagates; anything else is
+set aside only when the step's own files fail verification (`trainer.checkpoint.verify`), and
+otherwise retried, then raised as `CheckpointRestoreTransient` (exit 75, nothing changed).
 
 `seconds` of a save runs from `save()` to the moment this object saw the commit; an async commit is
 seen at the next `should_save`/`save`/`wait`, so call `should_save` every step. `bytes` counts the
@@ -28,6 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -35,8 +42,12 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental.multihost_utils import ProcessFailureError
 
-from trainer.checkpoint import commit
+from trainer.checkpoint import commit, verify
+from trainer.checkpoint.compat import CheckpointMismatch, leaf_differences, signature, stored_orbax_signature
+from trainer.checkpoint.fence import FencedWrite, SaveFence, fenced_path_class
+from trainer.checkpoint.storage_faults import StorageFaults
 from trainer.config.schema import CheckpointConfig
+from trainer.errors import TransientError, UserInputError
 from trainer.state import tree_nbytes
 
 log = logging.getLogger(__name__)
@@ -44,10 +55,17 @@ log = logging.getLogger(__name__)
 # The items of a step directory (each is a subdirectory of <step>/).
 STATE, DATA, METADATA = "state", "data", "metadata"
 _POLL_S = 0.05
+RESTORE_TRIES = 3  # reads of one step before a failure that is not corruption is given up on
+RESTORE_BACKOFF_S = 0.5  # doubled after each failed read
+# Saves abandoned by a closed checkpointer: (directory, Orbax manager, step). Their writer thread may still
+# be writing the step's directory, so cleanup leaves that step alone until the writer has ended (fenced).
+_ABANDONED: list[tuple[str, Any, int]] = []
+_ABANDONED_LOCK = threading.Lock()
 
 
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint save failed (storage error, disk full, permission, ...); the cause is chained."""
+class CheckpointSaveError(TransientError):
+    """A checkpoint save failed (storage error, disk full, permission, ...); the cause is chained. Nothing
+    committed is affected: the run resumes from the newest committed step."""
 
     def __init__(self, step: int, message: str):
         super().__init__(message)
@@ -56,6 +74,15 @@ class CheckpointSaveError(RuntimeError):
 
 class CheckpointRestoreError(RuntimeError):
     """None of the committed checkpoints could be restored; the newest one's error is chained."""
+
+
+class CheckpointRestoreTransient(CheckpointRestoreError, TransientError):
+    """A committed step could not be read, but its files verify: storage, a peer or memory failed, not the
+    step. Nothing was changed; the same command resumes."""
+
+
+class RunStepsAllCorrupt(CheckpointRestoreError, UserInputError):
+    """Every committed step failed verification and was set aside: the run is not silently restarted."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,13 +113,21 @@ def open_checkpointer(
     on_event: Callable[[str, dict], None] = lambda name, fields: None,
     multiprocessing: ocp.options.MultiprocessingOptions | None = None,
     barrier_sync_fn: Callable | None = None,
+    fence: SaveFence | None = None,
+    storage_faults: StorageFaults | None = None,
 ):
     """The run's checkpoints: a `Checkpointer`, or `NoCheckpoints` under enable_checkpointing=false
     (the one place that setting is read)."""
     if not cfg.enable_checkpointing:
         return NoCheckpoints()
     return Checkpointer(
-        directory, cfg, on_event=on_event, multiprocessing=multiprocessing, barrier_sync_fn=barrier_sync_fn
+        directory,
+        cfg,
+        on_event=on_event,
+        multiprocessing=multiprocessing,
+        barrier_sync_fn=barrier_sync_fn,
+        fence=fence,
+        storage_faults=storage_faults,
     )
 
 
@@ -135,17 +170,27 @@ class Checkpointer:
         clock: Callable[[], float] = time.monotonic,
         multiprocessing: ocp.options.MultiprocessingOptions | None = None,
         barrier_sync_fn: Callable | None = None,
+        fence: SaveFence | None = None,
+        storage_faults: StorageFaults | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ):
         """`barrier_sync_fn`: Orbax's barriers between processes (trainer.distributed.heartbeat.Barrier,
-        which ends with ProcessFailureError when a peer dies); None: the coordination service's."""
+        which ends with ProcessFailureError when a peer dies); None: the coordination service's.
+        `fence`: the process's save fence (one per process; this checkpointer advances it, so saves of
+        earlier checkpointers can no longer commit). `storage_faults`: injected storage failures."""
         self._manager = None  # first, so that close() works on a half-built object
         self._barrier = barrier_sync_fn
         self.directory = epath.Path(directory)
         self._cfg = cfg
         self._on_event = on_event
         self._clock = clock
+        self._sleep = sleep
+        self._faults = storage_faults or StorageFaults()
         self._inflight: _InFlight | None = None
         self._failure: CheckpointSaveError | None = None  # newest failed save, not raised yet
+        self._foreign_reported: set[str] = set()
+        self._fence = fence or SaveFence()
+        epoch = self._fence.advance()
         keep = cfg.max_num_checkpoints_to_keep
         subset = multiprocessing is not None and multiprocessing.active_processes is not None
         if subset:  # Orbax leaves the root directory to us when only some processes take part
@@ -162,6 +207,10 @@ class Checkpointer:
             ),
             # Several processes: which of them take part, and which one writes shared files (primary).
             multiprocessing_options=multiprocessing or ocp.options.MultiprocessingOptions(),
+            # The commit runs the fence and records the step's files (trainer.checkpoint.fence, .verify).
+            temporary_path_class=fenced_path_class(
+                self.directory, check=partial(self._fence_check, epoch), record=verify.record
+            ),
         )
         self._primary_host = options.multiprocessing_options.primary_host
         # The state item is a plain Orbax pytree checkpoint (what StandardSave writes too); its handler is
@@ -191,16 +240,18 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def cleanup_partial(self) -> list[str]:
-        """Remove every partial step (tmp dirs and step dirs without the commit marker), not only the
-        newest; return their paths. The step this object is writing right now is left alone, and a
-        partial that cannot be removed yet is logged and kept for the next call: for up to a second
-        after a failed save, Orbax's remaining writer threads may still be writing into its tmp dir."""
-        if self._primary_host is not None and jax.process_index() != self._primary_host:
+        """Remove this trainer's own unfinished writes (`commit.partial_step_paths`: Orbax's tmp dirs, and
+        step dirs whose in-flight marker says this trainer was writing them), every one, not only the
+        newest; return their paths. Left alone: the step this object is writing, a step an abandoned save
+        of an earlier attempt may still be writing (removed once its writer ended), a partial that cannot
+        be removed yet (kept for the next call), and step directories of other tools (reported once)."""
+        if not self._is_primary():
             return []  # several processes share the directory: only the primary host deletes
-        busy = self._inflight.step if self._inflight is not None else None
+        busy = {self._inflight.step} if self._inflight is not None else set()
+        busy |= _abandoned_writing(str(self.directory))
         removed = []
         for step, path in commit.partial_step_paths(self.directory):
-            if step == busy:
+            if step in busy:
                 continue
             try:
                 if path.is_dir():
@@ -210,11 +261,27 @@ class Checkpointer:
             except OSError as e:
                 log.warning("checkpoint partial not removed yet path=%s: %s", path, _describe(e))
                 continue
-            removed.append(str(path))
-            self._emit("checkpoint_partial_removed", logging.WARNING, path=str(path))
+            if not path.name.endswith(commit.SAVING_SUFFIX):
+                removed.append(str(path))
+                self._emit("checkpoint_partial_removed", logging.WARNING, path=str(path))
+        for path in commit.foreign_step_paths(self.directory):
+            if str(path) not in self._foreign_reported:
+                self._foreign_reported.add(str(path))
+                self._emit("checkpoint_foreign_step", logging.WARNING, path=str(path))
         if removed:
             self._manager.reload()  # Orbax may have listed a marker-less step dir as a checkpoint
         return removed
+
+    def _is_primary(self) -> bool:
+        return self._primary_host is None or jax.process_index() == self._primary_host
+
+    def _fence_check(self, epoch: int, step: int) -> None:
+        """Run at the step's commit, on Orbax's thread (trainer.checkpoint.fence)."""
+        try:
+            self._fence.check(epoch, step)
+        except FencedWrite as e:
+            self._emit("checkpoint_save_fenced", logging.WARNING, step=step, error=str(e))
+            raise
 
     # ---- saving -----------------------------------------------------------------------------------
 
@@ -258,6 +325,9 @@ class Checkpointer:
                 return False
             self._manager.reload()  # retention and "step exists" use Orbax's cache: refresh it
             self._emit("checkpoint_save_start", step=step)
+            self._faults.fire("save", f"step {step}")
+            if self._is_primary():  # ours, for cleanup: written before the step's directory exists
+                commit.saving_marker(self.directory, step).write_text(str(time.time()))
             self._blocking(lambda: self._manager.save(step, args=ocp.args.Composite(**items), force=True))
         except ProcessFailureError:
             raise  # a peer died during the save: a slice-down event, not a failed save
@@ -326,6 +396,8 @@ class Checkpointer:
             if not self._settle(timeout_s, manager=manager):
                 step = self._inflight.step
                 self._inflight = None
+                with _ABANDONED_LOCK:  # its writer may go on; the fence refuses its commit
+                    _ABANDONED.append((str(self.directory), manager, step))
                 self._emit(
                     "checkpoint_save_failed",
                     logging.ERROR,
@@ -344,11 +416,16 @@ class Checkpointer:
 
     def restore(self, abstract_state, step: int | None = None) -> Restored | None:
         """Restore the newest committed step (or `step`, which must be committed) onto the shardings of
-        `abstract_state` (jax.ShapeDtypeStruct leaves with .sharding, any mesh). A step that fails to
-        read is logged and emitted, moved aside (`_set_aside`: saved again when training reaches it), and
-        the next older committed step is tried. Returns None if there
-        is no committed step; raises CheckpointRestoreError if every one failed. A JaxRuntimeError
-        (a device or slice failure, not a bad checkpoint) propagates at once."""
+        `abstract_state` (jax.ShapeDtypeStruct leaves with .sharding, any mesh). Returns None if there is
+        no committed step. A failed read is classified:
+        - a device or slice failure (JaxRuntimeError, ProcessFailureError) propagates at once;
+        - a step whose stored tree does not fit `abstract_state` raises CheckpointMismatch (exit 2);
+        - a step whose own files fail verification is set aside (`_set_aside`, naming the failed check:
+          saved again when training reaches it) and the next older step is tried;
+        - anything else is retried (RESTORE_TRIES reads, backing off), then raised as
+          CheckpointRestoreTransient: nothing on storage changes.
+        If every committed step was set aside, raises RunStepsAllCorrupt (the run never silently
+        starts over)."""
         self._settle()
         steps = self.committed_steps()
         if step is not None:
@@ -357,27 +434,71 @@ class Checkpointer:
                     f"step {step} is not a committed checkpoint in {self.directory} (committed: {steps})"
                 )
             steps = [s for s in steps if s <= step]
-        first_error = None
+        if not steps:
+            return None
+        aside = []
         for candidate in reversed(steps):
+            restored, failed_check = self._restore_or_verify(candidate, abstract_state)
+            if restored is not None:
+                return restored
+            aside.append(f"{candidate} ({failed_check})")
+        raise RunStepsAllCorrupt(
+            f"every committed step of {self.directory} failed verification and was set aside: "
+            f"{', '.join(aside)}; the run is not restarted from scratch. Inspect them (and delete them to "
+            "start over), or start a new run: another run_name=..."
+        )
+
+    def _restore_or_verify(self, step: int, abstract_state) -> tuple[Restored | None, str | None]:
+        """(restored, None), or (None, the failed check) once the step was proven corrupt and set aside."""
+        for attempt in range(1, RESTORE_TRIES + 1):
             try:
-                return self._restore_step(candidate, abstract_state)
-            except jax.errors.JaxRuntimeError:
+                self._faults.fire("restore", f"step {step}")
+                return self._restore_step(step, abstract_state), None
+            except (jax.errors.JaxRuntimeError, ProcessFailureError):
                 raise
             except Exception as e:
-                self._emit("checkpoint_restore_failed", logging.ERROR, step=candidate, error=_describe(e))
-                self._set_aside(candidate, e)
-                first_error = first_error or e
-        if first_error is None:
-            return None
-        raise CheckpointRestoreError(
-            f"no committed checkpoint in {self.directory} could be restored (tried {steps[::-1]})"
-        ) from first_error
+                failed_check = verify.verify_step(commit.step_dir(self.directory, step))
+                mismatch = [] if failed_check else self._mismatch(step, abstract_state)
+                if mismatch:
+                    raise CheckpointMismatch(
+                        f"cannot restore {commit.step_dir(self.directory, step)}: the train state this config "
+                        f"builds does not match it: {'; '.join(mismatch)}. Resume with the config it was "
+                        "saved with, or start a new run (another run_name=...); nothing was changed"
+                    ) from e
+                self._emit(
+                    "checkpoint_restore_failed",
+                    logging.ERROR,
+                    step=step,
+                    error=_describe(e),
+                    transient=failed_check is None,
+                    attempt=attempt,
+                )
+                if failed_check is not None:
+                    self._set_aside(step, e, failed_check)
+                    return None, failed_check
+                if attempt == RESTORE_TRIES:
+                    raise CheckpointRestoreTransient(
+                        f"restoring checkpoint step {step} failed {RESTORE_TRIES} times, and its files verify "
+                        f"(so storage, memory or a peer failed, not the step): {_describe(e)}; nothing was "
+                        "changed: the same command resumes"
+                    ) from e
+                self._sleep(RESTORE_BACKOFF_S * 2 ** (attempt - 1))
+        raise AssertionError("unreachable")
 
-    def _set_aside(self, step: int, error: Exception) -> None:
-        """Move an unreadable committed step to `<step>.unreadable-<unix time>` (kept for inspection; no
-        longer a step, partial or committed), so the run saves that step again when it reaches it instead
-        of skipping it as "already committed". Only the primary host moves it."""
-        if self._primary_host is not None and jax.process_index() != self._primary_host:
+    def _mismatch(self, step: int, abstract_state) -> list[str]:
+        """The leaves where the step's stored tree differs from `abstract_state` ([] if it fits, or its
+        metadata cannot tell)."""
+        stored = stored_orbax_signature(commit.step_dir(self.directory, step))
+        if stored is None:
+            return []
+        return leaf_differences(signature(abstract_state, orbax_layout=True), stored)
+
+    def _set_aside(self, step: int, error: Exception, check: str) -> None:
+        """Move a committed step whose own files failed verification (`check`) to
+        `<step>.unreadable-<unix time>` (kept for inspection; no longer a step, partial or committed), so
+        the run saves that step again when it reaches it instead of skipping it as "already committed".
+        Only the primary host moves it."""
+        if not self._is_primary():
             return
         path = commit.step_dir(self.directory, step)
         aside = path.parent / f"{path.name}{commit.UNREADABLE_SUFFIX}{int(time.time())}"
@@ -387,7 +508,14 @@ class Checkpointer:
             log.warning("unreadable checkpoint step=%d not moved aside: %s", step, _describe(e))
             return
         self._manager.reload()
-        self._emit("checkpoint_set_aside", logging.WARNING, step=step, path=str(aside), reason=_describe(error))
+        self._emit(
+            "checkpoint_set_aside",
+            logging.WARNING,
+            step=step,
+            path=str(aside),
+            check=check,
+            reason=_describe(error),
+        )
 
     def _restore_step(self, step: int, abstract_state) -> Restored:
         self._emit("checkpoint_restore_start", step=step)
@@ -433,6 +561,7 @@ class Checkpointer:
             self._record_failure(inflight.step, e)
             return True
         self._failure = None  # a newer committed checkpoint supersedes an earlier failure
+        self._drop_marker(inflight.step)
         self._emit(
             "checkpoint_save_committed",
             step=inflight.step,
@@ -440,6 +569,16 @@ class Checkpointer:
             bytes=inflight.nbytes,
         )
         return True
+
+    def _drop_marker(self, step: int) -> None:
+        if not self._is_primary():
+            return
+        try:
+            commit.saving_marker(self.directory, step).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # a stale marker beside a committed step is harmless; cleanup removes it
+            log.warning("in-flight marker of step %d not removed: %s", step, _describe(e))
 
     def _record_failure(self, step: int, error: Exception) -> None:
         failure = CheckpointSaveError(step, f"checkpoint save of step {step} failed: {_describe(error)}")
@@ -455,6 +594,15 @@ class Checkpointer:
     def _emit(self, name: str, level: int = logging.INFO, **fields) -> None:
         log.log(level, "%s %s", name, " ".join(f"{k}={v}" for k, v in fields.items()))
         self._on_event(name, fields)
+
+
+def _abandoned_writing(directory: str) -> set[int]:
+    """Steps under `directory` that a save abandoned by an earlier checkpointer may still be writing
+    (finished ones are forgotten)."""
+    with _ABANDONED_LOCK:
+        alive = [entry for entry in _ABANDONED if _saving_in_progress(entry[1], _POLL_S) is not False]
+        _ABANDONED[:] = alive
+        return {step for d, _, step in alive if d == directory}
 
 
 def _saving_in_progress(manager, timeout_s: float) -> bool | None:

@@ -8,12 +8,13 @@ processes, `process_<i>/` below it: each process writes only what its own device
 
     40/                  a committed step
       state.bin          every leaf of the train state, raw, back to back
-      manifest.json      written last: step, leaves (path, dtype, shape, offset), data-iterator state,
-                         the run's config; the step counts only if this is here
+      manifest.json      step, leaves (path, dtype, shape, offset), data-iterator state, the run's
+                         config
     45.partial-1234/     a write in progress, or left by a killed one: removed on start
 
-A step is committed by renaming its finished `.partial-<pid>` directory, so a reader never sees half of
-one. Only the newest `keep` committed steps stay: the disk use is `keep` copies of the state.
+A step is committed by renaming its finished `.partial-<pid>` directory, and only once the step's row
+is in metrics.jsonl (`recorded`), so a reader never sees half of one and every step restored from has
+its record. Only the newest `keep` committed steps stay: the disk use is `keep` copies of the state.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,10 +51,10 @@ def committed_steps(root: Path) -> list[int]:
     return sorted(int(n) for n in names if n.isdigit() and (Path(root) / n / MANIFEST).is_file())
 
 
-def saved_config(root: Path, step: int) -> dict | None:
-    """The run config recorded with a committed local step (None if it has none)."""
+def read_manifest(root: Path, step: int) -> dict | None:
+    """The manifest of committed local step `step` (None if it cannot be read)."""
     try:
-        return json.loads((Path(root) / str(step) / MANIFEST).read_text()).get("config")
+        return json.loads((Path(root) / str(step) / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
 
@@ -66,11 +68,15 @@ class LocalStore:
 
     `write` runs on the snapshot's background thread; everything else on the main thread."""
 
-    def __init__(self, root, *, keep: int, events, config: dict | None = None):
+    def __init__(self, root, *, keep: int, events, config: dict | None = None, recorded=None):
+        """`config`: the run's flat config, recorded in every manifest. `recorded`: the run's
+        `RecordedSteps`; a step commits only once its metrics row is written (None: at once)."""
         self.root = Path(root)
         self.keep = keep
         self.events = events
         self.config = config or {}
+        self.recorded = recorded
+        self._writing = threading.Lock()  # the snapshot thread and a stop's emergency save never overlap
 
     def cleanup_partial(self) -> list[str]:
         """Remove the writes a killed process left behind; they never count."""
@@ -93,6 +99,10 @@ class LocalStore:
 
     def write(self, step: int, state, data_state: dict, *, started: float | None = None) -> None:
         """Write one host snapshot (numpy pytree) as committed step `step`, then prune old steps."""
+        with self._writing:
+            self._write(step, state, data_state, started=started)
+
+    def _write(self, step: int, state, data_state: dict, *, started: float | None) -> None:
         t0 = time.perf_counter() if started is None else started
         self.root.mkdir(parents=True, exist_ok=True)
         partial = self.root / f"{step}.partial-{os.getpid()}"
@@ -116,6 +126,11 @@ class LocalStore:
             "time": time.time(),
         }
         (partial / MANIFEST).write_text(json.dumps(manifest))
+        if self.recorded is not None and not self.recorded.wait(step):
+            # A step that is restored from must have its record: without it, it is never written.
+            shutil.rmtree(partial, ignore_errors=True)
+            self.events.emit("local_checkpoint_save_failed", step=step, error="its metrics row was never written")
+            return
         final = self.root / str(step)
         if final.exists():  # the same step trained again (after a restore from an older one)
             shutil.rmtree(final)

@@ -281,7 +281,18 @@ class ElasticConfig:
 
     elastic_enabled: bool = key(False, "Retry the train function in-process after a slice failure.")
     elastic_timeout_seconds: float = key(300.0, "How long to wait for enough slices after a failure.", minimum=0.0)
-    elastic_max_retries: int = key(10, "Slice-failure events tolerated over the whole run.", minimum=0)
+    elastic_max_retries: int = key(
+        10,
+        "Give up (exit 3) when more than this many slice failures land within elastic_retry_window_steps steps "
+        "of the run's progress: failures faster than progress. Failures spread over a run never end it.",
+        minimum=0,
+    )
+    elastic_retry_window_steps: int = key(
+        50,
+        "The window of elastic_max_retries: failures count while the run has made fewer than this many steps "
+        "of net progress (its furthest step) since them.",
+        minimum=1,
+    )
     elastic_min_slice_count: int = key(
         -1, "Slices needed to continue: -1 = all (pause-and-resume); 1..num_slices-1 = replica-resize."
     )
@@ -303,7 +314,8 @@ class ElasticConfig:
         "step=120,nan=1; rate=0.5,seed=1' (down_steps: back after that many more steps; nan: a non-finite "
         "step; rate: Poisson failures per second of wall time from step 1 (or step=N), seeded, on a random "
         "slice unless slice=K). With several processes only 'step=N,process=P,error=oom|bug': that process's "
-        "own error, which ends every process with its cause.",
+        "own error, which ends every process with its cause. Either way 'storage=restore|save[,count=N]': the "
+        "first N checkpoint reads / saves fail as a transient storage error would.",
     )
 
 
@@ -362,6 +374,20 @@ class TrainConfig:
     )
     steps: int = key(100, "Optimizer steps to train.", minimum=1)
     init_weights_seed: int = key(0, "Seed of parameter initialisation.")
+    run_lease_stale_seconds: float = key(
+        120.0,
+        "One job per run directory: process 0 holds a lease (<run dir>/lease/) with a heartbeat; another job "
+        "exits 2 while it is live. A lease whose heartbeat stopped this long ago is taken over (a restart of "
+        "the same job, or a host's dead process, takes it at once); 0 = no lease.",
+        minimum=0.0,
+    )
+    stop_timeout_seconds: float = key(
+        20.0,
+        "After SIGTERM (drain, preemption, time limit) the process exits within this bound with code 42, "
+        "having saved the newest state it holds when time allows (local tier first). Set the scheduler's "
+        "grace period (terminationGracePeriodSeconds, Slurm --signal) above it.",
+        minimum=1.0,
+    )
     jax_cache_dir: str = key(
         "~/.cache/elastic-trainer/jax",
         "JAX persistent compilation cache (restarts skip compiling); with several processes, processes "

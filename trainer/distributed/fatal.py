@@ -3,13 +3,15 @@
 An out-of-memory, a compile error or a bug in one process is not something a retry fixes. The process
 that hits it publishes the cause in the coordination service before it leaves; every other process
 checks for it whenever its own work fails or it waits for peers (a collective that the failed process
-never joins times out within `collective_timeout_seconds`), and stops with exit 1 naming that cause,
+never joins times out within `collective_timeout_seconds`), and stops with that cause's exit code,
 instead of counting it as a slice failure and retrying until `elastic_max_retries`.
 """
 
 from __future__ import annotations
 
 import json
+
+from trainer.errors import EXIT_FAILED, exit_code_for
 
 _KEY = "trainer/fatal"
 _ACK_DIR = "trainer/fatal_ack"  # + /<process>: that process saw the fatal error and is stopping
@@ -25,14 +27,20 @@ def is_collective_failure(error: BaseException) -> bool:
 
 
 class PeerFailed(RuntimeError):
-    """Another process of the job failed with an error that is not a lost peer; this one stops too."""
+    """Another process of the job failed with an error that is not a lost peer; this one stops too, with
+    the exit code of that cause (trainer.errors: the same code on every process for the same cause)."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def publish(client, process_index: int, error: BaseException) -> None:
-    """Record this process's fatal error for the others (the first one recorded wins)."""
+    """Record this process's fatal error and its exit code for the others (the first one recorded wins)."""
     cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:500]
+    record = {"process": process_index, "cause": cause, "exit_code": exit_code_for(error)}
     try:
-        client.key_value_set(_KEY, json.dumps({"process": process_index, "cause": cause}))
+        client.key_value_set(_KEY, json.dumps(record))
     except Exception:  # ALREADY_EXISTS: another process recorded its cause first
         pass
 
@@ -49,7 +57,10 @@ def check(client, process_index: int) -> None:
     if record["process"] == process_index:
         return
     client.key_value_set(f"{_ACK_DIR}/{process_index}", "1")
-    raise PeerFailed(f"process {record['process']} failed: {record['cause']}; every process stops")
+    raise PeerFailed(
+        f"process {record['process']} failed: {record['cause']}; every process stops",
+        exit_code=int(record.get("exit_code", EXIT_FAILED)),
+    )
 
 
 def acknowledged(client) -> set[int]:

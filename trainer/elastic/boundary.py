@@ -28,6 +28,7 @@ class RecoveryStats:
     moment a failure reached the train function to the first completed step after it)."""
 
     last_step: int = 0
+    furthest_step: int = 0  # the run's net progress: the furthest step any attempt completed
     failed_at: float | None = None  # wall time of the failure not yet recovered from
     downtime_s: float = 0.0
     steps_lost: int = 0
@@ -66,10 +67,17 @@ class StepBoundary:
     def before_step(self, step: int) -> None:
         self.profiler.before_step(step)
 
+    def before_stop(self, step: int, state, data_state: dict) -> None:
+        """A stop at `step`: with the local tier on, write the state there first (synchronously; the
+        fastest save), before the loop's persistent checkpoint."""
+        if self.local_checkpoint_period:
+            self.snapshots.take(step, state, data_state, block=True, persist=True)
+
     def after_step(self, step: int, state, data_state: Callable[[], dict]) -> list[int]:
         """Bookkeeping after `step` was dispatched (`state` is its output, maybe still running);
         returns the slices that came back (empty: carry on)."""
         self.stats.last_step = step
+        self.stats.furthest_step = max(self.stats.furthest_step, step)
         self.profiler.after_step(step, state)
         if self.stats.failed_at is not None:
             jax.block_until_ready(state)  # the timeline's "first step" means completed

@@ -26,6 +26,7 @@ from pathlib import Path
 import jax
 
 from trainer.chaos import attempt_of, names_attempt
+from trainer.checkpoint.storage_faults import is_storage_entry
 from trainer.config.errors import ConfigError
 from trainer.io.jsonl import read_jsonl
 
@@ -50,6 +51,8 @@ def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
     bad entry."""
     faults = []
     for entry in filter(None, (e.strip() for e in text.split(";"))):
+        if is_storage_entry(entry):  # trainer.checkpoint.storage_faults parses those
+            continue
         fields = {}
         for part in entry.split(","):
             k, sep, v = part.strip().partition("=")

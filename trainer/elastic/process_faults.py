@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import jax
 
+from trainer.checkpoint.storage_faults import is_storage_entry
 from trainer.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ def parse_process_faults(text: str, num_processes: int) -> list[ProcessFault]:
     """'step=5,process=2,error=oom; ...' -> ProcessFaults, or a ConfigError naming the bad entry."""
     faults = []
     for entry in filter(None, (e.strip() for e in text.split(";"))):
+        if is_storage_entry(entry):  # trainer.checkpoint.storage_faults parses those
+            continue
         try:
             fields = dict(part.strip().split("=", 1) for part in entry.split(","))
             if set(fields) != {"step", "process", "error"}:

@@ -165,6 +165,32 @@ class HostSnapshots:
                 "local_checkpoint_save_blocked", step=step, seconds=round(time.perf_counter() - t0, 4)
             )
 
+    def persist_latest(self) -> int | None:
+        """Write the newest complete snapshot to the local tier when it is newer than every local step
+        (a stop outside a step boundary: the fastest save of the newest state this process holds);
+        returns the step written, or None. Does not wait for a copy still in flight."""
+        snap = self.latest
+        if self.store is None or snap is None or snap.origin == "local":
+            return None
+        newest = self.store.newest_step()
+        if newest is not None and newest >= snap.step:
+            return None
+        if any(isinstance(leaf, Blocks) for leaf in jax.tree.leaves(snap.state)):
+            return None  # this process holds part of the state: the local tier needs all of it
+        self.events.emit("local_checkpoint_save_start", step=snap.step)
+        self.store.write(snap.step, snap.state, snap.data_state)
+        return snap.step
+
+    def attempt_started(self) -> None:
+        """An attempt's loop starts: local steps commit as its metrics rows are written."""
+        if self.store is not None and self.store.recorded is not None:
+            self.store.recorded.begin()
+
+    def attempt_ended(self) -> None:
+        """The attempt's loop ended: a local write still waiting for a row that will not come gives up."""
+        if self.store is not None and self.store.recorded is not None:
+            self.store.recorded.end()
+
     def settle(self) -> None:
         """Wait for an in-flight host copy (called before a new one and before recovery)."""
         if self._thread is not None:

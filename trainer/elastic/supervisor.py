@@ -51,11 +51,12 @@ from trainer.distributed import fatal
 from trainer.distributed.fatal import PeerFailed
 from trainer.distributed.heartbeat import watch_orbax_barriers
 from trainer.elastic.boundary import RecoveryStats, StepBoundary
-from trainer.elastic.errors import ElasticGiveUp
+from trainer.elastic.errors import ElasticGiveUp, SlicesUnavailable
 from trainer.elastic.shared_snapshots import SharedSnapshots
 from trainer.elastic.slices import ReturnPoller, make_checker
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.loop import ROLLBACK, SCALE_UP, Outcome
+from trainer.preemption import Preempted
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +124,16 @@ class Supervisor:
         self.stats = RecoveryStats()
         self.formation = None  # several processes: the formation of the current attempt
         self._failure_seen_at: float | None = None
+        self._failure_marks: list[int] = []  # the run's furthest step at each failure
 
     # ---- the retry loop ----------------------------------------------------------------------------
 
     def run(self) -> Outcome:
         try:
             return self._run()
+        except Preempted:  # SIGTERM outside a step boundary (trainer.preemption)
+            self.emergency_save()
+            raise
         finally:
             if self.membership is not None:
                 watch_orbax_barriers(None)  # Orbax's own barriers again, outside the attempts
@@ -162,6 +167,14 @@ class Supervisor:
                 self.snapshots.settle()
                 self._summary()
                 return outcome
+
+    def emergency_save(self) -> None:
+        """A stop outside a step boundary: write the newest host snapshot to the local tier when it is newer
+        than the local tier's newest step (the run resumes from the newest of the tiers). Safe to call from
+        the stop watchdog's thread."""
+        step = self.snapshots.persist_latest()
+        if step is not None:
+            log.warning("stopping: host snapshot of step %d written to the local checkpoint tier", step)
 
     def _slice_down_cause(self, err: Exception) -> str | None:
         """Why `err` is a slice-down event ("peer_lost", "collective_failed", "slice_down"), or None when it
@@ -226,7 +239,7 @@ class Supervisor:
                 )
         except TimeoutError as err:
             self.events.emit("wait_timeout", seconds=round(time.time() - t0, 3), error=str(err))
-            raise ElasticGiveUp(
+            raise SlicesUnavailable(
                 f"fewer than {self.min_slices} slices healthy after "
                 f"elastic_timeout_seconds={e.elastic_timeout_seconds}: {err}"
             ) from None
@@ -274,6 +287,7 @@ class Supervisor:
             )
             if self.injector is not None:
                 self.injector.at_step_boundary(attempt.start_step + 1)
+            self.snapshots.attempt_started()
             try:
                 outcome = self.run_loop(attempt, boundary=self._boundary(active))
                 if outcome.kind == SCALE_UP:
@@ -283,6 +297,7 @@ class Supervisor:
                 self._failure_seen_at = time.time()  # before teardown: detection time, not teardown time
                 raise
             finally:
+                self.snapshots.attempt_ended()
                 self.profiler.close()
                 self.sync()
 
@@ -360,11 +375,15 @@ class Supervisor:
             teardown_s=round(time.time() - seen, 3),
         )
         self._failure_seen_at = None
-        if self.stats.failures > self.elastic.elastic_max_retries:
+        self._failure_marks.append(self.stats.furthest_step)
+        window, limit = self.elastic.elastic_retry_window_steps, self.elastic.elastic_max_retries
+        recent = retries_in_window(self._failure_marks, self.stats.furthest_step, window)
+        if recent > limit:
             self._summary()
             raise ElasticGiveUp(
-                f"{self.stats.failures} slice failures exceed elastic_max_retries="
-                f"{self.elastic.elastic_max_retries}; newest committed checkpoint is intact"
+                f"{recent} slice failures within {window} steps of progress (elastic_retry_window_steps) "
+                f"exceed elastic_max_retries={limit}: failures come faster than the run progresses; the "
+                "newest committed checkpoint is intact"
             )
 
     def _summary(self) -> None:
@@ -374,6 +393,13 @@ class Supervisor:
             steps_lost=self.stats.steps_lost,
             downtime_s=round(self.stats.downtime_s, 3),
         )
+
+
+def retries_in_window(marks: list[int], furthest: int, window: int) -> int:
+    """The failures that still count against elastic_max_retries: those after which the run has made fewer
+    than `window` steps of net progress (`marks`: the furthest step at each failure). The one rule of
+    giving up; `trainer.plan` applies it too."""
+    return sum(1 for mark in marks if furthest - mark < window)
 
 
 def _settle_save(checkpointer) -> None:

@@ -7,6 +7,7 @@ import logging
 import math
 import statistics
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -33,6 +34,43 @@ class JsonlSink:
 
     def close(self) -> None:
         self._file.close()
+
+
+class RecordedSteps:
+    """Which step's row metrics.jsonl holds last, for writers that must not get ahead of it: the local
+    checkpoint tier commits a step only once its row is written, so a restored step always has its
+    record. Placed after the JSONL sink, whose write is flushed. One attempt at a time: `begin` resets it
+    (a rewind trains steps again), `end` releases writers still waiting for a row that never comes."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._step = -1
+        self._open = True
+
+    def write(self, record: dict[str, Any]) -> None:
+        if is_eval(record):
+            return
+        with self._cond:
+            self._step = max(self._step, int(record["step"]))
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        self.end()
+
+    def begin(self) -> None:
+        with self._cond:
+            self._step, self._open = -1, True
+
+    def end(self) -> None:
+        with self._cond:
+            self._open = False
+            self._cond.notify_all()
+
+    def wait(self, step: int) -> bool:
+        """Block until step `step`'s row is written (True) or the attempt ended without it (False)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._step >= step or not self._open)
+            return self._step >= step
 
 
 class TensorBoardSink:

@@ -216,10 +216,14 @@ def test_jobset_pathways_structure(pset):
     assert env["JAX_BACKEND_TARGET"] == f"grpc://127.0.0.1:{R.PATHWAYS_PROXY_PORT}"
     assert env["JAX_COMPILATION_CACHE_DIR"] == p.cache_dir
     assert f"jax_cache_dir={p.cache_dir}" in trainer["command"]
-    # Exit 2/3 fail the JobSet at once instead of restarting it.
-    rule = head["template"]["spec"]["podFailurePolicy"]["rules"][0]
-    assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == list(R.NON_RETRIABLE_EXIT_CODES)
+    # The trainer's exit codes (tests/test_manifest_semantics.py checks what Kubernetes makes of them).
+    hspec = head["template"]["spec"]
+    assert hspec["completions"] == 1 and hspec["backoffLimitPerIndex"] == p.max_task_restarts
+    actions = {r["action"]: r for r in hspec["podFailurePolicy"]["rules"]}
+    assert actions["FailJob"]["onExitCodes"]["values"] == list(R.FINAL_EXIT_CODES)
+    assert actions["FailIndex"]["onExitCodes"]["values"] == list(R.BUG_EXIT_CODES)
     assert hpod["restartPolicy"] == "Never"
+    assert hpod["terminationGracePeriodSeconds"] == R.DEFAULT_STOP_TIMEOUT_SECONDS + 10
 
 
 def test_elastic_slices_defaults_and_override():
@@ -302,6 +306,7 @@ def test_xpk_script_runs_against_a_stub_xpk(pset, tmp_path):
     assert flags["--elastic-slices"] == [str(p.num_elastic_slices)]
     assert flags["--max-slice-restarts"] == [str(p.max_slice_restarts)]
     assert flags["--max-restarts"] == [str(p.max_restarts)]
+    assert flags["--termination-grace-period-seconds"] == [str(R.DEFAULT_STOP_TIMEOUT_SECONDS + 10)]
     assert flags["--pathways-gcs-location"] == [p.scratch]
     assert "ENABLE_PATHWAYS_PERSISTENCE=1" in flags["--env"]
     assert f"JAX_COMPILATION_CACHE_DIR={p.cache_dir}" in flags["--env"]
@@ -324,6 +329,10 @@ def test_xpk_script_refuses_to_run_without_cluster_settings(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # JobSet for multi-process JAX (GPU / CPU).
 # ------------------------------------------------------------------------------------------------
+def _trainer_codes(codes) -> dict:
+    return {"containerName": "trainer", "operator": "In", "values": list(codes)}
+
+
 @pytest.mark.parametrize("platform", ("gpu", "cpu"))
 @pytest.mark.parametrize("pset", PARAM_SETS)
 def test_jobset_gpu_structure(pset, platform):
@@ -335,15 +344,18 @@ def test_jobset_gpu_structure(pset, platform):
     spec = job["template"]["spec"]
     assert spec["completions"] == spec["parallelism"] == p.nodes_per_slice
     assert spec["completionMode"] == "Indexed"
-    assert spec["backoffLimit"] == p.nodes_per_slice * p.max_task_restarts >= 5
+    # A budget per process (index), and one failed index fails the slice Job.
+    assert spec["backoffLimitPerIndex"] == p.max_task_restarts >= 5 and spec["maxFailedIndexes"] == 0
+    assert "backoffLimit" not in spec
     rules = spec["podFailurePolicy"]["rules"]
-    assert rules[0] == {
-        "action": "FailJob",
-        "onExitCodes": {"containerName": "trainer", "operator": "In", "values": list(R.NON_RETRIABLE_EXIT_CODES)},
-    }
-    assert rules[1]["action"] == "Ignore"
+    assert {"action": "FailJob", "onExitCodes": _trainer_codes(R.FINAL_EXIT_CODES)} in rules
+    assert {"action": "FailIndex", "onExitCodes": _trainer_codes(R.BUG_EXIT_CODES)} in rules
+    assert {"action": "Ignore", "onExitCodes": _trainer_codes(R.PREEMPTED_EXIT_CODES)} in rules
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
+    assert doc["spec"]["failurePolicy"]["maxRestarts"] == p.max_restarts
     pod = _pod(job)
     assert pod["restartPolicy"] == "Never"
+    assert pod["terminationGracePeriodSeconds"] == R.DEFAULT_STOP_TIMEOUT_SECONDS + 10
     trainer = _containers(pod)["trainer"]
     assert trainer["image"] == p.image
     env = _env(trainer)
@@ -362,6 +374,16 @@ def test_jobset_gpu_structure(pset, platform):
         assert f"--xla_cpu_collective_timeout_seconds={p.collective_timeout_seconds}" in flags
         assert "resources" not in trainer and env["JAX_PLATFORMS"] == "cpu"
     assert _load(trainer["args"]).mesh.enable_single_controller is False
+
+
+@pytest.mark.parametrize(
+    "target,container", [("jobset-gpu", ("slice", "trainer")), ("jobset-pathways", ("pathways-head", "trainer"))]
+)
+def test_the_trainer_knows_its_job_so_a_restarted_pod_takes_over_the_runs_lease(target, container):
+    doc = _one_doc(R.render(target, _params("reference")).text)
+    env = _env(_containers(_pod(_rjob(doc, container[0])))[container[1]])
+    assert env["JOBSET_NAME"] == {"fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/jobset-name']"}}
+    assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
 
 
 @needs_bash
@@ -411,6 +433,7 @@ def test_slurm_directives_and_env(pset, platform):
     assert d["--nodes"] == str(p.slices * p.nodes_per_slice)
     assert d["--ntasks-per-node"] == "1"
     assert "--requeue" in d
+    assert d["--signal"] == f"TERM@{R.DEFAULT_STOP_TIMEOUT_SECONDS + 10}"
     assert ("--gpus-per-node" in d) is (platform == "gpu")
     assert "export JAX_ENABLE_RECOVERABILITY=true" in text
     assert f"export JAX_COMPILATION_CACHE_DIR={shlex.quote(p.cache_dir)}" in text
@@ -476,13 +499,13 @@ exit 0
 
 
 @needs_bash
-@pytest.mark.parametrize("code", R.NON_RETRIABLE_EXIT_CODES)
-def test_slurm_does_not_restart_non_retriable_exits(tmp_path, code):
+@pytest.mark.parametrize("code", R.FINAL_EXIT_CODES)
+def test_slurm_does_not_restart_final_exits(tmp_path, code):
     text = R.render("slurm", PARAM_SETS["reference"]).text
     out = _fake_slurm(tmp_path, text, f'echo run >> "$LOG"; exit {code}\n')
     assert out.returncode == code
     assert (tmp_path / "log").read_text().count("run") == 2  # once per task, no restart
-    assert "not retriable" in out.stderr
+    assert "not restarted" in out.stderr
 
 
 @needs_bash

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import shlex
 import sys
@@ -36,12 +37,33 @@ if (
     sys.path.insert(0, str(REPO_ROOT))
 
 from trainer.config import ConfigError, load_config  # noqa: E402
+from trainer.errors import (  # noqa: E402
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_GAVE_UP,
+    EXIT_PREEMPTED,
+    EXIT_TRANSIENT,
+)
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 TRAINER_ENTRY = ["python", "-m", "trainer.train"]
 
-# Trainer exit codes that a restart of the same command cannot fix (see trainer/train.py).
-NON_RETRIABLE_EXIT_CODES = (1, 2, 3)
+# The exit-code contract (trainer/errors.py) as every artefact applies it to the trainer's processes:
+PREEMPTED_EXIT_CODES = (EXIT_PREEMPTED,)  # stopped from outside, state saved: restart, using no budget
+FINAL_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_GAVE_UP)  # a restart cannot help: fail at once
+BUG_EXIT_CODES = (EXIT_FAILED,)  # restart the whole run a few times (--max-restarts), then fail
+# Every other non-zero code restarts the one process from a generous counted budget (--max-task-restarts):
+# EXIT_TRANSIENT, and the codes of a death the trainer did not choose (137 SIGKILL or OOM-kill, 134 SIGABRT,
+# 139 SIGSEGV, 143 a SIGTERM that arrived before the trainer's handler).
+TRANSIENT_EXIT_CODES = (EXIT_TRANSIENT,)
+FOREIGN_EXIT_CODES = (137, 134, 139, 143)
+TRAINER_CONTAINER = "trainer"  # the container that runs the trainer in the JobSet manifests
+
+# The trainer stops within stop_timeout_seconds of a SIGTERM; every pod that runs it gets that much plus a
+# margin before Kubernetes kills it (terminationGracePeriodSeconds), and Slurm sends its notice that early.
+DEFAULT_STOP_TIMEOUT_SECONDS = 20  # mirrors the default of the trainer key stop_timeout_seconds
+STOP_MARGIN_SECONDS = 10
+KUBERNETES_DEFAULT_GRACE_SECONDS = 30  # terminationGracePeriodSeconds of a pod that does not set it
 
 # Pathways component ports (the defaults the Pathways images and xpk use).
 PATHWAYS_PROXY_PORT = 29000
@@ -136,7 +158,9 @@ class DeployParams:
     namespace: str = "default"
     queue: str = ""  # Kueue LocalQueue (adds the kueue.x-k8s.io/queue-name label)
     service_account: str = "default"  # Kubernetes service account (Workload Identity for GCS)
-    max_restarts: int = 2  # whole-JobSet restarts (xpk --max-restarts)
+    max_restarts: int = 3  # whole-run restarts after exit 1 (JobSet maxRestarts, xpk --max-restarts, Slurm)
+    # Restarts of one trainer process after exit 75 or a crash (JobSet backoffLimitPerIndex, Slurm in place).
+    max_task_restarts: int = 10
     # Elasticity in the trainer.
     elastic: bool = True
     min_slices: int = -1  # elastic_min_slice_count: -1 pause-and-resume, 1..slices-1 replica-resize
@@ -163,7 +187,6 @@ class DeployParams:
     coordinator_port: int = 8476
     heartbeat_timeout_seconds: int = 30
     collective_timeout_seconds: int = 120
-    max_task_restarts: int = 5  # Slurm: in-place restarts per task; JobSet: backoffLimit = nodes x this
     restart_backoff_seconds: int = 10
     extra_xla_flags: tuple[str, ...] = ()
 
@@ -212,6 +235,25 @@ class DeployParams:
         return self.slices * self.nodes_per_slice
 
     @property
+    def stop_timeout_seconds(self) -> float:
+        """The last `stop_timeout_seconds=` override after `--`, else the trainer key's default (the renderer
+        prefers the value the trainer's loader resolves: `trainer_stop_timeout`)."""
+        value = None
+        for o in self.overrides:
+            k, sep, v = o.partition("=")
+            if sep and k.strip() == "stop_timeout_seconds":
+                value = v.strip()
+        if value is None:
+            return float(DEFAULT_STOP_TIMEOUT_SECONDS)
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise DeployError(f"stop_timeout_seconds={value!r} must be a number of seconds >= 0")
+        return seconds
+
+    @property
     def image_server(self) -> str:
         return self.server_image or f"{PATHWAYS_IMAGE_REPO}/server:{self.pathways_version}"
 
@@ -248,6 +290,10 @@ class DeployParams:
             k = o.partition("=")[0].strip()
             if k in MANAGED_KEYS:
                 problems.append(f"trainer key {k!r} is set by the renderer; use {MANAGED_KEYS[k]} instead")
+        try:
+            _ = self.stop_timeout_seconds
+        except DeployError as e:
+            problems.append(str(e))
         if problems:
             raise DeployError("; ".join(problems))
         return warnings
@@ -353,13 +399,29 @@ def check_trainer_argv(argv: Sequence[str], p: DeployParams | None = None):
     return cfg
 
 
+def trainer_stop_timeout(p: DeployParams, cfg) -> float:
+    """stop_timeout_seconds as the trainer resolves it (its config file, then the overrides); from a loader
+    without the key, the last override or DEFAULT_STOP_TIMEOUT_SECONDS."""
+    for section in dataclasses.fields(cfg) if dataclasses.is_dataclass(cfg) else ():
+        value = getattr(getattr(cfg, section.name), "stop_timeout_seconds", None)
+        if value is not None:
+            return float(value)
+    return p.stop_timeout_seconds
+
+
+def grace_seconds(stop_timeout_seconds: float) -> int:
+    """terminationGracePeriodSeconds of every pod that runs the trainer, and Slurm's notice before the time
+    limit: the trainer's stop timeout plus a margin."""
+    return math.ceil(stop_timeout_seconds) + STOP_MARGIN_SECONDS
+
+
 def _prepare(p: DeployParams, *, single_controller: bool, check: Callable[[], list[str]]):
     """Common checks, then the trainer command through the trainer's loader (its message wins), then the
-    target's own checks. Returns (argv, warnings)."""
+    target's own checks. Returns (argv, warnings, the trainer's stop_timeout_seconds)."""
     warnings = p.check_common()
     argv = trainer_argv(p, single_controller=single_controller)
-    check_trainer_argv(argv, p)
-    return argv, warnings + check()
+    cfg = check_trainer_argv(argv, p)
+    return argv, warnings + check(), trainer_stop_timeout(p, cfg)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -475,6 +537,97 @@ def y_env(pairs: Sequence[tuple[str, str]]) -> list[str]:
     return lines
 
 
+def job_identity_env() -> list[str]:
+    """The job's name and namespace from the downward API: the trainer names its run after them and takes
+    the run's lease as that job, so a restarted pod of the same JobSet takes it over at once
+    (trainer/checkpoint/lease.py)."""
+    lines = []
+    for name, path in (
+        ("JOBSET_NAME", "metadata.labels['jobset.sigs.k8s.io/jobset-name']"),
+        ("POD_NAMESPACE", "metadata.namespace"),
+    ):
+        lines += [f"- name: {name}", "  valueFrom:", "    fieldRef:", f"      fieldPath: {path}"]
+    return lines
+
+
+def _codes(codes: Sequence[int]) -> str:
+    return "[" + ", ".join(str(c) for c in codes) + "]"
+
+
+def trainer_job_policy(p: DeployParams, completions: int) -> list[str]:
+    """The spec fields of a Job whose pods each run one trainer process: how Kubernetes answers each exit code.
+
+    Kubernetes evaluates the podFailurePolicy rules of a failed pod in order; the first match decides, and a
+    failure no rule matches is counted (Count). FailIndex needs backoffLimitPerIndex, which needs an Indexed
+    Job whose pods have restartPolicy Never (https://kubernetes.io/docs/concepts/workloads/controllers/job/).
+    """
+
+    def on_exit_codes(codes: Sequence[int]) -> list[str]:
+        return [
+            "      onExitCodes:",
+            f"        containerName: {TRAINER_CONTAINER}",
+            "        operator: In",
+            f"        values: {_codes(codes)}",
+        ]
+
+    return [
+        "completionMode: Indexed",
+        f"completions: {completions}",
+        f"parallelism: {completions}",
+        "# Exit 75 and crash codes: a trainer pod is replaced (same index: the same process id) up to this",
+        "# many times, with Kubernetes' backoff (10 s doubling, at most 6 min); one more fails its index.",
+        f"backoffLimitPerIndex: {p.max_task_restarts}",
+        "# One failed index (exit 1, or a used-up budget) fails the Job (MaxFailedIndexesExceeded).",
+        "maxFailedIndexes: 0",
+        "podFailurePolicy:",
+        "  # The first matching rule decides; a failed pod that matches none is counted (Count): exit 75, 137",
+        "  # (SIGKILL, OOM-kill), 134, 139, 143, or a pod that failed without a trainer exit code.",
+        "  rules:",
+        "    # Preempted (SIGTERM: drain, Spot, maintenance; state saved): replace the pod, no budget used.",
+        "    - action: Ignore",
+        *on_exit_codes(PREEMPTED_EXIT_CODES),
+        "    # An evicted or preempted pod, whatever its exit code (killed at the end of the grace period, or",
+        "    # never started): replace it, no budget used.",
+        "    - action: Ignore",
+        "      onPodConditions:",
+        "        - type: DisruptionTarget",
+        '          status: "True"',
+        "    # Bad input or gave up: fail the Job (reason PodFailurePolicy); the JobSet fails at once.",
+        "    - action: FailJob",
+        *on_exit_codes(FINAL_EXIT_CODES),
+        "    # A bug: fail the index without retrying the pod; the JobSet restarts, counted against maxRestarts.",
+        "    - action: FailIndex",
+        *on_exit_codes(BUG_EXIT_CODES),
+    ]
+
+
+def jobset_failure_policy(p: DeployParams, trainer_job: str) -> list[str]:
+    """The JobSet's failurePolicy: what a failed child Job does to the JobSet, by the Job's failure reason.
+
+    The JobSet controller (v0.6.0+) evaluates the rules in order, runs the first that matches the failed Job's
+    reason and replicatedJob, and restarts the JobSet counted against maxRestarts (RestartJobSet) when none
+    matches (https://jobset.sigs.k8s.io/docs/reference/jobset.v1alpha2/).
+    """
+    return [
+        "failurePolicy:",
+        "  # Whole-JobSet restarts counted by RestartJobSet (exit 1, a used-up per-process budget, any other",
+        "  # child Job failure); one more fails the JobSet.",
+        f"  maxRestarts: {p.max_restarts}",
+        "  # The first matching rule decides; a Job failure that matches none restarts the JobSet, counted.",
+        "  rules:",
+        "    # A trainer pod exited 2 or 3 (podFailurePolicy FailJob): a restart of the same command cannot help.",
+        "    - name: trainerBadInputOrGaveUp",
+        "      action: FailJobSet",
+        "      onJobFailureReasons: [PodFailurePolicy]",
+        f"      targetReplicatedJobs: [{trainer_job}]",
+        "    # A trainer pod exited 1 (FailIndex), or a process used up backoffLimitPerIndex: restart all.",
+        "    - name: trainerFailedOrOutOfRetries",
+        "      action: RestartJobSet",
+        "      onJobFailureReasons: [MaxFailedIndexesExceeded]",
+        f"      targetReplicatedJobs: [{trainer_job}]",
+    ]
+
+
 def _header(target: str, p: DeployParams) -> list[str]:
     return [
         f"# Rendered by scripts/deploy/render.py (target: {target}); re-render instead of editing.",
@@ -502,7 +655,7 @@ class Rendered:
 
 
 def render_jobset_pathways(p: DeployParams) -> Rendered:
-    argv, warnings = _prepare(p, single_controller=True, check=p.check_pathways)
+    argv, warnings, stop = _prepare(p, single_controller=True, check=p.check_pathways)
     tpu = p.tpu
     head = f"{p.job_name}-pathways-head-0-0.{p.job_name}"
     rm_args = [
@@ -555,6 +708,11 @@ def render_jobset_pathways(p: DeployParams) -> Rendered:
         "namespace": y(p.namespace),
         "labels": _labels(p),
         "max_restarts": str(p.max_restarts),
+        "max_task_restarts": str(p.max_task_restarts),
+        "failure_policy": jobset_failure_policy(p, "pathways-head"),
+        "head_job_policy": trainer_job_policy(p, 1),
+        "grace_seconds": str(grace_seconds(stop)),
+        "stop_timeout": f"{stop:g}",
         "service_account": y(p.service_account),
         "head_nodepool": y(p.head_nodepool),
         "server_image": y(p.image_server),
@@ -569,7 +727,7 @@ def render_jobset_pathways(p: DeployParams) -> Rendered:
         "proxy_cpu": y(p.proxy_cpu),
         "proxy_memory": y(p.proxy_memory),
         "trainer_command": y_list(argv),
-        "trainer_env": y_env(trainer_env),
+        "trainer_env": y_env(trainer_env) + job_identity_env(),
         "slices": str(p.slices),
         "hosts_per_slice": str(tpu.hosts),
         "worker_backoff_limit": str(tpu.hosts * p.max_slice_restarts),
@@ -583,7 +741,7 @@ def render_jobset_pathways(p: DeployParams) -> Rendered:
 
 
 def render_xpk(p: DeployParams) -> Rendered:
-    argv, warnings = _prepare(p, single_controller=True, check=p.check_pathways)
+    argv, warnings, stop = _prepare(p, single_controller=True, check=p.check_pathways)
     command = shlex.join(argv)
     if any(shlex.quote(a) != a for a in argv):
         warnings.append("some trainer arguments need shell quoting; check that xpk passes them through intact")
@@ -596,6 +754,12 @@ def render_xpk(p: DeployParams) -> Rendered:
     env = [("ENABLE_PATHWAYS_PERSISTENCE", "1")]
     if p.cache_dir:
         env.append(("JAX_COMPILATION_CACHE_DIR", p.cache_dir))
+    if grace_seconds(stop) > KUBERNETES_DEFAULT_GRACE_SECONDS:
+        warnings.append(
+            f"stop_timeout_seconds={stop:g} needs {grace_seconds(stop)} s of grace, but xpk leaves "
+            f"the head pod (the trainer) at Kubernetes' default of {KUBERNETES_DEFAULT_GRACE_SECONDS} s: a longer "
+            "stop is killed (exit 137); use the jobset-pathways target or a shorter stop_timeout_seconds"
+        )
     values = {
         "header": _header("xpk", p),
         "workload": shlex.quote(p.job_name),
@@ -606,6 +770,8 @@ def render_xpk(p: DeployParams) -> Rendered:
         "scratch": shlex.quote(p.scratch),
         "elastic_flags": elastic_flags,
         "max_restarts": str(p.max_restarts),
+        "grace_seconds": str(grace_seconds(stop)),
+        "stop_timeout": f"{stop:g}",
         "env_flags": [f"--env={shlex.quote(f'{k}={v}')} \\" for k, v in env],
     }
     text = fill(load_template("xpk_submit.sh.tmpl"), values)
@@ -613,7 +779,7 @@ def render_xpk(p: DeployParams) -> Rendered:
 
 
 def render_jobset_gpu(p: DeployParams) -> Rendered:
-    argv, warnings = _prepare(p, single_controller=False, check=p.check_multiprocess)
+    argv, warnings, stop = _prepare(p, single_controller=False, check=p.check_multiprocess)
     coordinator = f"{p.job_name}-slice-0-0.{p.job_name}:{p.coordinator_port}"
     env = [("JAX_COORDINATOR_ADDRESS", coordinator)] + multiprocess_env(p)
     if p.platform == "gpu":
@@ -635,14 +801,18 @@ def render_jobset_gpu(p: DeployParams) -> Rendered:
         "namespace": y(p.namespace),
         "labels": _labels(p),
         "max_restarts": str(p.max_restarts),
+        "max_task_restarts": str(p.max_task_restarts),
+        "failure_policy": jobset_failure_policy(p, "slice"),
+        "slice_job_policy": trainer_job_policy(p, p.nodes_per_slice),
+        "grace_seconds": str(grace_seconds(stop)),
+        "stop_timeout": f"{stop:g}",
         "slices": str(p.slices),
         "nodes_per_slice": str(p.nodes_per_slice),
-        "backoff_limit": str(p.nodes_per_slice * p.max_task_restarts),
         "service_account": y(p.service_account),
         "pod_placement": placement,
         "image": y(p.image),
         "trainer_args": y_list(argv),
-        "trainer_env": y_env(env),
+        "trainer_env": y_env(env) + job_identity_env(),
         "coordinator_port": str(p.coordinator_port),
         "container_resources": resources,
     }
@@ -659,7 +829,7 @@ def pyxis_image(image: str) -> str:
 
 
 def render_slurm(p: DeployParams) -> Rendered:
-    argv, warnings = _prepare(p, single_controller=False, check=p.check_multiprocess)
+    argv, warnings, stop = _prepare(p, single_controller=False, check=p.check_multiprocess)
     exports = [
         f"export {k}={shlex.quote(v)}"
         for k, v in multiprocess_env(p)
@@ -679,7 +849,10 @@ def render_slurm(p: DeployParams) -> Rendered:
         "shared_dirs": " ".join(shlex.quote(d) for d in shared),
         "nodes_per_slice": str(p.nodes_per_slice),
         "max_task_restarts": str(p.max_task_restarts),
+        "max_restarts": str(p.max_restarts),
         "restart_backoff_seconds": str(p.restart_backoff_seconds),
+        "grace_seconds": str(grace_seconds(stop)),
+        "stop_timeout": f"{stop:g}",
         "coordinator_port": str(p.coordinator_port),
         "exports": exports,
         "trainer_argv": " ".join(shlex.quote(a) for a in argv),
@@ -733,7 +906,15 @@ def _parser() -> argparse.ArgumentParser:
         "--max-restarts",
         type=int,
         default=d["max_restarts"],
-        help="whole-JobSet restarts (JobSet failurePolicy.maxRestarts / xpk --max-restarts)",
+        help="whole-run restarts after exit 1 (a bug) or a used-up --max-task-restarts: JobSet "
+        "failurePolicy.maxRestarts, Slurm MAX_RESTARTS; under xpk every non-zero exit uses one",
+    )
+    run.add_argument(
+        "--max-task-restarts",
+        type=int,
+        default=d["max_task_restarts"],
+        help="restarts of one trainer process after exit 75 or a crash: JobSet backoffLimitPerIndex, "
+        "Slurm MAX_TASK_RESTARTS (in place)",
     )
     run.add_argument(
         "--compile-cache",
@@ -796,16 +977,10 @@ def _parser() -> argparse.ArgumentParser:
         help="bound on a collective stuck waiting for a dead peer",
     )
     mp.add_argument(
-        "--max-task-restarts",
-        type=int,
-        default=d["max_task_restarts"],
-        help="restarts per process (Slurm: in place; JobSet: backoffLimit = nodes x this)",
-    )
-    mp.add_argument(
         "--restart-backoff",
         type=int,
         default=d["restart_backoff_seconds"],
-        help="Slurm: first restart delay in seconds, doubling up to 600",
+        help="Slurm: first in-place restart delay in seconds, doubling up to 600",
     )
     mp.add_argument("--xla-flag", action="append", default=[], help="extra XLA flag (repeatable)")
     return ap

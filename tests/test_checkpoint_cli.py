@@ -104,9 +104,15 @@ def test_kill_9_anywhere_then_restart_resumes_from_the_newest_committed_step(bas
     _assert_same_run(tmp_path / "k", baseline)
 
 
-def test_sigterm_finishes_the_step_saves_and_exits_42_then_resumes(baseline, tmp_path):
+@pytest.mark.parametrize("local_tier", [False, True], ids=["persistent", "local tier too"])
+def test_sigterm_finishes_the_step_saves_and_exits_42_then_resumes(baseline, tmp_path, local_tier):
+    tier = [f"local_checkpoint_directory={tmp_path / 'node'}", "local_checkpoint_period=5"] if local_tier else []
     proc = subprocess.Popen(
-        command(tmp_path, "t", *COMMON), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(1)
+        command(tmp_path, "t", *COMMON, *tier),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(1),
     )
     try:
         deadline = time.time() + 300  # a hang guard, not a speed claim
@@ -121,10 +127,12 @@ def test_sigterm_finishes_the_step_saves_and_exits_42_then_resumes(baseline, tmp
     assert status.startswith("STATUS: preempted step=")
     step = int(status.split("step=")[1].split(":")[0])
     assert (tmp_path / "t" / "checkpoints" / str(step) / "commit_success.txt").exists()
-    proc2 = run_cli(tmp_path, "t", *COMMON, devices=1)
+    if local_tier:  # the fastest tier is written first, whatever its period
+        assert step in _local_committed(tmp_path / "node", "t")
+    proc2 = run_cli(tmp_path, "t", *COMMON, *tier, devices=1)
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     second = [e for e in events(tmp_path / "t") if e["event"] == "attempt_start"][-1]
-    assert second["source"] == f"checkpoint:{step}"
+    assert second["source"] == (f"local:{step}" if local_tier else f"checkpoint:{step}")
     _assert_same_run(tmp_path / "t", baseline)
 
 
@@ -170,8 +178,8 @@ def test_a_failing_checkpoint_write_exits_75_never_0_and_a_file_in_the_way_exits
     assert proc.returncode == 2 and "is not a directory" in proc.stderr, proc.stderr[-2000:]
 
 
-def _local_committed(local_root):
-    return local_store.committed_steps(local_root / "k")  # the local tier's own commit rule
+def _local_committed(local_root, run="k"):
+    return local_store.committed_steps(local_root / run)  # the local tier's own commit rule
 
 
 def test_kill_9_resumes_from_the_newer_local_tier_and_matches_an_uninterrupted_run(baseline, tmp_path):

@@ -78,3 +78,26 @@ def test_without_a_request_nothing_stops_and_nothing_is_written():
     store = _KeyValueStore()
     stop = CoordinatedStop(lambda: False, store)
     assert not any(stop(s) for s in range(1, 50)) and store.data == {}
+
+
+def test_a_process_stopped_outside_the_step_loop_stops_the_others_and_waiting_ones_see_it():
+    store = _KeyValueStore()
+    stopped_in_a_compile, training, waiting = (CoordinatedStop(lambda: False, store) for _ in range(3))
+    assert not waiting.agreed() and not training(4)
+
+    stopped_in_a_compile.propose_after(4)  # SIGTERM while it compiled: it leaves, and says so
+
+    assert waiting.agreed(), "a process waiting for slices stops too (Membership.wait_for_slices asks)"
+    assert not training(5) and training(6), "a training process stops at the agreed step"
+
+
+def test_a_membership_wait_raises_preempted_once_the_job_agreed_to_stop():
+    from trainer.elastic.membership import Membership
+    from trainer.preemption import Preempted
+
+    membership = Membership.__new__(Membership)  # only the stop check runs: it comes before any round
+    membership.current, membership.me = None, 0
+    membership.slice_of = lambda process: 0
+    membership.clock = lambda: 0.0
+    with pytest.raises(Preempted, match="waiting_for_slices"):
+        membership.wait_for_slices(1, timeout_s=10, poll_s=0.1, should_stop=lambda: True)

@@ -123,6 +123,76 @@ def test_retries_exhausted_exits_non_zero_and_keeps_the_committed_checkpoint(tmp
     assert committed and committed[-1] == 8
 
 
+def test_twelve_failures_spread_over_a_run_finish_with_the_default_retry_settings(tmp_path):
+    spread = "; ".join(f"step={10 * k},slice=1,down_s=0.2" for k in range(1, 13))  # steps 10, 20, ... 120
+    proc = run_cli(
+        tmp_path,
+        "spread",
+        "steps=130",
+        "num_slices=2",
+        "elastic_enabled=true",
+        "snapshot_period=2",
+        "elastic_poll_interval_seconds=0.05",
+        f"fault_schedule={spread}",
+        devices=2,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sum(e["event"] == "slice_down_detected" for e in events(tmp_path / "spread")) == 12
+    assert sorted(final_by_step(metrics(tmp_path / "spread"))) == list(range(1, 131))
+
+
+def test_failures_faster_than_progress_give_up_with_exit_3(tmp_path):
+    # A failure every ~0.05 s of wall time, faster than a recovery and a few steps: the run never gets
+    # elastic_retry_window_steps (50) steps past its failures.
+    proc = run_cli(
+        tmp_path,
+        "fast",
+        "steps=130",
+        "num_slices=2",
+        "elastic_enabled=true",
+        "elastic_poll_interval_seconds=0.05",
+        "fault_schedule=rate=20,seed=1,slice=1",
+        devices=2,
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("STATUS: elastic_gave_up: 11 slice failures within 50")
+    evs = events(tmp_path / "fast")
+    assert sum(e["event"] == "slice_down_detected" for e in evs) == 11
+    assert max(r["step"] for r in metrics(tmp_path / "fast")) < 20
+
+
+def test_sigterm_while_waiting_for_a_lost_slice_exits_42_within_the_stop_bound(tmp_path):
+    proc = subprocess.Popen(
+        command(tmp_path, "wait", *COMMON, "snapshot_period=2", "fault_schedule=step=5,slice=1,down_s=600"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(3),
+    )
+    try:
+        deadline = time.time() + 300  # a hang guard, not a speed claim
+        while time.time() < deadline and proc.poll() is None:
+            names = [e["event"] for e in read_jsonl(tmp_path / "wait" / "events.jsonl")]
+            if "slice_down_detected" in names and "wait_start" in names[names.index("slice_down_detected") :]:
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)  # inside the wait's poll loop
+        sent = time.monotonic()
+        proc.send_signal(subprocess.signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 42, err[-3000:]
+    assert took < 20, f"stop_timeout_seconds is 20; the process took {took:.1f} s"
+    assert (
+        out.strip().splitlines()[-1]
+        == "STATUS: preempted during waiting_for_slices: rerun the same command to resume"
+    )
+    finish = [e for e in read_jsonl(tmp_path / "wait" / "events.jsonl") if e["event"] == "finish"][-1]
+    assert finish["status"] == "preempted" and finish["exit_code"] == 42
+
+
 def test_waiting_longer_than_the_timeout_exits_transient_for_the_scheduler_to_restart(tmp_path):
     proc = run_cli(
         tmp_path, "to", *COMMON, "elastic_timeout_seconds=1", "fault_schedule=step=3,slice=0,down_s=120"

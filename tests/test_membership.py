@@ -202,16 +202,32 @@ def test_a_fatal_error_stops_every_other_process_with_its_cause():
     failing.clock = iter(range(1000)).__next__
     failing.fail(MemoryError("RESOURCE_EXHAUSTED: out of memory allocating 3 GiB"), wait_s=3)
     record = json.loads(client.kv["trainer/fatal"])
-    assert record == {"process": 2, "cause": "MemoryError: RESOURCE_EXHAUSTED: out of memory allocating 3 GiB"}
+    assert record == {
+        "process": 2,
+        "cause": "MemoryError: RESOURCE_EXHAUSTED: out of memory allocating 3 GiB",
+        "exit_code": 1,  # its exit code, which every process ends with (trainer/errors.py)
+    }
     fatal.check(client, 2)  # its own record does not stop it twice
     other = Scripted(3, 0, client)
-    with pytest.raises(fatal.PeerFailed, match="process 2 failed: MemoryError: RESOURCE_EXHAUSTED"):
+    with pytest.raises(fatal.PeerFailed, match="process 2 failed: MemoryError: RESOURCE_EXHAUSTED") as raised:
         other.wait_for_slices(1, timeout_s=5, poll_s=0)
+    assert raised.value.exit_code == 1
     with pytest.raises(fatal.PeerFailed):
         Scripted(3, 1, client)._meet("b", [0, 1], timeout_s=5)
     assert fatal.acknowledged(client) == {0, 1}
     fatal.publish(client, 1, ValueError("later"))  # the first cause recorded wins
     assert json.loads(client.kv["trainer/fatal"])["process"] == 2
+
+
+def test_a_peers_transient_failure_ends_every_process_with_the_transient_code():
+    from trainer.checkpoint import CheckpointSaveError
+    from trainer.errors import EXIT_TRANSIENT
+
+    client = FakeClient()
+    fatal.publish(client, 1, CheckpointSaveError(10, "checkpoint save of step 10 failed: storage unavailable"))
+    with pytest.raises(fatal.PeerFailed) as raised:
+        fatal.check(client, 0)
+    assert raised.value.exit_code == EXIT_TRANSIENT
 
 
 def test_the_failing_process_waits_until_every_live_process_saw_the_cause():

@@ -80,6 +80,31 @@ def test_one_failure_under_full_restart_pays_startup_again_and_rewinds_to_the_ch
     assert out.badput_s["restore"] == pytest.approx(costs.checkpoint_restore_s)
 
 
+def test_the_planner_gives_up_by_the_trainers_rule_failures_faster_than_progress_not_failures_spread():
+    from trainer.elastic.retry_budget import RetryBudget
+
+    budget = RetryBudget(max_retries=10, window_steps=50)
+    costs = Costs(step_s=1.0, detect_s=0.5)
+    failures = Failures(slices=2, mtbf_per_slice_s=1e9)
+    periods = Periods(checkpoint=1000, snapshot=1)
+    # Twelve failures spread over a 130-step run (one every ~10 steps): it finishes.
+    spread = [10.5 * k for k in range(1, 13)]
+    out = model.replay(costs, failures, periods, 130, "pause_resume", spread, budget=budget)
+    assert out.failures == 12 and out.gave_up == 0
+    # Twelve in a burst, one per step (each its own recovery): the eleventh ends the run, as the trainer's
+    # supervisor would.
+    burst = [20.2 + 1.5 * k for k in range(12)]
+    out = model.replay(costs, failures, periods, 130, "pause_resume", burst, budget=budget)
+    assert out.gave_up == 1 and out.failures == 11
+
+
+def test_the_defaults_never_give_up_at_the_failure_rates_of_the_docs_table():
+    # docs/running_at_scale.md: 1,000,000 steps with 2, 19 and 100 failures per run (1k, 10k, 50k chips).
+    for failures in (2, 19, 100):
+        assert model.give_up_chance(failures, 1_000_000, model.DEFAULT_BUDGET) < 1e-12
+    assert model.give_up_chance(1_000, 1_000, model.DEFAULT_BUDGET) > 0.999  # one failure per step: hopeless
+
+
 def test_young_daly_optimum_for_a_single_tier():
     costs = Costs(step_s=1.0, checkpoint_save_s=10.0, checkpoint_restore_s=5.0, restart_s=30.0)
     failures = Failures(slices=1, mtbf_per_slice_s=20_000.0)

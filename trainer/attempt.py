@@ -35,6 +35,7 @@ from trainer.optim import learning_rate_schedule, make_optimizer
 from trainer.parallel.activations import ActivationSharding
 from trainer.parallel.mesh import build_mesh
 from trainer.parallel.rules import logical_to_spec
+from trainer.preemption import phase
 from trainer.restore import SnapshotSource, restore_state
 from trainer.state import init_state, state_around, state_shardings, tree_nbytes
 from trainer.step import make_eval_step, make_train_step
@@ -357,7 +358,8 @@ class AttemptBuilder:
                 )
                 stack.callback(eval_iterator.close)
             if fresh:
-                plan = self.plans[key] = plan.compiled(spec)
+                with phase("compile"):
+                    plan = self.plans[key] = plan.compiled(spec)
                 events.emit(
                     "compile_done",
                     seconds=round(plan.compile_s, 3),
@@ -384,15 +386,16 @@ class AttemptBuilder:
             stack.callback(partial(checkpointer.close, timeout_s=close_s))
             t0 = time.perf_counter()
             events.emit("restore_start")
-            restored = restore_state(
-                plan.abstract_state,
-                checkpoints=checkpointer,
-                snapshots=snapshots,
-                load_full_state_path=spec.checkpoint.load_full_state_path,
-                load_parameters_path=spec.checkpoint.load_parameters_path,
-                fresh_state=partial(self._fresh_state, plan),
-            )
-            state = jax.block_until_ready(restored.state)
+            with phase("restore"):
+                restored = restore_state(
+                    plan.abstract_state,
+                    checkpoints=checkpointer,
+                    snapshots=snapshots,
+                    load_full_state_path=spec.checkpoint.load_full_state_path,
+                    load_parameters_path=spec.checkpoint.load_parameters_path,
+                    fresh_state=partial(self._fresh_state, plan),
+                )
+                state = jax.block_until_ready(restored.state)
             events.emit(
                 "restore_end",
                 source=restored.label,

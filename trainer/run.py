@@ -173,6 +173,7 @@ def build_supervisor(
         membership=membership,
         process_faults=process_faults,
         heartbeat_dead_after_s=heartbeat_dead_after_s,
+        coordinated_stop=stop_requested if isinstance(stop_requested, CoordinatedStop) else None,
         single_controller=single_controller,
         sync=paths.sync,
         local_checkpoint_period=cfg.checkpoint.local_checkpoint_period if paths.local_checkpoints else 0,

@@ -5,7 +5,11 @@ only. A process that stopped on its own flag would enter the final save while it
 step's collective, and the job would hang. Instead, the first process to see its flag after step s
 proposes step s + LEAD in the coordination service's key-value store (the first proposal wins); every
 process reads the key at every step boundary and stops once it reaches that step, so all of them save the
-same final checkpoint and exit 0.
+same final checkpoint and exit 42 (preempted).
+
+A process stopped outside the step loop (compiling, restoring, waiting: `trainer.preemption`) proposes
+the stop too before it leaves (`propose_after`), and a process waiting for slices asks `agreed()` between
+its rounds, so the whole job stops with the same code however the SIGTERMs fell.
 
 Why LEAD = 2 is always in time: a process cannot finish step s + 1 before the proposer has dispatched
 it (the step's collective needs every process), and the proposer writes the key before dispatching it;
@@ -45,6 +49,19 @@ class CoordinatedStop:
                 if self.events is not None:
                     self.events.emit("stop_agreed", step=value, proposed_here=self._proposed, at_step=step)
         return self.stop_at is not None and step >= self.stop_at
+
+    def agreed(self) -> bool:
+        """Whether any process proposed a stop (for phases without a step: waiting for slices)."""
+        if self.stop_at is None:
+            value = self._read()
+            if value is not None:
+                self.stop_at = value
+        return self.stop_at is not None
+
+    def propose_after(self, step: int) -> None:
+        """This process stops outside the step loop after `step`: the others stop at the agreed step."""
+        if not self._proposed and self.stop_at is None:
+            self._propose(step + LEAD)
 
     def _propose(self, step: int) -> None:
         self._proposed = True

@@ -40,6 +40,7 @@ from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 
 from trainer.distributed import fatal
 from trainer.distributed.heartbeat import Barrier
+from trainer.preemption import Preempted
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,9 @@ class Membership:
 
     # ---- waiting and forming ------------------------------------------------------------------
 
-    def wait_for_slices(self, min_slices: int, *, timeout_s: float, poll_s: float) -> Formation:
+    def wait_for_slices(
+        self, min_slices: int, *, timeout_s: float, poll_s: float, should_stop: Callable[[], bool] = lambda: False
+    ) -> Formation:
         """Rounds until a stable one has >= min_slices complete slices including this process's; then
         the formation (mesh order from process 0). A process whose own slice is incomplete while the
         others train keeps taking part in their rounds (it is paced by their steps) until it is whole.
@@ -205,11 +208,15 @@ class Membership:
         survivors' failing step decides after its second call, which is the survivors' supervisor round.
         A process deciding a round after another would enter the formation's barriers a round behind,
         read their counters at other moments, and could wait in a round that the others, gone ahead to a
-        barrier without rounds, never take."""
+        barrier without rounds, never take.
+
+        `should_stop()` is asked before every round: true (a stop the job agreed on) raises Preempted."""
         deadline = self.clock() + timeout_s
         mine = self.slice_of(self.me)
         take_round = self.current is None
         while True:
+            if should_stop():
+                raise Preempted("waiting_for_slices")
             if take_round:
                 self.round()
                 fatal.check(self.client, self.me)

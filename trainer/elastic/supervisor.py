@@ -16,7 +16,8 @@ Pause-and-resume: `elastic_min_slice_count=-1` waits for every slice. Replica-re
 When a slice dies at step N (its step fails; the steps before it completed):
 1. The step raises out of the train loop (the loop first writes step N-1's metrics) and out of
    `run_attempt`, which notes the time; closing the attempt settles an in-flight save for a bounded time.
-2. `_on_slice_down` counts the failure (giving up past elastic_max_retries) and starts the downtime clock.
+2. `_on_slice_down` counts the failure (giving up when failures come faster than progress:
+   `trainer.elastic.retry_budget`) and starts the downtime clock.
 3. `wait_for_slices` waits until enough slices are healthy (all of them under pause-and-resume).
 4. The next attempt is built on them (`trainer.attempt`: a slice set seen before reuses its compiled
    step) and restores by the one restore order (`trainer.restore`): the newest host snapshot, else the
@@ -52,11 +53,12 @@ from trainer.distributed.fatal import PeerFailed
 from trainer.distributed.heartbeat import watch_orbax_barriers
 from trainer.elastic.boundary import RecoveryStats, StepBoundary
 from trainer.elastic.errors import ElasticGiveUp, SlicesUnavailable
+from trainer.elastic.retry_budget import RetryBudget
 from trainer.elastic.shared_snapshots import SharedSnapshots
 from trainer.elastic.slices import ReturnPoller, make_checker
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.loop import ROLLBACK, SCALE_UP, Outcome
-from trainer.preemption import Preempted
+from trainer.preemption import Preempted, phase
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +101,10 @@ class Supervisor:
         previous_last_step: int | None = None,
         process_faults=None,
         heartbeat_dead_after_s: float = 10.0,
+        coordinated_stop=None,
     ):
         self.process_faults = process_faults
+        self.coordinated_stop = coordinated_stop
         self.heartbeat_dead_after_s = heartbeat_dead_after_s
         self.elastic = elastic
         self.local_checkpoint_period = local_checkpoint_period
@@ -133,6 +137,8 @@ class Supervisor:
             return self._run()
         except Preempted:  # SIGTERM outside a step boundary (trainer.preemption)
             self.emergency_save()
+            if self.coordinated_stop is not None:  # several processes: the others stop too
+                self.coordinated_stop.propose_after(self.stats.last_step)
             raise
         finally:
             if self.membership is not None:
@@ -210,6 +216,10 @@ class Supervisor:
             log.warning("could not tell the other processes about this failure: %s", e)
 
     def wait_for_slices(self) -> list[int]:
+        with phase("waiting_for_slices"):
+            return self._wait_for_slices()
+
+    def _wait_for_slices(self) -> list[int]:
         e = self.elastic
         if not e.elastic_enabled:
             return sorted(self.slice_to_devices)
@@ -218,8 +228,12 @@ class Supervisor:
         try:
             if self.membership is not None:  # slices in mesh order, agreed by every process
                 clients = self.membership.fresh_clients
+                stop = self.coordinated_stop
                 self.formation = self.membership.wait_for_slices(
-                    self.min_slices, timeout_s=e.elastic_timeout_seconds, poll_s=e.elastic_poll_interval_seconds
+                    self.min_slices,
+                    timeout_s=e.elastic_timeout_seconds,
+                    poll_s=e.elastic_poll_interval_seconds,
+                    should_stop=stop.agreed if stop is not None else lambda: False,
                 )
                 if self.membership.fresh_clients != clients:  # new device objects; executables went with the old
                     self.slice_to_devices = dict(enumerate(self.membership.slice_devices()))
@@ -250,7 +264,8 @@ class Supervisor:
     # ---- one attempt -------------------------------------------------------------------------------
 
     def run_attempt(self, number: int, active: list[int]) -> Outcome:
-        attempt = self.attempts([self.slice_to_devices[i] for i in active], **self._attempt_parts(active))
+        with phase("building_attempt"):
+            attempt = self.attempts([self.slice_to_devices[i] for i in active], **self._attempt_parts(active))
         with contextlib.closing(attempt):
             rewound = max(0, self.stats.last_step - attempt.start_step) if number > 1 else 0
             if number == 1 and self.previous_last_step is not None:
@@ -376,14 +391,14 @@ class Supervisor:
         )
         self._failure_seen_at = None
         self._failure_marks.append(self.stats.furthest_step)
-        window, limit = self.elastic.elastic_retry_window_steps, self.elastic.elastic_max_retries
-        recent = retries_in_window(self._failure_marks, self.stats.furthest_step, window)
-        if recent > limit:
+        budget = RetryBudget(self.elastic.elastic_max_retries, self.elastic.elastic_retry_window_steps)
+        if budget.exhausted(self._failure_marks, self.stats.furthest_step):
             self._summary()
+            recent = budget.counting(self._failure_marks, self.stats.furthest_step)
             raise ElasticGiveUp(
-                f"{recent} slice failures within {window} steps of progress (elastic_retry_window_steps) "
-                f"exceed elastic_max_retries={limit}: failures come faster than the run progresses; the "
-                "newest committed checkpoint is intact"
+                f"{recent} slice failures within {budget.window_steps} steps of progress "
+                f"(elastic_retry_window_steps) exceed elastic_max_retries={budget.max_retries}: failures come "
+                "faster than the run progresses; the newest committed checkpoint is intact"
             )
 
     def _summary(self) -> None:
@@ -393,13 +408,6 @@ class Supervisor:
             steps_lost=self.stats.steps_lost,
             downtime_s=round(self.stats.downtime_s, 3),
         )
-
-
-def retries_in_window(marks: list[int], furthest: int, window: int) -> int:
-    """The failures that still count against elastic_max_retries: those after which the run has made fewer
-    than `window` steps of net progress (`marks`: the furthest step at each failure). The one rule of
-    giving up; `trainer.plan` applies it too."""
-    return sum(1 for mark in marks if furthest - mark < window)
 
 
 def _settle_save(checkpointer) -> None:

@@ -21,6 +21,7 @@ import math
 import os
 import sys
 
+from trainer.elastic.retry_budget import RetryBudget
 from trainer.errors import UserInputError, tool_main
 from trainer.plan import model
 from trainer.plan.model import MODES, TIERS, Costs, Failures, Periods
@@ -60,6 +61,19 @@ def _parse_args(argv):
         help="share of failures that kill the process (host snapshots lost), not only a slice (default 0)",
     )
     g.add_argument("--steps", type=int, help="run length in steps (default: the run's steps, else 100000)")
+    g.add_argument(
+        "--elastic-max-retries",
+        type=int,
+        default=RetryBudget.max_retries,
+        help="the trainer gives up (exit 3) past this many failures within --elastic-retry-window-steps "
+        f"steps of progress (default {RetryBudget.max_retries}, the trainer's)",
+    )
+    g.add_argument(
+        "--elastic-retry-window-steps",
+        type=int,
+        default=RetryBudget.window_steps,
+        help=f"the window of --elastic-max-retries (default {RetryBudget.window_steps}, the trainer's)",
+    )
     for key in KEYS.values():
         g.add_argument("--" + key.replace("_", "-"), type=int, metavar="STEPS", help=f"evaluate this {key} too")
     c = p.add_argument_group("costs in seconds (override what RUN_DIR measured)")
@@ -141,7 +155,12 @@ def plan(args) -> int:
         f"failure model: {slices} slices x {per_slice} chips, MTBF {_dur(mtbf)} per slice -> one failure every "
         f"{_dur(1 / failures.rate_s)}; {args.process_kill_share:.0%} kill the process; run of {steps} steps"
     )
-    recommended = {m: model.recommend(costs, failures, steps, m, available=available) for m in MODES}
+    if args.elastic_max_retries < 0 or args.elastic_retry_window_steps < 1:
+        raise UserInputError("--elastic-max-retries must be >= 0 and --elastic-retry-window-steps >= 1")
+    budget = RetryBudget(args.elastic_max_retries, args.elastic_retry_window_steps)
+    recommended = {
+        m: model.recommend(costs, failures, steps, m, available=available, budget=budget) for m in MODES
+    }
     given = [getattr(args, KEYS[t]) for t in TIERS]
     if facts or any(v is not None for v in given):
         run = (
@@ -154,21 +173,25 @@ def plan(args) -> int:
             modes = ("pause_resume" if facts.min_slices in (-1, facts.slices) else "replica_resize",)
         print(f"at {_periods(current)}:")
         for mode in modes:
-            now = model.expected(costs, failures, current, steps, mode)
+            now = model.expected(costs, failures, current, steps, mode, budget)
             print(
                 f"  {mode:<16} expected goodput {now.goodput:.1%} (useful {now.useful_goodput:.1%}), "
-                f"{now.failures:.1f} failures, wall {_dur(now.wall_s)}"
+                f"{now.failures:.1f} failures, wall {_dur(now.wall_s)}, gives up: {_chance(now.gave_up)}"
             )
         if facts and facts.goodput is not None:
             measured = f"goodput {facts.goodput:.1%}, {facts.failures} failures, wall {_dur(facts.wall_s)}"
             print(f"  (measured: {measured})")
-    print(_table(recommended, costs, failures, steps, args.monte_carlo))
+    print(_table(recommended, costs, failures, steps, args.monte_carlo, budget))
     _plot(plot_path, costs, failures, per_slice, steps, available, args.max_chips)
     print(f"plot written to {plot_path}")
     return 0
 
 
-def _table(recommended, costs, failures, steps, trials) -> str:
+def _chance(p: float) -> str:
+    return "never" if p < 1e-6 else f"{p:.2%}"
+
+
+def _table(recommended, costs, failures, steps, trials, budget) -> str:
     from trainer.observe.goodput import CAUSES
 
     w = 16
@@ -182,13 +205,18 @@ def _table(recommended, costs, failures, steps, trials) -> str:
         ("goodput (as reported)", lambda o: f"{o.goodput:.1%}"),
         ("useful goodput", lambda o: f"{o.useful_goodput:.1%}"),
         ("failures", lambda o: f"{o.failures:.1f}"),
+        (f"gives up (>{budget.max_retries} in {budget.window_steps})", lambda o: _chance(o.gave_up)),
         ("wall time", lambda o: _dur(o.wall_s)),
     ]
     for name, cell in rows:
         lines.append(f"  {name:<26}" + "".join(f"{cell(outcomes[m]):>{w}}" for m in MODES))
     if trials:
-        sims = {m: model.simulate(costs, failures, recommended[m][0], steps, m, trials=trials) for m in MODES}
+        sims = {
+            m: model.simulate(costs, failures, recommended[m][0], steps, m, trials=trials, budget=budget)
+            for m in MODES
+        }
         lines.append(f"  {'goodput, Monte Carlo':<26}" + "".join(f"{sims[m].goodput:>{w}.1%}" for m in MODES))
+        lines.append(f"  {'gave up, Monte Carlo':<26}" + "".join(f"{sims[m].gave_up:>{w}.1%}" for m in MODES))
     lines.append("  badput by cause (share of wall time):")
     for cause in CAUSES:
         cells = [outcomes[m].badput_s.get(cause, 0.0) / outcomes[m].wall_s for m in MODES]

@@ -20,6 +20,10 @@ Failures: Poisson in wall time once training has started, at `Failures.rate_s`. 
 the next step boundary, after the step in flight (the rule of `fault_schedule`); one that falls in a
 recovery kills that recovery's first step. A share `process_kill_share` of failures takes the process
 with it (host snapshots lost; restored from the local tier or the persistent one after a restart).
+
+Giving up: the trainer's rule (`trainer.elastic.retry_budget`): more than `max_retries` failures within
+`window_steps` steps of net progress end the run with exit 3. The Monte Carlo applies it exactly; the
+closed form gives the chance of it (`Outcome.gave_up`) from the failures per step of progress.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import math
 import random
 
 import numpy as np
+
+from trainer.elastic.retry_budget import RetryBudget
 
 MODES = ("pause_resume", "replica_resize", "full_restart")
 TIERS = ("snapshot", "local", "checkpoint")  # restore preference on a tie (RAM, node disk, persistent)
@@ -89,6 +95,7 @@ class Outcome:
     useful_s: float  # steps x step_s: what the run would take with no saves, no failures, no overheads
     failures: float
     badput_s: dict[str, float]
+    gave_up: float = 0.0  # chance (closed form), or share of replayed runs, that the retry budget ends the run
 
     @property
     def goodput(self) -> float:
@@ -219,7 +226,34 @@ def lost_steps(period: int, rho: float) -> float:
     return float(np.sum((j % period) * weights) / np.sum(weights))
 
 
-def expected(costs: Costs, failures: Failures, periods: Periods, steps: int, mode: str) -> Outcome:
+def give_up_chance(failures: float, steps: int, budget: RetryBudget) -> float:
+    """The chance the retry budget ends a run of `steps` steps that expects `failures` failures: failures
+    per step of progress taken as Poisson, a window of `window_steps` over the run's length (about two
+    independent windows per window length, as they slide)."""
+    if failures <= 0 or steps <= 0:
+        return 0.0
+    if math.isinf(failures):
+        return 1.0
+    mean = failures / steps * budget.window_steps
+    k = budget.max_retries + 1  # P(N >= k), summed from its first term (no cancellation when it is tiny)
+    term = math.exp(-mean + k * math.log(mean) - math.lgamma(k + 1)) if mean > 0 else 0.0
+    exceed, n = 0.0, k
+    while term > 1e-300 and n < k + 10_000:
+        exceed += term
+        n += 1
+        term *= mean / n
+        if term < exceed * 1e-17:
+            break
+    windows = max(1.0, 2.0 * steps / budget.window_steps)
+    return -math.expm1(windows * math.log1p(-min(exceed, 1.0 - 1e-16)))
+
+
+DEFAULT_BUDGET = RetryBudget()  # the trainer's defaults (elastic_max_retries, elastic_retry_window_steps)
+
+
+def expected(
+    costs: Costs, failures: Failures, periods: Periods, steps: int, mode: str, budget: RetryBudget = DEFAULT_BUDGET
+) -> Outcome:
     """Expected value over failure cycles (renewal reward), exact for the failure rule above up to where
     within the save cycle training restarts.
 
@@ -261,7 +295,7 @@ def expected(costs: Costs, failures: Failures, periods: Periods, steps: int, mod
         progress = (1 - a) * (1 / (1 - rho) - lost_if_trained) + a * (1 - lost_if_pending)
         if progress <= 0:  # every recovery is killed before it saves: no progress
             inf = math.inf
-            return Outcome(inf, 0.0, steps * costs.step_s, inf, dict(bad, other=inf))
+            return Outcome(inf, 0.0, steps * costs.step_s, inf, dict(bad, other=inf), gave_up=1.0)
         f = steps / progress
         lost_per_cycle = (1 - a) * lost_if_trained + a * lost_if_pending
         for r, seconds in zip(recoveries, read, strict=True):
@@ -273,22 +307,32 @@ def expected(costs: Costs, failures: Failures, periods: Periods, steps: int, mod
         bad["other"] += f * lost_per_cycle * costs.step_gap_s
     productive = steps * costs.step_s + async_slowdown + first_steps * costs.first_step_extra_s
     wall = productive + sum(bad.values())
-    return Outcome(wall, productive, steps * costs.step_s, f, bad)
+    return Outcome(wall, productive, steps * costs.step_s, f, bad, gave_up=give_up_chance(f, steps, budget))
 
 
 def simulate(
-    costs: Costs, failures: Failures, periods: Periods, steps: int, mode: str, *, seed: int = 0, trials: int = 100
+    costs: Costs,
+    failures: Failures,
+    periods: Periods,
+    steps: int,
+    mode: str,
+    *,
+    seed: int = 0,
+    trials: int = 100,
+    budget: RetryBudget | None = None,
 ) -> Outcome:
     """Monte Carlo of the same phases, step by step, averaged over `trials` runs (an exact replay of the
-    failure rule, for checking the closed form where failures are frequent)."""
-    closed = expected(costs, failures, periods, steps, mode)
+    failure rule, for checking the closed form where failures are frequent). With a `budget`, a run the
+    retry budget ends stops there (its share is `gave_up`); without one, every run goes to the end."""
+    closed = expected(costs, failures, periods, steps, mode, budget or DEFAULT_BUDGET)
     if closed.failures > 20_000:  # a run that (almost) never finishes: too long to replay, and hopeless
         return closed
     trials = max(1, min(trials, int(2e6 // (steps + 10 * closed.failures))))  # bounded work
     rng = random.Random(seed)
     periods = clamp(periods, steps)
     runs = [
-        _one_run(costs, failures, periods, steps, mode, rng, _poisson(rng, failures.rate_s)) for _ in range(trials)
+        _one_run(costs, failures, periods, steps, mode, rng, _poisson(rng, failures.rate_s), budget)
+        for _ in range(trials)
     ]
     bad = {c: sum(r.badput_s.get(c, 0.0) for r in runs) / trials for c in runs[0].badput_s}
     return Outcome(
@@ -297,6 +341,7 @@ def simulate(
         steps * costs.step_s,
         sum(r.failures for r in runs) / trials,
         bad,
+        gave_up=sum(r.gave_up for r in runs) / trials,
     )
 
 
@@ -308,10 +353,13 @@ def replay(
     mode: str,
     failure_times: list[float],
     seed: int = 0,
+    budget: RetryBudget | None = None,
 ) -> Outcome:
     """One run with failures at the given times (seconds of training wall time, from the first step);
-    `seed` only picks the kind of each failure by `failures.process_kill_share`."""
-    return _one_run(costs, failures, periods, steps, mode, random.Random(seed), iter(sorted(failure_times)))
+    `seed` only picks the kind of each failure by `failures.process_kill_share`; with a `budget`, the run
+    ends where the trainer would give up (`gave_up` 1)."""
+    rng = random.Random(seed)
+    return _one_run(costs, failures, periods, steps, mode, rng, iter(sorted(failure_times)), budget)
 
 
 def _poisson(rng: random.Random, rate: float):
@@ -321,13 +369,16 @@ def _poisson(rng: random.Random, rate: float):
         yield t
 
 
-def _one_run(costs: Costs, failures: Failures, periods: Periods, steps: int, mode: str, rng, arrivals) -> Outcome:
+def _one_run(
+    costs: Costs, failures: Failures, periods: Periods, steps: int, mode: str, rng, arrivals, budget=None
+) -> Outcome:
     bad = dict.fromkeys(("startup_compile", "checkpoint_save", "restore", "wasted_progress"), 0.0)
     bad |= {"waiting_for_slices": 0.0, "other": costs.tail_s}
     bad["startup_compile"] = costs.startup_s
     t = 0.0  # training wall time (failures start with training, as fault_schedule's rate= does)
     next_failure = next(arrivals, math.inf)
     done, productive, count, first = 0, 0.0, 0, True
+    furthest, marks, gave_up = 0, [], 0.0
     cost = {tier: save_cost(costs, tier, periods.of(tier)) if periods.of(tier) else 0.0 for tier in TIERS}
     step_time: dict[int, float] = {}  # time of each step on the current trajectory (rewound ones are waste)
     recoveries = _recoveries(costs, failures, mode)
@@ -346,10 +397,15 @@ def _one_run(costs: Costs, failures: Failures, periods: Periods, steps: int, mod
             bad["checkpoint_save"] += cost["checkpoint"]
         step_time[k] = s
         done, first = k, False
+        furthest = max(furthest, done)
         if t < next_failure or done == steps:
             continue
         # The failure is noticed at this boundary; everything after the restored step is rewound.
         count += 1
+        marks.append(furthest)
+        if budget is not None and budget.exhausted(marks, furthest):
+            gave_up = 1.0
+            break
         while next_failure <= t:  # every failure due by this boundary is this one recovery
             next_failure = next(arrivals, math.inf)
         r = rng.choices(recoveries, weights=[r.share for r in recoveries])[0]
@@ -366,7 +422,7 @@ def _one_run(costs: Costs, failures: Failures, periods: Periods, steps: int, mod
         done, first = back, True  # a failure that fell in the recovery kills its first step
     productive += sum(step_time.values())
     wall = costs.startup_s + t + costs.tail_s
-    return Outcome(wall, productive, steps * costs.step_s, count, bad)
+    return Outcome(wall, productive, steps * costs.step_s, count, bad, gave_up=gave_up)
 
 
 def young_daly_steps(save_s: float, mtbf_s: float, step_s: float) -> float:
@@ -380,7 +436,13 @@ def tiers_used(mode: str, available: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def recommend(
-    costs: Costs, failures: Failures, steps: int, mode: str, *, available: tuple[str, ...] = ("checkpoint",)
+    costs: Costs,
+    failures: Failures,
+    steps: int,
+    mode: str,
+    *,
+    available: tuple[str, ...] = ("checkpoint",),
+    budget: RetryBudget = DEFAULT_BUDGET,
 ) -> tuple[Periods, Outcome]:
     """The periods that minimise the expected wall time (coordinate search over a geometric grid, started
     from each tier's Young/Daly interval), and their outcome.
@@ -415,4 +477,4 @@ def recommend(
             break
     if periods.local >= steps:  # not worth saving locally at all
         periods = dataclasses.replace(periods, local=0)
-    return periods, expected(costs, failures, periods, steps, mode)
+    return periods, expected(costs, failures, periods, steps, mode, budget)

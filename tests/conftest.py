@@ -8,3 +8,16 @@ import os
 _FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """A real Google Cloud Storage JSON API (fake-gcs-server) for this session (each xdist worker has its
+    own): tests/gcs_server.py. Tests take a fresh bucket with `gcs_server.new_bucket()`."""
+    from gcs_server import GCSServer
+
+    with GCSServer() as server:
+        yield server

@@ -1,7 +1,7 @@
 """The trainer as users run it: a fresh working directory, no run name, relative, `~` and gs:// paths.
 
-gs:// is served by tests/objstore/fake_gcs.py (fsspec's gs protocol over a local directory, loaded in
-the CLI subprocess through sitecustomize), so the object-store code under test is the trainer's own.
+gs:// is a real GCS JSON API (fake-gcs-server, tests/gcs_server.py) that the CLI subprocess reaches through
+environment variables alone, so the object-store code under test is the trainer's own, over gcsfs.
 """
 
 import json
@@ -15,7 +15,6 @@ import pytest
 from cli_harness import MICRO, cli_env
 
 REPO = Path(__file__).resolve().parents[1]
-OBJSTORE = Path(__file__).resolve().parent / "objstore"
 # MICRO without a run name or output directory: the defaults are what is under test.
 DATA = ["dataset_type=arrayrecord", "vocab_size=8192", "use_sft=true", "grain_worker_count=0"]
 
@@ -105,7 +104,7 @@ def test_resuming_a_run_with_another_model_shape_exits_2_naming_the_fix(tmp_path
     assert status(base).startswith("STATUS: finished"), base.stderr[-3000:]
     proc = train(tmp_path, "steps=2", "base_num_decoder_layers=3")
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "another model shape" in proc.stderr and "base_num_decoder_layers" in proc.stderr
+    assert "does not match it" in proc.stderr and "base_num_decoder_layers (checkpoint 2, now 3)" in proc.stderr
     assert "run_name=" in proc.stderr
 
 
@@ -129,45 +128,50 @@ def test_data_that_matches_nothing_exits_2_and_leaves_no_run_directory(tmp_path)
     assert not (tmp_path / "runs").exists()
 
 
-def _bucket_env(tmp_path: Path, pod: str) -> dict:
-    """A pod: the fake store, and a local mirror of its own (a fresh node has an empty one)."""
+def _bucket_env(server, tmp_path: Path, pod: str) -> dict:
+    """A pod: the GCS server, and a local mirror of its own (a fresh node has an empty one)."""
     return {
-        "PYTHONPATH": os.pathsep.join([str(OBJSTORE), os.environ.get("PYTHONPATH", "")]),
-        "FAKE_GCS_ROOT": str(tmp_path / "bucket-root"),
+        **server.env,
         "TRAINER_LOCAL_RUN_ROOT": str(tmp_path / pod),
         "TRAINER_CACHE_DIR": str(tmp_path / pod / "cache"),
     }
 
 
-def test_data_tokenizer_and_logs_on_an_object_store_and_a_restarted_pod_continues_the_logs(tmp_path):
-    bucket = tmp_path / "bucket-root" / "bkt"
-    shutil.copytree(REPO / "data" / "fc_sample", bucket / "data")
-    (bucket / "tok").mkdir()
-    shutil.copy(REPO / "data" / "tokenizer" / "fc_sp8k.model", bucket / "tok")
+def test_data_tokenizer_and_logs_on_an_object_store_and_a_restarted_pod_continues_the_logs(gcs_server, tmp_path):
+    bkt = gcs_server.new_bucket("paths")
+    gcs_server.upload_tree(REPO / "data" / "fc_sample", bkt, "data")
+    gcs_server.write(bkt, "tok/fc_sp8k.model", (REPO / "data" / "tokenizer" / "fc_sp8k.model").read_bytes())
     args = [
         "steps=2",
         *DATA,
-        "grain_train_files=gs://bkt/data/*",
-        "tokenizer_path=gs://bkt/tok/fc_sp8k.model",
-        "base_output_directory=gs://bkt/runs",
+        f"grain_train_files=gs://{bkt}/data/*",
+        f"tokenizer_path=gs://{bkt}/tok/fc_sp8k.model",
+        f"base_output_directory=gs://{bkt}/runs",
         "enable_checkpointing=false",
     ]
-    first = train(tmp_path, *args, env=_bucket_env(tmp_path, "pod-a"))
-    assert status(first) == "STATUS: finished step=2 run_dir=gs://bkt/runs/qwen3-tiny-data", first.stderr[-3000:]
-    remote = bucket / "runs" / "qwen3-tiny-data"
-    assert [r["step"] for r in records(remote / "metrics.jsonl")] == [1, 2]
-    second = train(tmp_path, *args, env=_bucket_env(tmp_path, "pod-b"))
+    first = train(tmp_path, *args, env=_bucket_env(gcs_server, tmp_path, "pod-a"))
+    assert status(first) == f"STATUS: finished step=2 run_dir=gs://{bkt}/runs/qwen3-tiny-data", first.stderr[
+        -3000:
+    ]
+
+    def remote(name: str) -> list[dict]:
+        return [json.loads(line) for line in gcs_server.read(bkt, f"runs/qwen3-tiny-data/{name}").splitlines()]
+
+    assert [r["step"] for r in remote("metrics.jsonl")] == [1, 2]
+    second = train(tmp_path, *args, env=_bucket_env(gcs_server, tmp_path, "pod-b"))
     assert status(second).startswith("STATUS: finished step=2"), second.stderr[-3000:]
-    assert [r["step"] for r in records(remote / "metrics.jsonl")] == [1, 2, 1, 2], (
-        "the second pod replaced the logs"
-    )
-    events = records(remote / "events.jsonl")
+    assert [r["step"] for r in remote("metrics.jsonl")] == [1, 2, 1, 2], "the second pod replaced the logs"
+    events = remote("events.jsonl")
     assert [e["event"] for e in events].count("start") == 2
     assert len({e["pid"] for e in events if e["event"] == "start"}) == 2
 
 
-def test_a_missing_object_store_load_path_exits_2(tmp_path):
+def test_a_missing_object_store_load_path_exits_2(gcs_server, tmp_path):
+    bkt = gcs_server.new_bucket("paths")
     proc = train(
-        tmp_path, "load_parameters_path=gs://bkt/ckpt/none", env=_bucket_env(tmp_path, "pod"), timeout=120
+        tmp_path,
+        f"load_parameters_path=gs://{bkt}/ckpt/none",
+        env=_bucket_env(gcs_server, tmp_path, "pod"),
+        timeout=120,
     )
     assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr[-2000:]

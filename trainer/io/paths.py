@@ -26,6 +26,19 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 _GLOB_CHARS = set("*?[")
 
 
+def _list_object_stores_from_storage() -> None:
+    """gcsfs keeps every directory listing for the life of a filesystem object, and epath and fsspec each
+    hold their own: a step another process committed, or a lease generation this process just wrote, would
+    stay invisible. Every listing here must see storage as it is now (commit rule, cleanup, the lease)."""
+    import fsspec
+
+    for protocol in ("gs", "gcs"):
+        fsspec.config.conf.setdefault(protocol, {}).setdefault("use_listings_cache", False)
+
+
+_list_object_stores_from_storage()
+
+
 def is_remote(path: str | os.PathLike) -> bool:
     """True for an object-store URI (`gs://bucket/...`, `s3://...`)."""
     return "://" in os.fspath(path)

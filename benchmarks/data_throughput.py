@@ -29,7 +29,7 @@ from cli_runs import announce_smoke, smoke, smoke_cap  # noqa: E402
 
 from trainer.config.schema import DataConfig  # noqa: E402
 from trainer.data.grain_pipeline import make_arrayrecord_iterator  # noqa: E402
-from trainer.data.prepare import prepare  # noqa: E402
+from trainer.data.shards import prepare  # noqa: E402
 
 QWEN3_MINI_TOKENS_PER_S = 2048  # the upper end of 2 x 512 tokens per 0.5-1 s step
 

@@ -17,16 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.data.errors import DataError  # noqa: E402
 from trainer.data.formatting import RecordError, chat_text  # noqa: E402
-from trainer.data.prepare import (
-    INPUT_HELP,
-    Summary,
-    add_record_arguments,
-    check_inputs,
-    expand_inputs,  # noqa: E402
-    no_usable_record,
-    output_path,
-    read_records,
-)
+from trainer.data.prepare import INPUT_HELP, add_record_arguments  # noqa: E402
+from trainer.data.readers import check_inputs, expand_inputs, read_records  # noqa: E402
+from trainer.data.shards import Summary, no_usable_record, output_path  # noqa: E402
 from trainer.data.tokenizer import CHAT_TOKENS, EXTRA_SYMBOLS, Tokenizer, train_sentencepiece  # noqa: E402
 from trainer.errors import tool_main  # noqa: E402
 from trainer.io.staging import check_writable, staged_file  # noqa: E402

@@ -215,7 +215,7 @@ LIVE = [
     "elastic_poll_interval_seconds=0.05",
     "elastic_timeout_seconds=120",
     "steps=100000",
-]  # ended by SIGTERM (saves, exits 0), never by its steps
+]  # ended by SIGTERM (saves, exits 42: preempted), never by its steps
 
 
 def _names(run_dir: Path) -> list[str]:
@@ -233,7 +233,7 @@ def _wait_until(proc: subprocess.Popen, done, log: Path, what: str) -> None:
 
 
 def _preempt(proc: subprocess.Popen, log: Path) -> str:
-    """SIGTERM (finish the step, save, exit 0); the trainer's output."""
+    """SIGTERM (finish the step, save, exit 42); the trainer's output."""
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=HANG_GUARD_S)
     return log.read_text()
@@ -275,7 +275,7 @@ def test_on_a_live_2_slice_job_slice_5_is_refused_and_slice_1_is_killed(live_job
     assert_refused(live_job["out_of_range"], "--slice 5", "[0, 2)")
     assert live_job["left"] == [], "a refused request writes nothing"
     assert live_job["valid"].returncode == 0, live_job["valid"].stderr
-    assert live_job["rc"] == 0, live_job["output"][-3000:]
+    assert live_job["rc"] == 42, live_job["output"][-3000:]
     evs = read_jsonl(live_job["run"] / "events.jsonl")
     killed = [e for e in evs if e["event"] == "slice_killed"]
     assert [(e["slice"], e["cause"].startswith("chaos")) for e in killed] == [(1, True)]
@@ -300,7 +300,7 @@ def test_a_request_left_for_an_ended_attempt_does_not_kill_the_resumed_run(live_
     finally:
         proc.kill()
         proc.wait()
-    assert proc.returncode == 0, output[-3000:]
+    assert proc.returncode == 42, output[-3000:]
     assert left_over.with_suffix(".ignored").exists(), "the resumed run read the request and set it aside"
     mine = [e for e in read_jsonl(run / "events.jsonl") if e.get("pid") == proc.pid]
     assert mine[0]["event"] == "start"

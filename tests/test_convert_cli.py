@@ -20,7 +20,9 @@ import pytest
 from cli_harness import cli_env
 from safetensors import safe_open
 
-from trainer import convert
+from trainer.hf.checkpoints import checkpoint_model_config, load_checkpoint_params
+from trainer.hf.logits import InputError, compute_logits, read_input_ids
+from trainer.hf.to_trainer import hf_to_trainer
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -199,7 +201,7 @@ def test_a_run_without_a_committed_checkpoint_says_so(user):
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """dense_tied through hf-to-trainer (in-process, once): 160 x 48 embeddings."""
-    return convert.hf_to_trainer(FIXTURES / "dense_tied", tmp_path_factory.mktemp("conv") / "ckpt")
+    return hf_to_trainer(FIXTURES / "dense_tied", tmp_path_factory.mktemp("conv") / "ckpt")
 
 
 def test_a_model_of_another_size_names_the_tensor_and_both_shapes(user, converted):
@@ -365,8 +367,8 @@ def test_logits_reads_a_text_file_of_ids_the_same_as_the_npy(user, converted):
         cwd, home, "logits", "--checkpoint", str(converted), "--input-ids", "ids.txt", "--output", "out/l.npy"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    cfg = convert.checkpoint_model_config(converted)
-    want = convert.compute_logits(convert.load_checkpoint_params(converted, cfg), cfg, ids)
+    cfg = checkpoint_model_config(converted)
+    want = compute_logits(load_checkpoint_params(converted, cfg), cfg, ids)
     np.testing.assert_allclose(np.load(cwd / "out" / "l.npy"), want, atol=1e-6)
 
 
@@ -393,8 +395,8 @@ def _write_ids(path: Path, content) -> None:
 @pytest.mark.parametrize("name,content,fragments", BAD_IDS)
 def test_unusable_ids_files_are_named_with_what_is_wrong(tmp_path, name, content, fragments):
     _write_ids(tmp_path / name, content)
-    with pytest.raises(convert.InputError) as err:
-        convert.read_input_ids(tmp_path / name)
+    with pytest.raises(InputError) as err:
+        read_input_ids(tmp_path / name)
     assert f"--input-ids {tmp_path / name}" in str(err.value)
     for fragment in fragments:
         assert fragment in str(err.value)
@@ -427,10 +429,10 @@ def test_logits_refuses_unusable_ids_in_one_line(user, converted, name, content,
 )
 def test_text_ids_are_whitespace_or_comma_separated_one_sequence_per_line(tmp_path, text, want):
     (tmp_path / "ids").write_text(text)
-    np.testing.assert_array_equal(convert.read_input_ids(tmp_path / "ids"), want)
+    np.testing.assert_array_equal(read_input_ids(tmp_path / "ids"), want)
 
 
 def test_empty_ids_are_refused_even_when_passed_in_memory(converted):
-    cfg = convert.checkpoint_model_config(converted)
-    with pytest.raises(convert.InputError, match="empty"):
-        convert.compute_logits({}, cfg, np.zeros((1, 0), np.int32))
+    cfg = checkpoint_model_config(converted)
+    with pytest.raises(InputError, match="empty"):
+        compute_logits({}, cfg, np.zeros((1, 0), np.int32))

@@ -21,7 +21,7 @@ from trainer.data.batch import BATCH_KEYS, check_batch, fingerprint
 from trainer.data.errors import DataError
 from trainer.data.grain_pipeline import make_arrayrecord_iterator
 from trainer.data.packing import pack_row
-from trainer.data.prepare import prepare
+from trainer.data.shards import prepare
 from trainer.data.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -257,6 +257,7 @@ def test_a_non_slice_error_is_not_retried(tmp_path):
     import jax
     from helpers import micro_config
 
+    from trainer.elastic.local_cluster import LocalCluster
     from trainer.elastic.snapshot import HostSnapshots
     from trainer.elastic.supervisor import Supervisor
     from trainer.observe.events import EventLog
@@ -271,7 +272,7 @@ def test_a_non_slice_error_is_not_retried(tmp_path):
     events = EventLog(None)
     sup = Supervisor(
         cfg.elastic,
-        [[d] for d in jax.devices()[:2]],
+        LocalCluster([[d] for d in jax.devices()[:2]], timeout_s=60, poll_s=0.01),
         attempts=broken_attempt,
         run_loop=lambda attempt, boundary: pytest.fail("no attempt was built"),
         events=events,

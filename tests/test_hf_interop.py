@@ -23,6 +23,13 @@ from safetensors.numpy import save_file
 
 from trainer import convert
 from trainer.config import load_config
+from trainer.hf import safetensors_io
+from trainer.hf.checkpoints import checkpoint_model_config, load_checkpoint_params
+from trainer.hf.load import load_hf, model_config_from_hf, read_hf_params
+from trainer.hf.logits import compute_logits
+from trainer.hf.safetensors_io import SafetensorsDir, write_hf_safetensors
+from trainer.hf.to_hf import hf_tensors, trainer_to_hf
+from trainer.hf.to_trainer import hf_to_trainer
 from trainer.model import generation
 from trainer.model.hf import HfFormatError, model_keys_from_hf, tensor_plan
 from trainer.step import loss_sums
@@ -45,12 +52,12 @@ def _tensors(path: Path) -> dict[str, np.ndarray]:
 def converted(tmp_path_factory):
     """Each fixture through hf-to-trainer once: name -> checkpoint dir."""
     root = tmp_path_factory.mktemp("converted")
-    return {name: convert.hf_to_trainer(FIXTURES / name, root / name) for name in NAMES}
+    return {name: hf_to_trainer(FIXTURES / name, root / name) for name in NAMES}
 
 
 def _checkpoint(converted, name):
-    cfg = convert.checkpoint_model_config(converted[name])
-    return cfg, convert.load_checkpoint_params(converted[name], cfg)
+    cfg = checkpoint_model_config(converted[name])
+    return cfg, load_checkpoint_params(converted[name], cfg)
 
 
 # --- parity -------------------------------------------------------------------------------------------
@@ -60,7 +67,7 @@ def _checkpoint(converted, name):
 def test_converted_checkpoint_logits_match_transformers_within_1e_4(converted, name):
     cfg, params = _checkpoint(converted, name)
     expected = _expected(name)
-    logits = convert.compute_logits(params, cfg, expected["input_ids"])
+    logits = compute_logits(params, cfg, expected["input_ids"])
     assert logits.dtype == np.float32 and logits.shape == expected["logits"].shape
     diff = float(np.abs(logits - expected["logits"]).max())
     print(f"{name}: max-abs logits diff vs transformers = {diff:.3g}")
@@ -138,11 +145,11 @@ def decode_main(argv):
 def test_export_reproduces_every_transformers_tensor_and_export_import_export_is_bitwise_identical(
     converted, name, tmp_path
 ):
-    first = convert.trainer_to_hf(converted[name], tmp_path / "e1")
+    first = trainer_to_hf(converted[name], tmp_path / "e1")
     assert _tensors(first / "model.safetensors").keys() == _tensors(FIXTURES / name / "model.safetensors").keys()
     for key, value in _tensors(FIXTURES / name / "model.safetensors").items():
         np.testing.assert_array_equal(_tensors(first / "model.safetensors")[key], value, err_msg=key)
-    again = convert.trainer_to_hf(convert.hf_to_trainer(first, tmp_path / "c2"), tmp_path / "e2")
+    again = trainer_to_hf(hf_to_trainer(first, tmp_path / "c2"), tmp_path / "e2")
     for file in ("config.json", "model.safetensors"):
         assert (first / file).read_bytes() == (again / file).read_bytes(), file
 
@@ -150,7 +157,7 @@ def test_export_reproduces_every_transformers_tensor_and_export_import_export_is
 def test_exported_config_json_describes_the_same_model():
     for name in NAMES:
         source = json.loads((FIXTURES / name / "config.json").read_text())
-        cfg = convert.model_config_from_hf(source, dtype="float32", weight_dtype="float32")
+        cfg = model_config_from_hf(source, dtype="float32", weight_dtype="float32")
         from trainer.model.hf import hf_config
 
         assert model_keys_from_hf(hf_config(cfg, "float32")) == model_keys_from_hf(source)
@@ -170,33 +177,33 @@ def test_sharded_safetensors_with_an_index_read_the_same_params(tmp_path):
     index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
 
-    _, whole = convert.load_hf(src, dtype="float32", weight_dtype="float32")
-    _, split = convert.load_hf(sharded, dtype="float32", weight_dtype="float32")
+    _, whole = load_hf(src, dtype="float32", weight_dtype="float32")
+    _, split = load_hf(sharded, dtype="float32", weight_dtype="float32")
     for a, b in zip(_flat(whole), _flat(split)):
         np.testing.assert_array_equal(a, b)
 
 
 def test_export_past_the_shard_size_writes_an_index_that_reimports_identically(converted, tmp_path):
-    out = convert.trainer_to_hf(converted["dense_tied"], tmp_path / "sharded", max_shard_bytes=60_000)
+    out = trainer_to_hf(converted["dense_tied"], tmp_path / "sharded", max_shard_bytes=60_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and not (out / "model.safetensors").exists()
-    _, original = convert.load_hf(FIXTURES / "dense_tied", dtype="float32", weight_dtype="float32")
-    _, back = convert.load_hf(out, dtype="float32", weight_dtype="float32")
+    _, original = load_hf(FIXTURES / "dense_tied", dtype="float32", weight_dtype="float32")
+    _, back = load_hf(out, dtype="float32", weight_dtype="float32")
     for a, b in zip(_flat(original), _flat(back)):
         np.testing.assert_array_equal(a, b)
 
 
 def test_unscanned_layer_layout_converts_to_the_same_logits(tmp_path):
     name = "dense_untied_kv1"
-    ckpt = convert.hf_to_trainer(FIXTURES / name, tmp_path / "loop", scan_layers=False)
+    ckpt = hf_to_trainer(FIXTURES / name, tmp_path / "loop", scan_layers=False)
     cfg, params = _checkpoint({name: ckpt}, name)
     assert not cfg.scan_layers and set(params["layers"]) == {"0", "1"}
     expected = _expected(name)
-    logits = convert.compute_logits(params, cfg, expected["input_ids"])
+    logits = compute_logits(params, cfg, expected["input_ids"])
     assert np.abs(logits - expected["logits"]).max() <= LOGITS_ATOL
-    loop_export = convert.trainer_to_hf(ckpt, tmp_path / "loop_export")
-    scan_export = convert.trainer_to_hf(convert.hf_to_trainer(FIXTURES / name, tmp_path / "scan"), tmp_path / "e2")
+    loop_export = trainer_to_hf(ckpt, tmp_path / "loop_export")
+    scan_export = trainer_to_hf(hf_to_trainer(FIXTURES / name, tmp_path / "scan"), tmp_path / "e2")
     assert (loop_export / "model.safetensors").read_bytes() == (scan_export / "model.safetensors").read_bytes()
 
 
@@ -204,8 +211,8 @@ def test_unscanned_layer_layout_converts_to_the_same_logits(tmp_path):
 def test_bfloat16_export_rounds_each_weight_once_whatever_the_stored_dtype(converted, tmp_path, weight_dtype):
     import ml_dtypes
 
-    ckpt = convert.hf_to_trainer(FIXTURES / "moe", tmp_path / "ckpt", weight_dtype=weight_dtype)
-    out = convert.trainer_to_hf(ckpt, tmp_path / "bf16", dtype="bfloat16")
+    ckpt = hf_to_trainer(FIXTURES / "moe", tmp_path / "ckpt", weight_dtype=weight_dtype)
+    out = trainer_to_hf(ckpt, tmp_path / "bf16", dtype="bfloat16")
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     exported = _tensors(out / "model.safetensors")
     for key, value in _tensors(FIXTURES / "moe" / "model.safetensors").items():
@@ -225,7 +232,7 @@ def _flat(params):
 def test_model_yml_next_to_the_checkpoint_loads_as_model_and_equals_the_derived_config(converted):
     ckpt = converted["moe"]
     cfg = load_config("base.yml", [f"model={ckpt / 'model.yml'}"])
-    derived = convert.model_config_from_hf(
+    derived = model_config_from_hf(
         json.loads((FIXTURES / "moe" / "config.json").read_text()), dtype="float32", weight_dtype="float32"
     )
     assert {**vars(cfg.model), "model": ""} == {**vars(derived), "model": ""}
@@ -283,7 +290,7 @@ def test_tokenizer_json_is_copied_and_text_decoding_uses_it(tmp_path, capsys):
     hf_dir = tmp_path / "hf"
     shutil.copytree(FIXTURES / "dense_tied", hf_dir)
     tok.save(str(hf_dir / "tokenizer.json"))
-    ckpt = convert.hf_to_trainer(hf_dir, tmp_path / "ckpt")
+    ckpt = hf_to_trainer(hf_dir, tmp_path / "ckpt")
     cfg = load_config("base.yml", [f"model={ckpt / 'model.yml'}"])
     assert cfg.data.tokenizer_type == "huggingface" and Path(cfg.data.tokenizer_path) == ckpt / "tokenizer.json"
 
@@ -335,8 +342,8 @@ def test_training_starts_from_the_converted_checkpoint_and_its_step_dir_exports_
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cli_env(1))
     assert proc.returncode == 0, proc.stderr[-3000:]
     step_dir = tmp_path / "ft" / "checkpoints" / "1"
-    from_run = convert.trainer_to_hf(step_dir, tmp_path / "from_run")
-    from_import = convert.trainer_to_hf(ckpt, tmp_path / "from_import")
+    from_run = trainer_to_hf(step_dir, tmp_path / "from_run")
+    from_import = trainer_to_hf(ckpt, tmp_path / "from_import")
     for file in ("config.json", "model.safetensors"):
         assert (from_run / file).read_bytes() == (from_import / file).read_bytes(), file
 
@@ -361,7 +368,7 @@ def _broken_copy(tmp_path: Path, name: str, edit_tensors=None, edit_config=None)
 def _assert_fails_cleanly(tmp_path: Path, hf_dir: Path, *fragments: str) -> None:
     out = tmp_path / "out" / "ckpt"
     with pytest.raises(HfFormatError) as err:
-        convert.hf_to_trainer(hf_dir, out)
+        hf_to_trainer(hf_dir, out)
     for fragment in fragments:
         assert fragment in str(err.value)
     assert not out.exists()
@@ -418,9 +425,9 @@ def test_a_failure_while_writing_safetensors_leaves_no_output_and_no_staging_dir
         Path(path).write_bytes(b"half a file")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(convert, "write_safetensors", disk_full)
+    monkeypatch.setattr(safetensors_io, "write_safetensors", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        convert.trainer_to_hf(converted["dense_tied"], tmp_path / "out")
+        trainer_to_hf(converted["dense_tied"], tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -436,7 +443,7 @@ def test_a_failure_inside_the_orbax_save_leaves_no_output_and_no_orbax_tmp_dir(t
 
     monkeypatch.setattr(checkpoint, "save_parameters", killed_mid_save)
     with pytest.raises(RuntimeError, match="killed mid-save"):
-        convert.hf_to_trainer(FIXTURES / "dense_tied", tmp_path / "out")
+        hf_to_trainer(FIXTURES / "dense_tied", tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -445,7 +452,7 @@ def test_existing_output_dir_is_refused_and_left_untouched(converted):
 
     before = sorted(p.name for p in converted["dense_tied"].iterdir())
     with pytest.raises(UserInputError, match="already exists; pass --overwrite"):
-        convert.hf_to_trainer(FIXTURES / "dense_tied", converted["dense_tied"])
+        hf_to_trainer(FIXTURES / "dense_tied", converted["dense_tied"])
     assert sorted(p.name for p in converted["dense_tied"].iterdir()) == before
 
 
@@ -455,7 +462,7 @@ def test_pickle_checkpoints_are_never_read(tmp_path):
     shutil.copyfile(FIXTURES / "dense_tied" / "config.json", hf_dir / "config.json")
     (hf_dir / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(FileNotFoundError, match="only safetensors"):
-        convert.hf_to_trainer(hf_dir, tmp_path / "out")
+        hf_to_trainer(hf_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -466,20 +473,20 @@ def test_import_and_export_hold_the_params_once_plus_about_one_tensor(converted)
     """Host-memory peaks measured with tracemalloc (numpy allocations): reading builds each param leaf
     once; writing produces one HF tensor at a time. Orbax's own buffers are not counted here."""
     src = FIXTURES / "moe"
-    cfg = convert.model_config_from_hf(
+    cfg = model_config_from_hf(
         json.loads((src / "config.json").read_text()), dtype="float32", weight_dtype="float32"
     )
     plan = tensor_plan(cfg)
-    reader = convert.SafetensorsDir(src)
+    reader = SafetensorsDir(src)
     params_bytes = sum(int(np.prod(leaf.shape)) * 4 for leaf in plan)
     biggest = max(int(np.prod(reader.shape(n))) * 4 for n in reader.names())
 
     tracemalloc.start()
-    params = convert.read_hf_params(reader, plan, "float32")
+    params = read_hf_params(reader, plan, "float32")
     _, read_peak = tracemalloc.get_traced_memory()
     tracemalloc.reset_peak()
     base, _ = tracemalloc.get_traced_memory()
-    convert.write_hf_safetensors(converted["moe"].parent, convert.hf_tensors(params, plan, "float32"), 1 << 40)
+    write_hf_safetensors(converted["moe"].parent, hf_tensors(params, plan, "float32"), 1 << 40)
     _, write_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     (converted["moe"].parent / "model.safetensors").unlink()

@@ -262,16 +262,16 @@ def test_only_collective_failures_count_as_failures_between_processes(message, c
     assert fatal.is_collective_failure(RuntimeError(message)) is collective
 
 
-def test_the_supervisor_retries_a_failed_collective_on_fresh_clients_and_ends_on_an_own_error(monkeypatch):
+def test_the_supervisor_retries_a_failed_collective_on_fresh_clients_and_ends_on_an_own_error():
     import jax
     from helpers import micro_config
 
+    from trainer.elastic.process_cluster import ProcessCluster
     from trainer.elastic.snapshot import HostSnapshots
     from trainer.elastic.supervisor import Supervisor
     from trainer.observe.events import EventLog
 
     cfg = micro_config("num_slices=3", "elastic_enabled=true", "elastic_poll_interval_seconds=0.01")
-    monkeypatch.setattr("trainer.elastic.supervisor.FATAL_WAIT_S", 0.2)  # nobody here acknowledges
     client = FakeClient()
     membership = Scripted(3, 1, client)
     seen = []
@@ -290,15 +290,21 @@ def test_the_supervisor_retries_a_failed_collective_on_fresh_clients_and_ends_on
     events = EventLog(None)
     events.emit = lambda name, **fields: emitted.append((name, fields))
     membership.events = events
+    cluster = ProcessCluster(
+        membership,
+        events=events,
+        timeout_s=cfg.elastic.elastic_timeout_seconds,
+        poll_s=cfg.elastic.elastic_poll_interval_seconds,
+        fatal_wait_s=0.2,  # nobody here acknowledges
+    )
     sup = Supervisor(
         cfg.elastic,
-        membership.slice_devices(),
+        cluster,
         attempts=attempt,
         run_loop=lambda attempt, boundary: pytest.fail("no attempt was built"),
         events=events,
         profiler=None,
         snapshots=HostSnapshots(events),
-        membership=membership,
     )
     with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
         sup.run()
@@ -511,7 +517,7 @@ def _one_process(m: Simulated, heartbeat_detected, client, formed: dict, errors:
         if m.me != 2:
             if m.me not in heartbeat_detected:
                 m._record(rounds.call(m.me))  # the failing step's round raised ProcessFailureError
-            m.round()  # the supervisor's round after it (Supervisor._slice_down_cause)
+            m.round()  # the supervisor's round after it (ProcessCluster.slice_down_cause)
         formation = m.wait_for_slices(2, timeout_s=5.0, poll_s=0)
         _kv_only_barrier(client, f"restore/{formation.key}", 4, timeout_s=5.0)
         m._record(rounds.call(m.me))  # the first step's round

@@ -17,8 +17,9 @@ from trainer.data.batch import fingerprint
 from trainer.data.errors import DataError
 from trainer.data.formatting import RecordError
 from trainer.data.grain_pipeline import make_arrayrecord_iterator
-from trainer.data.prepare import check_inputs, prepare, read_records
 from trainer.data.prepare import main as prepare_main
+from trainer.data.readers import check_inputs, read_records
+from trainer.data.shards import prepare
 from trainer.data.tokenizer import CHAT_TOKENS, EOS, PAD, Tokenizer, train_sentencepiece
 
 REPO = Path(__file__).resolve().parents[1]

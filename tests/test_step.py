@@ -7,7 +7,7 @@ import pytest
 from helpers import fresh_state_on_one_device, micro_config, synthetic_batch
 
 from trainer import model as qwen3
-from trainer.attempt import BatchPlan, plan_batch
+from trainer.layout import BatchPlan, plan_batch
 from trainer.optim import learning_rate_schedule
 from trainer.step import LOSS_CHUNK_TOKENS, make_train_step, token_losses
 

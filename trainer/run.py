@@ -18,7 +18,7 @@ from typing import TextIO
 
 import jax
 
-from trainer.attempt import AttemptBuilder, TrainSpec
+from trainer.attempt import AttemptBuilder
 from trainer.checkpoint.fence import SaveFence
 from trainer.checkpoint.local_store import LocalStore
 from trainer.checkpoint.storage_faults import parse_storage_faults
@@ -34,12 +34,16 @@ from trainer.distributed.communicators import (
 )
 from trainer.distributed.heartbeat import Heartbeat
 from trainer.distributed.stop import CoordinatedStop
+from trainer.elastic.cluster import Cluster, FixedCluster
 from trainer.elastic.faults import FaultInjector, Outages, parse_fault_schedule
+from trainer.elastic.local_cluster import LocalCluster
 from trainer.elastic.membership import Membership
+from trainer.elastic.process_cluster import ProcessCluster
 from trainer.elastic.process_faults import ProcessFaultInjector, parse_process_faults
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.elastic.supervisor import Supervisor
 from trainer.io.paths import resolve
+from trainer.layout import train_spec
 from trainer.loop import Outcome, train_loop
 from trainer.nonfinite import NonFinitePolicy
 from trainer.observe.profiler import StepProfiler
@@ -102,22 +106,6 @@ def setup_runtime(cfg: RunConfig) -> DistributedSettings:
     return settings
 
 
-def train_spec(cfg: RunConfig) -> TrainSpec:
-    """The sections of the config every attempt needs (nothing below this module takes RunConfig)."""
-    return TrainSpec(
-        model=cfg.model,
-        optim=cfg.optim,
-        data=cfg.data,
-        mesh=cfg.mesh,
-        checkpoint=cfg.checkpoint,
-        steps=cfg.train.steps,
-        init_weights_seed=cfg.train.init_weights_seed,
-        resize_batch_policy=cfg.elastic.elastic_resize_batch_policy,
-        config_record=to_flat_dict(cfg),
-        eval=cfg.eval,
-    )
-
-
 def build_supervisor(
     cfg: RunConfig,
     slices: list[list],
@@ -134,16 +122,17 @@ def build_supervisor(
 ) -> Supervisor:
     """The supervisor with every part it drives, each built from its own section of the config.
     `recorded`: the rows metrics.jsonl holds (the local tier commits behind them); `fence`: the process's
-    save fence (trainer.checkpoint.fence), holding the run's lease on process 0."""
-    single_controller = cfg.mesh.enable_single_controller
-    outages = injector = process_faults = None
-    if jax.process_count() > 1:  # a process's own error; lost processes are killed from outside
-        faults = parse_process_faults(cfg.elastic.fault_schedule, jax.process_count())
-        process_faults = ProcessFaultInjector(faults, jax.process_index(), events)
-    elif not single_controller:
-        outages = Outages()  # local virtual slices: which are down
-        faults = parse_fault_schedule(cfg.elastic.fault_schedule, len(slices))
-        injector = FaultInjector(faults, outages, paths.local / "chaos", events)
+    save fence (trainer.checkpoint.fence), holding the run's lease on process 0; `membership` and
+    `heartbeat_dead_after_s`: see `build_cluster`."""
+    cluster = build_cluster(
+        cfg,
+        slices,
+        paths=paths,
+        events=events,
+        stop_requested=stop_requested,
+        membership=membership,
+        heartbeat_dead_after_s=heartbeat_dead_after_s,
+    )
     run_loop = partial(
         train_loop,
         steps=cfg.train.steps,
@@ -156,7 +145,7 @@ def build_supervisor(
     )
     return Supervisor(
         cfg.elastic,
-        slices,
+        cluster,
         attempts=AttemptBuilder(
             train_spec(cfg),
             checkpoint_dir=paths.checkpoints,
@@ -168,17 +157,55 @@ def build_supervisor(
         events=events,
         profiler=StepProfiler(cfg.observe, paths.local / "profile", events),
         snapshots=HostSnapshots(events, store=local_store(cfg, paths, events, recorded)),
-        injector=injector,
-        outages=outages,
-        membership=membership,
-        process_faults=process_faults,
-        heartbeat_dead_after_s=heartbeat_dead_after_s,
-        coordinated_stop=stop_requested if isinstance(stop_requested, CoordinatedStop) else None,
-        single_controller=single_controller,
         sync=paths.sync,
         local_checkpoint_period=cfg.checkpoint.local_checkpoint_period if paths.local_checkpoints else 0,
         wait_for_local_write=cfg.checkpoint.local_checkpoint_wait_for_write,
         previous_last_step=last_recorded_step(paths.local / "metrics.jsonl"),
+    )
+
+
+def build_cluster(
+    cfg: RunConfig,
+    slices: list[list],
+    *,
+    paths: RunPaths,
+    events,
+    stop_requested: Callable[[int], bool],
+    membership=None,
+    heartbeat_dead_after_s: float = 10.0,
+) -> Cluster:
+    """The machines the supervisor retries on (trainer.elastic.cluster): several processes with a
+    `membership` (elastic: `ProcessCluster`; a checkpoint barrier gives up on a peer whose heartbeat stopped
+    `heartbeat_dead_after_s` ago), several without one (`FixedCluster`), else one controller
+    (`LocalCluster`: Pathways, or local virtual slices with the fault injector)."""
+    e = cfg.elastic
+    stop = stop_requested if isinstance(stop_requested, CoordinatedStop) else None  # several processes
+    if membership is not None:  # a process's own error is injected; lost processes are killed from outside
+        faults = parse_process_faults(e.fault_schedule, jax.process_count())
+        return ProcessCluster(
+            membership,
+            events=events,
+            timeout_s=e.elastic_timeout_seconds,
+            poll_s=e.elastic_poll_interval_seconds,
+            dead_after_s=heartbeat_dead_after_s,
+            process_faults=ProcessFaultInjector(faults, jax.process_index(), events),
+            stop=stop,
+        )
+    if jax.process_count() > 1:
+        return FixedCluster(slices, stop=stop)
+    single_controller = cfg.mesh.enable_single_controller
+    outages = injector = None
+    if not single_controller:
+        outages = Outages()  # local virtual slices: which are down
+        faults = parse_fault_schedule(e.fault_schedule, len(slices))
+        injector = FaultInjector(faults, outages, paths.local / "chaos", events)
+    return LocalCluster(
+        slices,
+        timeout_s=e.elastic_timeout_seconds,
+        poll_s=e.elastic_poll_interval_seconds,
+        outages=outages,
+        injector=injector,
+        single_controller=single_controller,
     )
 
 

@@ -1,10 +1,9 @@
 """Compile the trainer's real train step for a TPU target, once per slice layout the run can be in.
 
-The step is built by the same functions an attempt uses (`trainer.run.train_spec`,
-`trainer.attempt.plan_slices`, `trainer.attempt.compile_step`): the same mesh over slices, logical
-rules, optimizer, batch plan and micro-steps, remat and scan. Only the devices differ: compile-only
-TPU devices from libtpu instead of live ones, so the state is abstract (ShapeDtypeStructs with their
-shardings) and nothing is allocated.
+The step is built by the same functions an attempt uses, all in `trainer.layout` (`train_spec`,
+`plan_slices`, `compile_step`): the same mesh over slices, logical rules, optimizer, batch plan and
+micro-steps, remat and scan. Only the devices differ: compile-only TPU devices from libtpu instead of
+live ones, so the state is abstract (ShapeDtypeStructs with their shardings) and nothing is allocated.
 
 Layouts: all slices, and with replica-resize (1 <= elastic_min_slice_count < num_slices) every
 survivor count down to the minimum, planned with `elastic_resize_batch_policy` as a resize would.
@@ -21,11 +20,10 @@ import jax
 from trainer import model as qwen3
 from trainer.aot import analysis, hlo
 from trainer.aot.topology import Target, topology_devices
-from trainer.attempt import TrainSpec, compile_eval_step, compile_step, plan_slices
 from trainer.config.schema import RunConfig
+from trainer.layout import TrainSpec, compile_step, plan_slices, train_spec
 from trainer.model import attention
 from trainer.parallel.mesh import group_into_slices
-from trainer.run import train_spec
 from trainer.state import tree_nbytes
 
 log = logging.getLogger(__name__)
@@ -74,7 +72,7 @@ def compile_layout(spec: TrainSpec, slices: list[list], target: Target, *, label
     chips = plan.mesh.size
     t0 = time.perf_counter()
     try:
-        compiled, _ = compile_step(spec, plan)
+        compiled, _ = compile_step(spec, plan, "train")
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -136,7 +134,7 @@ def _compile_eval(spec: TrainSpec, plan, target: Target) -> dict:
     so its per-chip total counts the optimizer state too (the eval step takes only the params)."""
     t0 = time.perf_counter()
     try:
-        compiled, _ = compile_eval_step(spec, plan)
+        compiled, _ = compile_step(spec, plan, "eval")
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise

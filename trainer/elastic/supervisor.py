@@ -3,11 +3,21 @@
 Every run goes through it (one code path): without elastic_enabled a slice failure ends the run, but
 nan_policy=rollback, snapshots and the profiler window work the same either way.
 
+The supervisor is the retry policy over a `Cluster` (`trainer.elastic.cluster`): the cluster says which
+slices are healthy, whether an error is a slice-down event, and what an attempt needs from the machines it
+runs on; the supervisor decides what to do about it. `LocalCluster` (`trainer.elastic.local_cluster`) is
+one controller (Pathways, or local virtual slices with injected faults); `ProcessCluster`
+(`trainer.elastic.process_cluster`) is several processes joined by jax.distributed, where a slice is a
+group of processes and `Membership` replaces the health checks; `FixedCluster` is several processes
+without elastic_enabled. A new backend is a new class behind the same protocol.
+
 Semantics follow pathwaysutils' `Manager.elastic_retry`: before each attempt wait for enough slices
-(`wait_for_slices`); a `JaxRuntimeError` that pathwaysutils classifies as slice-down ends the attempt
-and is retried; returning slices end it at a step boundary and the next attempt runs on them too;
-anything else propagates. What we add: the same code on local virtual slices, host-RAM snapshots,
-replica-resize with a batch policy, no-loss scale-up, executable reuse and a measured timeline.
+(`Cluster.wait_for_slices`); an error the cluster classifies as slice-down (`Cluster.slice_down_cause`:
+on Pathways pathwaysutils' classifier, with several processes a lost peer or a failed collective) ends
+the attempt and is retried; returning slices end it at a step boundary and the next attempt runs on them
+too; anything else propagates, after the cluster told the other processes (`Cluster.fail`). What we add:
+the same code on local virtual slices and on several processes, host-RAM snapshots, replica-resize with a
+batch policy, no-loss scale-up, executable reuse and a measured timeline.
 
 Pause-and-resume: `elastic_min_slice_count=-1` waits for every slice. Replica-resize: with
 `1 <= elastic_min_slice_count < num_slices` the next attempt runs on whatever healthy slices exist
@@ -16,23 +26,23 @@ Pause-and-resume: `elastic_min_slice_count=-1` waits for every slice. Replica-re
 When a slice dies at step N (its step fails; the steps before it completed):
 1. The step raises out of the train loop (the loop first writes step N-1's metrics) and out of
    `run_attempt`, which notes the time; closing the attempt settles an in-flight save for a bounded time.
-2. `_on_slice_down` counts the failure (giving up when failures come faster than progress:
-   `trainer.elastic.retry_budget`) and starts the downtime clock.
-3. `wait_for_slices` waits until enough slices are healthy (all of them under pause-and-resume).
+2. The cluster classifies the error (with several processes after a round, so that a peer's own recorded
+   error ends this process too); `_on_slice_down` counts the failure (giving up when failures come
+   faster than progress: `trainer.elastic.retry_budget`) and starts the downtime clock.
+3. `wait_for_slices` waits until enough slices are healthy (all of them under pause-and-resume). A
+   formation that brings fresh devices (new communicators) drops the compiled plans.
 4. The next attempt is built on them (`trainer.attempt`: a slice set seen before reuses its compiled
-   step) and restores by the one restore order (`trainer.restore`): the newest host snapshot, else the
-   newest committed checkpoint. The steps between that point and N-1 are counted as lost.
+   step; the cluster's `AttemptParts` give its snapshot source, step guard and checkpoint barrier) and
+   restores by the one restore order (`trainer.restore`): the newest host snapshot, else the newest
+   committed checkpoint. The steps between that point and N-1 are counted as lost.
 5. Its first completed step ends the downtime (`trainer.elastic.boundary`); training goes on. When the
-   lost slice returns, the loop ends at a step boundary with a scale-up outcome: the state is
-   snapshotted synchronously and the next attempt, on every slice, restores exactly that step.
+   lost slice returns (`Cluster.returning`), the loop ends at a step boundary with a scale-up outcome: the
+   state is snapshotted synchronously (and the cluster settles what it must: `Cluster.hand_over`) and the
+   next attempt, on every slice, restores exactly that step.
 
-Several processes (jax.distributed, no Pathways): a slice is a group of processes and `membership`
-replaces the health checks: a peer lost during a step raises `ProcessFailureError` on every survivor at
-that step (a slice-down event); waiting is rounds of `live_devices`; a replacement seen in a step's
-round is a scale-up at that step, on every process. A formation after a failure may come with fresh
-devices (new CPU communicators): the slices' devices are read again and compiled plans dropped. An error
-that is neither a lost peer nor a failed collective is this process's own: it is recorded for every
-process (`trainer.distributed.fatal`) and ends the job.
+A SIGTERM outside a step boundary (`Preempted`) writes the newest host snapshot to the local tier and
+asks the cluster to stop the other processes too (`Cluster.propose_stop`); the cluster is closed when the
+run ends, however it ends (`Cluster.close`).
 """
 
 from __future__ import annotations
@@ -44,39 +54,31 @@ from collections.abc import Callable
 
 import jax
 from jax.experimental.multihost_utils import ProcessFailureError
-from pathwaysutils.elastic import elastic as pw_elastic
 
 from trainer.attempt import Attempt
 from trainer.config.schema import ElasticConfig
-from trainer.distributed import fatal
 from trainer.distributed.fatal import PeerFailed
-from trainer.distributed.heartbeat import watch_orbax_barriers
 from trainer.elastic.boundary import RecoveryStats, StepBoundary
+from trainer.elastic.cluster import Cluster
 from trainer.elastic.errors import ElasticGiveUp, SlicesUnavailable
 from trainer.elastic.retry_budget import RetryBudget
-from trainer.elastic.shared_snapshots import SharedSnapshots
-from trainer.elastic.slices import ReturnPoller, make_checker
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.loop import ROLLBACK, SCALE_UP, Outcome
 from trainer.preemption import Preempted, phase
 
 log = logging.getLogger(__name__)
 
-FATAL_WAIT_S = 120.0  # how long a process that failed waits for the others to see why (they see it within
-# one collective timeout, or at their next round)
-
 
 class Supervisor:
-    """The recovery policy. Its parts come in built (`trainer.run.build_supervisor`):
+    """The recovery policy over a `Cluster`. Its parts come in built (`trainer.run.build_supervisor`):
 
+    cluster    the slices and what differs between one controller and several processes
+               (`trainer.elastic.cluster`)
     attempts   slices -> Attempt (`trainer.attempt.AttemptBuilder`)
     run_loop   (attempt, boundary=...) -> Outcome (`trainer.loop.train_loop` with the run's sinks and policy)
-    injector   the fault injector on local virtual slices (`outages` are its down slices), or None
-    membership live processes when several run elastically, or None
+    snapshots  this process's host-RAM snapshots (`trainer.elastic.snapshot.HostSnapshots`)
+    sync       copies the run's logs to their final place (`RunPaths.sync`), after every attempt
     local_checkpoint_period  every this many steps the snapshot is also written to the local tier
-    process_faults  several processes: errors injected into this process (fault_schedule), or None
-    heartbeat_dead_after_s  several processes: a checkpoint barrier gives up on a peer whose heartbeat
-               stopped this long ago
     previous_last_step  the last step an earlier process of this run recorded (a restart after the
                process was lost): the first attempt counts the steps it rewinds behind it as lost
     """
@@ -84,49 +86,33 @@ class Supervisor:
     def __init__(
         self,
         elastic: ElasticConfig,
-        slices: list[list],
+        cluster: Cluster,
         *,
         attempts: Callable[..., Attempt],
         run_loop: Callable[..., Outcome],
         events,
         profiler,
         snapshots: HostSnapshots,
-        injector=None,
-        outages=None,
-        membership=None,
-        single_controller: bool = False,
         sync: Callable[[], None] = lambda: None,
         local_checkpoint_period: int = 0,
         wait_for_local_write: bool = False,
         previous_last_step: int | None = None,
-        process_faults=None,
-        heartbeat_dead_after_s: float = 10.0,
-        coordinated_stop=None,
     ):
-        self.process_faults = process_faults
-        self.coordinated_stop = coordinated_stop
-        self.heartbeat_dead_after_s = heartbeat_dead_after_s
         self.elastic = elastic
-        self.local_checkpoint_period = local_checkpoint_period
-        self.wait_for_local_write = wait_for_local_write
-        self.previous_last_step = previous_last_step
+        self.cluster = cluster
         self.attempts = attempts
         self.run_loop = run_loop
         self.events = events
         self.profiler = profiler
         self.snapshots = snapshots
         self.sync = sync
-        self.injector = injector
-        self.outages = outages
-        self.membership = membership
-        self.single_controller = single_controller
-        self.slice_to_devices = dict(enumerate(slices))
-        self.total = len(slices)
+        self.local_checkpoint_period = local_checkpoint_period
+        self.wait_for_local_write = wait_for_local_write
+        self.previous_last_step = previous_last_step
+        self.total = cluster.num_slices
         count = elastic.elastic_min_slice_count
         self.min_slices = self.total if count == -1 else count
-        self.checker = make_checker(self.slice_to_devices, outages, single_controller=single_controller)
         self.stats = RecoveryStats()
-        self.formation = None  # several processes: the formation of the current attempt
         self._failure_seen_at: float | None = None
         self._failure_marks: list[int] = []  # the run's furthest step at each failure
 
@@ -137,12 +123,10 @@ class Supervisor:
             return self._run()
         except Preempted:  # SIGTERM outside a step boundary (trainer.preemption)
             self.emergency_save()
-            if self.coordinated_stop is not None:  # several processes: the others stop too
-                self.coordinated_stop.propose_after(self.stats.last_step)
+            self.cluster.propose_stop(self.stats.last_step)  # several processes: the others stop too
             raise
         finally:
-            if self.membership is not None:
-                watch_orbax_barriers(None)  # Orbax's own barriers again, outside the attempts
+            self.cluster.close()
 
     def _run(self) -> Outcome:
         number = 0
@@ -154,14 +138,14 @@ class Supervisor:
             except (ProcessFailureError, jax.errors.JaxRuntimeError) as err:
                 cause = self._slice_down_cause(err)
                 if cause is None:
-                    self._fail(err)
+                    self.cluster.fail(err)
                     raise
                 self._on_slice_down(number, active, err, cause)
                 continue
             except (PeerFailed, ElasticGiveUp, KeyboardInterrupt):
                 raise
             except Exception as err:
-                self._fail(err)
+                self.cluster.fail(err)
                 raise
             if outcome.kind == SCALE_UP:
                 back = list(outcome.returning)
@@ -184,36 +168,11 @@ class Supervisor:
 
     def _slice_down_cause(self, err: Exception) -> str | None:
         """Why `err` is a slice-down event ("peer_lost", "collective_failed", "slice_down"), or None when it
-        is not one and ends the run.
-
-        Several processes: an error that is neither a lost peer nor a failed collective (out of memory, a
-        compile error) is this process's own and ends the job. Otherwise a round first, so that a peer's
-        recorded fatal error is seen (PeerFailed) before its departure or its missing part of a collective
-        is taken for a lost peer; a dead or restarted peer is a lost peer, a failed collective with every
-        peer alive (one was slow, a connection broke) is retried on fresh communicators."""
+        is not one and ends the run (always None without elastic_enabled). The cluster decides; it may raise
+        PeerFailed (another process's own error, seen first)."""
         if not self.elastic.elastic_enabled:
             return None
-        if self.membership is not None:
-            if not isinstance(err, ProcessFailureError) and not fatal.is_collective_failure(err):
-                return None  # this process's own error: recorded (by _fail) before any round
-            self.membership.round()
-            fatal.check(self.membership.client, self.membership.me)
-            return "peer_lost" if isinstance(err, ProcessFailureError) else "collective_failed"
-        if isinstance(err, ProcessFailureError):
-            return "peer_lost"
-        return "slice_down" if pw_elastic.is_error_due_to_slice_down(err, log_traceback=False) else None
-
-    def _fail(self, err: BaseException) -> None:
-        """Several processes: this process's own error ends every process (trainer.distributed.fatal)."""
-        if self.membership is None:
-            return
-        self.events.emit(
-            "fatal_error", error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        )
-        try:
-            self.membership.fail(err, wait_s=FATAL_WAIT_S)
-        except Exception as e:  # the cause is what matters; never hide it behind a failure to tell the others
-            log.warning("could not tell the other processes about this failure: %s", e)
+        return self.cluster.slice_down_cause(err)
 
     def wait_for_slices(self) -> list[int]:
         with phase("waiting_for_slices"):
@@ -222,35 +181,14 @@ class Supervisor:
     def _wait_for_slices(self) -> list[int]:
         e = self.elastic
         if not e.elastic_enabled:
-            return sorted(self.slice_to_devices)
+            return list(range(self.total))
         t0 = time.time()
         self.events.emit("wait_start", min_slices=self.min_slices, total_slices=self.total)
         try:
-            if self.membership is not None:  # slices in mesh order, agreed by every process
-                clients = self.membership.fresh_clients
-                stop = self.coordinated_stop
-                self.formation = self.membership.wait_for_slices(
-                    self.min_slices,
-                    timeout_s=e.elastic_timeout_seconds,
-                    poll_s=e.elastic_poll_interval_seconds,
-                    should_stop=stop.agreed if stop is not None else lambda: False,
-                )
-                if self.membership.fresh_clients != clients:  # new device objects; executables went with the old
-                    self.slice_to_devices = dict(enumerate(self.membership.slice_devices()))
-                    forget = getattr(self.attempts, "forget_compiled", None)
-                    if forget is not None:
-                        forget()
-                active = list(self.formation.slices)
-            else:
-                active = sorted(
-                    pw_elastic.wait_for_slices(
-                        slice_count=self.min_slices,
-                        poll_interval=e.elastic_poll_interval_seconds,
-                        timeout=e.elastic_timeout_seconds,
-                        slice_to_devices=self.slice_to_devices,
-                        checker=self.checker,
-                    )
-                )
+            ready = self.cluster.wait_for_slices(self.min_slices)
+            if ready.fresh_devices:  # the compiled plans ran on device objects that are gone
+                self._forget_compiled()
+            active = ready.active
         except TimeoutError as err:
             self.events.emit("wait_timeout", seconds=round(time.time() - t0, 3), error=str(err))
             raise SlicesUnavailable(
@@ -261,11 +199,17 @@ class Supervisor:
         self.events.emit("wait_end", active=active, seconds=round(time.time() - t0, 3))
         return active
 
+    def _forget_compiled(self) -> None:
+        forget = getattr(self.attempts, "forget_compiled", None)  # AttemptBuilder's; a test's may have none
+        if forget is not None:
+            forget()
+
     # ---- one attempt -------------------------------------------------------------------------------
 
     def run_attempt(self, number: int, active: list[int]) -> Outcome:
         with phase("building_attempt"):
-            attempt = self.attempts([self.slice_to_devices[i] for i in active], **self._attempt_parts(active))
+            parts = self.cluster.attempt_parts(active, self.snapshots)
+            attempt = self.attempts(self.cluster.devices(active), **parts.kwargs())
         with contextlib.closing(attempt):
             rewound = max(0, self.stats.last_step - attempt.start_step) if number > 1 else 0
             if number == 1 and self.previous_last_step is not None:
@@ -300,8 +244,7 @@ class Supervisor:
                 attempt.restored_from,
                 rewound,
             )
-            if self.injector is not None:
-                self.injector.at_step_boundary(attempt.start_step + 1)
+            self.cluster.at_step_boundary(attempt.start_step + 1)  # faults due before the first step
             self.snapshots.attempt_started()
             try:
                 outcome = self.run_loop(attempt, boundary=self._boundary(active))
@@ -316,38 +259,7 @@ class Supervisor:
                 self.profiler.close()
                 self.sync()
 
-    def _attempt_parts(self, active: list[int]) -> dict:
-        """Restore source, step guard and checkpoint options of an attempt on `active`."""
-        if self.membership is None:
-            guard = None if self.injector is None else (lambda fn: self.injector.guard(fn, active))
-            return {"snapshots": self.snapshots, "wrap_step": guard}
-        membership, formation, timeout_s = self.membership, self.formation, self.elastic.elastic_timeout_seconds
-        barrier = membership.checkpoint_barrier(active, formation, dead_after_s=self.heartbeat_dead_after_s)
-        watch_orbax_barriers(barrier)  # a peer lost in any of Orbax's barriers is a ProcessFailureError
-        return {
-            "snapshots": SharedSnapshots(
-                self.snapshots,
-                self.events,
-                barrier=lambda: membership.barrier("attempt_start", formation, active, timeout_s=timeout_s),
-            ),
-            "wrap_step": lambda fn: membership.guard(
-                fn if self.process_faults is None else self.process_faults.wrap(fn), active
-            ),
-            "checkpoint_multiprocessing": membership.checkpoint_options(active, formation),
-            "checkpoint_barrier": barrier,
-        }
-
     def _boundary(self, active: list[int]) -> StepBoundary:
-        if self.membership is not None:  # every step: each process saw the same round at this step
-            returning = lambda: self.membership.arrived(active)  # noqa: E731
-        else:
-            returning = ReturnPoller(
-                self.slice_to_devices,
-                active,
-                self.outages,
-                single_controller=self.single_controller,
-                interval_s=self.elastic.elastic_poll_interval_seconds,
-            )
         return StepBoundary(
             active=active,
             stats=self.stats,
@@ -357,15 +269,14 @@ class Supervisor:
             snapshot_period=self.elastic.snapshot_period,
             local_checkpoint_period=self.local_checkpoint_period,
             wait_for_local_write=self.wait_for_local_write,
-            injector=self.injector,
-            returning=returning,
+            injector=self.cluster,  # its at_step_boundary: fault injection on local virtual slices
+            returning=self.cluster.returning(active),
         )
 
     def _hand_over(self, attempt: Attempt, outcome: Outcome, active: list[int]) -> None:
         """Scale-up: snapshot the live state synchronously, so the grown attempt restores this exact step."""
         self.snapshots.take(outcome.step, outcome.state, attempt.iterator.get_state(), block=True)
-        if self.membership is not None:
-            _settle_save(attempt.checkpointer)  # every process is alive: let an in-flight save commit
+        self.cluster.hand_over(attempt)  # several processes: an in-flight save commits first
         self.events.emit("scale_up_requested", step=outcome.step, returning=list(outcome.returning), active=active)
 
     # ---- failures ----------------------------------------------------------------------------------
@@ -408,12 +319,3 @@ class Supervisor:
             steps_lost=self.stats.steps_lost,
             downtime_s=round(self.stats.downtime_s, 3),
         )
-
-
-def _settle_save(checkpointer) -> None:
-    from trainer.checkpoint import CheckpointSaveError
-
-    try:
-        checkpointer.wait()
-    except CheckpointSaveError as e:  # already logged and emitted; the snapshot carries the state
-        log.warning("%s", e)

@@ -1,0 +1,100 @@
+"""One controller sees every slice: Pathways single-controller, or local virtual slices.
+
+Slice health is pathwaysutils' (`wait_for_slices` with a checker from `trainer.elastic.slices.make_checker`:
+its own on Pathways, one that also knows the injected outages on virtual slices); a `JaxRuntimeError` is a
+slice-down event when pathwaysutils classifies it so. On local virtual slices the `FaultInjector` fires
+scheduled faults and `trainer.chaos` requests at step boundaries and fails a step that runs on a down
+slice with Pathways' error; `ReturnPoller` notices slices that are healthy again. Snapshots are this
+process's host-RAM snapshots.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from jax.experimental.multihost_utils import ProcessFailureError
+from pathwaysutils.elastic import elastic as pw_elastic
+
+from trainer.elastic.cluster import ActiveSlices, AttemptParts
+from trainer.elastic.faults import FaultInjector, Outages
+from trainer.elastic.slices import ReturnPoller, make_checker
+from trainer.elastic.snapshot import HostSnapshots
+
+log = logging.getLogger(__name__)
+
+
+class LocalCluster:
+    """`slices`: each slice's devices, by slice index. `outages` are the injector's down slices (local
+    virtual slices), `injector` the `FaultInjector` (None on Pathways); `timeout_s` bounds a wait for
+    slices, `poll_s` spaces the health checks (while waiting, and of inactive slices between steps)."""
+
+    def __init__(
+        self,
+        slices: list[list],
+        *,
+        timeout_s: float,
+        poll_s: float,
+        outages: Outages | None = None,
+        injector: FaultInjector | None = None,
+        single_controller: bool = False,
+    ):
+        self.slice_to_devices = dict(enumerate(slices))
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.outages = outages
+        self.injector = injector
+        self.single_controller = single_controller
+        self.checker = make_checker(self.slice_to_devices, outages, single_controller=single_controller)
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slice_to_devices)
+
+    def wait_for_slices(self, min_slices: int) -> ActiveSlices:
+        active = pw_elastic.wait_for_slices(
+            slice_count=min_slices,
+            poll_interval=self.poll_s,
+            timeout=self.timeout_s,
+            slice_to_devices=self.slice_to_devices,
+            checker=self.checker,
+        )
+        return ActiveSlices(sorted(active))
+
+    def devices(self, active: Sequence[int]) -> list[list]:
+        return [self.slice_to_devices[i] for i in active]
+
+    def slice_down_cause(self, err: Exception) -> str | None:
+        if isinstance(err, ProcessFailureError):
+            return "peer_lost"
+        return "slice_down" if pw_elastic.is_error_due_to_slice_down(err, log_traceback=False) else None
+
+    def fail(self, err: BaseException) -> None:
+        pass  # nobody else to tell: the error ends this process, which is the whole job
+
+    def attempt_parts(self, active: list[int], snapshots: HostSnapshots) -> AttemptParts:
+        injector = self.injector
+        guard = None if injector is None else (lambda fn: injector.guard(fn, active))
+        return AttemptParts(snapshots=snapshots, wrap_step=guard)
+
+    def at_step_boundary(self, next_step: int, in_flight=None) -> None:
+        if self.injector is not None:
+            self.injector.at_step_boundary(next_step, in_flight=in_flight)
+
+    def returning(self, active: list[int]) -> Callable[[], list[int]]:
+        return ReturnPoller(
+            self.slice_to_devices,
+            active,
+            self.outages,
+            single_controller=self.single_controller,
+            interval_s=self.poll_s,
+        )
+
+    def hand_over(self, attempt) -> None:
+        pass  # the supervisor's synchronous snapshot is all the grown attempt needs
+
+    def propose_stop(self, last_step: int) -> None:
+        pass  # one process: nobody else to stop
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,292 @@
+"""The layout of a run on a set of slices: what to train, how the batch is split, and the compiled steps.
+
+Pure: config sections and devices in, plans and executables out; no device data, threads or files. The
+trainer (`trainer.attempt.AttemptBuilder`, per slice set) and the AOT tool (`trainer.compile` through
+`trainer.aot.layouts`, on compile-only TPU devices) both go through this module and only this module,
+so the step the tool measures is the step a run executes.
+
+- `TrainSpec` / `train_spec(cfg)`: the config sections every attempt needs (the one place that picks
+  them out of a `RunConfig`).
+- `BatchPlan` / `plan_batch`: the global batch and micro-steps on the active slices.
+- `loader_shard`: this process's block of global-batch rows.
+- `SlicePlan` / `plan_slices`: the mesh, batch plan, optimizer and state shardings over a slice set.
+- `lower_step` / `compile_step`: the train step or the eval step, lowered or compiled for a plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from trainer import model as qwen3
+from trainer.config.loader import to_flat_dict
+from trainer.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+)
+from trainer.data.batch import BATCH_KEYS
+from trainer.executable_cache import compile_lowered
+from trainer.optim import learning_rate_schedule, make_optimizer
+from trainer.parallel.activations import ActivationSharding
+from trainer.parallel.mesh import build_mesh
+from trainer.parallel.rules import logical_to_spec
+from trainer.state import state_shardings
+from trainer.step import make_eval_step, make_train_step
+
+Step = Literal["train", "eval"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+    """What every attempt of a run trains, on whatever slices: the config sections it needs."""
+
+    model: ModelConfig
+    optim: OptimConfig
+    data: DataConfig
+    mesh: MeshConfig
+    checkpoint: CheckpointConfig
+    steps: int
+    init_weights_seed: int
+    resize_batch_policy: str  # elastic_resize_batch_policy: keep_global | scale
+    config_record: dict  # the resolved config, flat: saved with every checkpoint
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+
+def train_spec(cfg: RunConfig) -> TrainSpec:
+    """The sections of the config every attempt needs (the parts built from them never see RunConfig)."""
+    return TrainSpec(
+        model=cfg.model,
+        optim=cfg.optim,
+        data=cfg.data,
+        mesh=cfg.mesh,
+        checkpoint=cfg.checkpoint,
+        steps=cfg.train.steps,
+        init_weights_seed=cfg.train.init_weights_seed,
+        resize_batch_policy=cfg.elastic.elastic_resize_batch_policy,
+        config_record=to_flat_dict(cfg),
+        eval=cfg.eval,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """How the global batch is run on the current mesh."""
+
+    global_batch_size: int
+    micro_steps: int
+    lr_scale: float
+
+    @property
+    def rows_per_micro(self) -> int:
+        return self.global_batch_size // self.micro_steps
+
+
+def plan_batch(
+    *,
+    per_device_batch_size: int,
+    accumulation_steps: int,
+    num_slices: int,
+    policy: str,
+    devices_per_slice: int,
+    active_slices: int,
+    batch_shards: int,
+) -> BatchPlan:
+    """Global batch and micro-steps for the active slices.
+
+    The nominal global batch is per_device_batch_size x all devices of all `num_slices` configured
+    slices x accumulation_steps. With fewer active slices, policy `keep_global` runs the same global
+    batch with more micro-steps (same math); `scale` shrinks the global batch and the learning rate in
+    proportion to the active slices.
+    """
+    per_step = per_device_batch_size * devices_per_slice
+    nominal = per_step * num_slices * accumulation_steps
+    if policy == "scale" and active_slices != num_slices:
+        global_batch = per_step * active_slices * accumulation_steps
+        lr_scale = active_slices / num_slices
+    else:
+        global_batch, lr_scale = nominal, 1.0
+    micro = accumulation_steps
+    while micro <= global_batch:
+        rows = global_batch // micro
+        if global_batch % micro == 0 and rows % batch_shards == 0:
+            return BatchPlan(global_batch, micro, lr_scale)
+        micro += 1
+    raise ValueError(f"global batch {global_batch} cannot be split evenly over {batch_shards} batch shards")
+
+
+def _batch_axes_size(mesh: Mesh, rules) -> tuple[PartitionSpec, int]:
+    # A batch size every product of mesh axes divides (1 << 30 is not divisible by a 3-way data axis,
+    # which left the batch replicated on 3 slices: every replica computed the whole global batch).
+    spec = logical_to_spec(("activation_batch", None), (mesh.size, 1), mesh, rules)
+    axes = spec[0] if spec[0] is not None else ()
+    axes = (axes,) if isinstance(axes, str) else axes
+    return spec, int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+def loader_shard(batch_sharding: NamedSharding, global_rows: int) -> tuple[int, int]:
+    """(index, count) of this process's block of global-batch rows under `batch_sharding`: the rows its
+    devices hold, which make_array_from_process_local_data expects. Follows the mesh order, so it is
+    right on any subset of processes in any order (several processes, after a resize)."""
+    index = batch_sharding.addressable_devices_indices_map((global_rows, 1)).values()
+    lo = min(i[0].start or 0 for i in index)
+    hi = max(global_rows if i[0].stop is None else i[0].stop for i in index)
+    return lo // (hi - lo), global_rows // (hi - lo)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlicePlan:
+    """What an attempt derives from the spec and its slices alone: no device data, threads or files.
+
+    Kept per slice set across attempts, so a retry on slices seen before rebuilds none of it: not the
+    compiled step, and not the mesh, shardings and abstract state either (eval_shape plus the sharding
+    rules: ~50 ms on qwen3-tiny, more on bigger models)."""
+
+    mesh: Mesh
+    batch: BatchPlan
+    batch_sharding: NamedSharding
+    loader_index: int
+    loader_count: int
+    lr_schedule: optax.Schedule  # the optimizer's, also reported by the step (one object, never two)
+    optimizer: optax.GradientTransformation
+    shardings: Any
+    abstract_state: Any
+    step_fn: Callable | None = None  # set by `compiled`
+    compile_s: float = 0.0
+    eval_batch: BatchPlan | None = None  # the fixed eval batch on this mesh (None: eval off)
+    eval_loader: tuple[int, int] = (0, 1)  # this process's (index, count) of the eval batch's rows
+    eval_fn: Callable | None = None  # set by `compiled` when eval is on
+    eval_compile_s: float = 0.0
+
+    def compiled(self, spec: TrainSpec) -> SlicePlan:
+        step_fn, seconds = compile_step(spec, self, "train")
+        eval_fn, eval_seconds = compile_step(spec, self, "eval") if self.eval_batch is not None else (None, 0.0)
+        return dataclasses.replace(
+            self, step_fn=step_fn, compile_s=seconds + eval_seconds, eval_fn=eval_fn, eval_compile_s=eval_seconds
+        )
+
+
+def plan_slices(spec: TrainSpec, slices: list[list]) -> SlicePlan:
+    """Mesh, batch plan, loader shard, optimizer and state shardings over `slices`; not compiled yet."""
+    mesh = build_mesh(spec.mesh, slices)
+    batch_spec, shards = _batch_axes_size(mesh, spec.mesh.logical_axis_rules)
+    batch_sharding = NamedSharding(mesh, batch_spec)
+    batch = plan_batch(
+        per_device_batch_size=spec.data.per_device_batch_size,
+        accumulation_steps=spec.optim.gradient_accumulation_steps,
+        num_slices=spec.mesh.num_slices,
+        policy=spec.resize_batch_policy,
+        devices_per_slice=len(slices[0]),
+        active_slices=len(slices),
+        batch_shards=shards,
+    )
+    loader_index, loader_count = loader_shard(batch_sharding, batch.global_batch_size)
+    schedule = learning_rate_schedule(spec.optim, steps=spec.steps, lr_scale=batch.lr_scale)
+    optimizer = make_optimizer(spec.optim, qwen3.param_logical_axes(spec.model), schedule=schedule)
+    shardings, abstract_state = state_shardings(spec.model, spec.mesh.logical_axis_rules, mesh, optimizer)
+    eval_batch, eval_loader = None, (0, 1)
+    if spec.eval.eval_interval > 0:
+        # The same global eval batch on every mesh (never scaled): the same tokens at every evaluation.
+        eval_batch = plan_batch(
+            per_device_batch_size=spec.eval.eval_per_device_batch_size or spec.data.per_device_batch_size,
+            accumulation_steps=1,
+            num_slices=spec.mesh.num_slices,
+            policy="keep_global",
+            devices_per_slice=len(slices[0]),
+            active_slices=len(slices),
+            batch_shards=shards,
+        )
+        eval_loader = loader_shard(batch_sharding, eval_batch.global_batch_size)
+    return SlicePlan(
+        mesh,
+        batch,
+        batch_sharding,
+        loader_index,
+        loader_count,
+        schedule,
+        optimizer,
+        shardings,
+        abstract_state,
+        eval_batch=eval_batch,
+        eval_loader=eval_loader,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """What differs between the train step and the eval step when they are jitted for a plan."""
+
+    fn: Callable
+    batch: BatchPlan
+    state: Any  # the abstract first argument
+    state_sharding: Any
+    out_shardings: Any
+    donate_argnums: tuple[int, ...]
+
+
+def _program(spec: TrainSpec, plan: SlicePlan, step: Step) -> _Program:
+    """The train step takes the whole state and donates it, returning (state, metrics); the eval step
+    takes only the params (with the train state's shardings) and returns its loss sums, replicated."""
+    mesh = plan.mesh
+    micro_spec = NamedSharding(mesh, plan.batch_sharding.spec)
+
+    def constrain_micro(micro):
+        return {k: jax.lax.with_sharding_constraint(v, micro_spec) for k, v in micro.items()}
+
+    shard = ActivationSharding(mesh, spec.mesh.logical_axis_rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    if step == "train":
+        fn = make_train_step(
+            spec.model,
+            plan.optimizer,
+            z_loss_multiplier=spec.optim.z_loss_multiplier,
+            micro_steps=plan.batch.micro_steps,
+            constrain_micro=constrain_micro,
+            learning_rate=plan.lr_schedule,
+            shard=shard,
+        )
+        return _Program(fn, plan.batch, plan.abstract_state, plan.shardings, (plan.shardings, replicated), (0,))
+    if step == "eval":
+        if plan.eval_batch is None:
+            raise ValueError("this plan has no eval batch (eval_interval <= 0)")
+        fn = make_eval_step(
+            spec.model, micro_steps=plan.eval_batch.micro_steps, constrain_micro=constrain_micro, shard=shard
+        )
+        params = plan.abstract_state["params"]
+        return _Program(fn, plan.eval_batch, params, plan.shardings["params"], replicated, ())
+    raise ValueError(f"step={step!r}: 'train' or 'eval'")
+
+
+def lower_step(spec: TrainSpec, plan: SlicePlan, step: Step = "train") -> jax.stages.Lowered:
+    """The train step (or the eval step) jitted for this plan's mesh and batch, lowered over the abstract
+    state and an abstract int32 batch of the plan's global rows."""
+    program = _program(spec, plan, step)
+    jitted = jax.jit(
+        program.fn,
+        in_shardings=(program.state_sharding, plan.batch_sharding),
+        out_shardings=program.out_shardings,
+        donate_argnums=program.donate_argnums,
+    )
+    shape = (program.batch.global_batch_size, spec.data.max_target_length)
+    abstract_batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=plan.batch_sharding) for k in BATCH_KEYS}
+    return jitted.lower(program.state, abstract_batch)
+
+
+def compile_step(spec: TrainSpec, plan: SlicePlan, step: Step = "train"):
+    """AOT-compile the train step (or the eval step, over the plan's fixed eval batch) for this plan;
+    returns (executable, seconds, lowering included)."""
+    t0 = time.perf_counter()
+    compiled = compile_lowered(lower_step(spec, plan, step), plan.mesh.devices.flat)
+    return compiled, time.perf_counter() - t0

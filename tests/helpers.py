@@ -64,9 +64,9 @@ def fresh_state_on_one_device(cfg):
     import jax
 
     from trainer import model as qwen3
-    from trainer.optim import learning_rate_schedule, make_optimizer
     from trainer.parallel.mesh import build_mesh
-    from trainer.state import init_state, state_shardings
+    from trainer.runtime.optim import learning_rate_schedule, make_optimizer
+    from trainer.runtime.state import init_state, state_shardings
 
     mesh = build_mesh(cfg.mesh, [jax.devices()[:1]])
     schedule = learning_rate_schedule(cfg.optim, steps=cfg.train.steps)

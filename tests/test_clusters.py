@@ -24,8 +24,8 @@ from trainer.elastic.local_cluster import LocalCluster
 from trainer.elastic.process_cluster import ProcessCluster
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.elastic.supervisor import Supervisor
-from trainer.loop import FINISHED, ROLLBACK, SCALE_UP, Outcome
-from trainer.preemption import Preempted
+from trainer.runtime.loop import FINISHED, ROLLBACK, SCALE_UP, Outcome
+from trainer.runtime.preemption import Preempted
 
 ELASTIC = ElasticConfig(elastic_enabled=True, elastic_poll_interval_seconds=0.01, elastic_timeout_seconds=30)
 

@@ -37,7 +37,7 @@ def test_only_the_entry_and_the_config_package_take_the_whole_run_config():
     # trainer.compile is an entry too: aot/layouts.py is its composition root (it builds the same
     # TrainSpec as run.py for each layout) and aot/alternatives.py rewrites whole configs (knob changes).
     # layout.py's `train_spec` picks the sections out of it for the trainer and trainer.compile alike.
-    entries = {"run.py", "train.py", "preflight.py", "layout.py", "aot/layouts.py", "aot/alternatives.py"}
+    entries = {"run.py", "train.py", "preflight.py", "runtime/layout.py", "aot/layouts.py", "aot/alternatives.py"}
     assert users <= entries, users
 
 

@@ -1,5 +1,5 @@
 """One layout path: the trainer (`AttemptBuilder`) and the AOT tool (`python -m trainer.compile`) plan and
-lower the train and eval steps through `trainer.layout` alone, so the tool measures the program a run
+lower the train and eval steps through `trainer.runtime.layout` alone, so the tool measures the program a run
 executes; and the tool never imports the runtime (`trainer.run`: distributed, elastic, the loop)."""
 
 from __future__ import annotations
@@ -13,18 +13,24 @@ from pathlib import Path
 import jax
 import pytest
 
-import trainer.layout
+import trainer.runtime.layout
 from trainer import compile as compile_cli
 from trainer.aot import layouts
-from trainer.attempt import AttemptBuilder
 from trainer.config import load_config
-from trainer.layout import lower_step, plan_slices, train_spec
 from trainer.observe.events import EventLog
 from trainer.parallel.mesh import group_into_slices
+from trainer.runtime.attempt import AttemptBuilder
+from trainer.runtime.layout import lower_step, plan_slices, train_spec
 
 TRAINER = Path(__file__).resolve().parents[1] / "trainer"
 AOT_TOOL = [TRAINER / "compile.py", *sorted((TRAINER / "aot").glob("*.py"))]
-RUNTIME = ("trainer.run", "trainer.attempt", "trainer.loop", "trainer.elastic", "trainer.distributed")
+RUNTIME = (
+    "trainer.run",
+    "trainer.runtime.attempt",
+    "trainer.runtime.loop",
+    "trainer.elastic",
+    "trainer.distributed",
+)
 # Two slices, gradient accumulation and an eval step: every part of the plan that differs between runs.
 MICRO = [
     "model=qwen3-tiny",
@@ -63,23 +69,23 @@ def _is_runtime(name: str) -> bool:
 @pytest.mark.parametrize("path", AOT_TOOL, ids=lambda p: str(p.relative_to(TRAINER)))
 def test_the_aot_tool_never_imports_the_runtime(path):
     imported = _imported(path)
-    assert not {m for m in imported if _is_runtime(m)}, "import trainer.layout instead"
+    assert not {m for m in imported if _is_runtime(m)}, "import trainer.runtime.layout instead"
 
 
 def test_importing_the_aot_tool_loads_no_runtime_module():
     code = (
-        "import sys, trainer.compile, trainer.layout\n"
+        "import sys, trainer.compile, trainer.runtime.layout\n"
         "from trainer.aot import alternatives, analysis, hlo, layouts, topology\n"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('trainer.'))))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = proc.stdout.split()
-    assert "trainer.layout" in loaded and not [m for m in loaded if _is_runtime(m)], loaded
+    assert "trainer.runtime.layout" in loaded and not [m for m in loaded if _is_runtime(m)], loaded
 
 
 def test_the_layout_module_holds_no_device_data_threads_or_files():
-    imported = _imported(TRAINER / "layout.py")
+    imported = _imported(TRAINER / "runtime" / "layout.py")
     forbidden = ("threading", "concurrent", "os", "pathlib", "trainer.checkpoint", "trainer.data.pipeline")
     assert not {m for m in imported if _is_runtime(m) or any(m == f or m.startswith(f + ".") for f in forbidden)}
 
@@ -100,7 +106,7 @@ def lowered_steps(monkeypatch):
             raise _Lowered
         return object()
 
-    monkeypatch.setattr(trainer.layout, "compile_lowered", capture)
+    monkeypatch.setattr(trainer.runtime.layout, "compile_lowered", capture)
     return texts
 
 
@@ -135,7 +141,7 @@ def test_the_trainer_and_the_compile_cli_lower_the_same_steps(tmp_path, monkeypa
     assert len(trained) == len(compiled) == 2
     assert trained[0].startswith("module @jit_train_step") and trained[1].startswith("module @jit_eval_step")
     assert trained == compiled
-    # And both are what trainer.layout lowers for that plan.
+    # And both are what trainer.runtime.layout lowers for that plan.
     spec = train_spec(cfg)
     plan = plan_slices(spec, slices)
     assert [lower_step(spec, plan, "train").as_text(), lower_step(spec, plan, "eval").as_text()] == trained

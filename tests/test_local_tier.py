@@ -10,7 +10,7 @@ import pytest
 from trainer.checkpoint.local_store import LocalStepUnusable, LocalStore, committed_steps
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.observe.events import EventLog
-from trainer.restore import restore_state
+from trainer.runtime.restore import restore_state
 
 
 class _Events:

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trainer.attempt import Attempt
 from trainer.checkpoint import NoCheckpoints
 from trainer.data.batch import BATCH_KEYS
 from trainer.elastic.boundary import RecoveryStats, StepBoundary
-from trainer.layout import BatchPlan
-from trainer.loop import FINISHED, PREEMPTED, ROLLBACK, SCALE_UP, train_loop
-from trainer.nonfinite import NonFiniteError, NonFinitePolicy
+from trainer.runtime.attempt import Attempt
+from trainer.runtime.layout import BatchPlan
+from trainer.runtime.loop import FINISHED, PREEMPTED, ROLLBACK, SCALE_UP, train_loop
+from trainer.runtime.nonfinite import NonFiniteError, NonFinitePolicy
 
 
 class _Events:

@@ -6,14 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer.attempt import AttemptBuilder
 from trainer.config import load_config
 from trainer.elastic.faults import Fault, FaultInjector, Outages
 from trainer.elastic.snapshot import HostSnapshots
-from trainer.layout import train_spec
 from trainer.observe.events import EventLog
 from trainer.parallel.mesh import group_into_slices
-from trainer.restore import choose_source, restore_state
+from trainer.runtime.attempt import AttemptBuilder
+from trainer.runtime.layout import train_spec
+from trainer.runtime.restore import choose_source, restore_state
 
 
 class _Step:

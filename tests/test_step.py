@@ -7,9 +7,9 @@ import pytest
 from helpers import fresh_state_on_one_device, micro_config, synthetic_batch
 
 from trainer import model as qwen3
-from trainer.layout import BatchPlan, plan_batch
-from trainer.optim import learning_rate_schedule
-from trainer.step import LOSS_CHUNK_TOKENS, make_train_step, token_losses
+from trainer.runtime.layout import BatchPlan, plan_batch
+from trainer.runtime.optim import learning_rate_schedule
+from trainer.runtime.step import LOSS_CHUNK_TOKENS, make_train_step, token_losses
 
 _STEPS: dict = {}  # (config, micro_steps) -> jitted step: tests of one config share its compiles
 
@@ -62,7 +62,7 @@ def test_chunked_loss_equals_full_logits_loss(monkeypatch):
     targets = jax.random.randint(jax.random.key(3), (4, 16), 0, cfg.model.vocab_size)
     mask = jnp.ones((4, 16))
     full = token_losses(params, cfg.model, hidden, targets, mask)
-    monkeypatch.setattr("trainer.step.LOSS_CHUNK_TOKENS", 24)  # 64 tokens -> 3 chunks, one padded
+    monkeypatch.setattr("trainer.runtime.step.LOSS_CHUNK_TOKENS", 24)  # 64 tokens -> 3 chunks, one padded
     chunked = token_losses(params, cfg.model, hidden, targets, mask)
     np.testing.assert_allclose(np.array(chunked), np.array(full), rtol=1e-5)
     assert LOSS_CHUNK_TOKENS > 24
@@ -81,7 +81,7 @@ def test_learning_rate_warms_up_then_decays_to_the_final_fraction():
 
 
 def test_norm_scales_are_not_weight_decayed():
-    from trainer.optim import weight_decay_mask
+    from trainer.runtime.optim import weight_decay_mask
 
     mask = weight_decay_mask({"w": ("embed", "mlp"), "scale": ("layers", "norm")})
     assert mask == {"w": True, "scale": False}

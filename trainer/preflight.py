@@ -149,7 +149,7 @@ DATA_SECTIONS = ("data",)
 def abstract_state(cfg: RunConfig) -> dict:
     """The train state {"step", "params", "opt_state"} `cfg` builds, as shapes: no mesh."""
     from trainer import model as qwen3
-    from trainer.optim import learning_rate_schedule, make_optimizer
+    from trainer.runtime.optim import learning_rate_schedule, make_optimizer
 
     schedule = learning_rate_schedule(cfg.optim, steps=cfg.train.steps, lr_scale=1.0)
     optimizer = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model), schedule=schedule)

@@ -18,7 +18,6 @@ from typing import TextIO
 
 import jax
 
-from trainer.attempt import AttemptBuilder
 from trainer.checkpoint.fence import SaveFence
 from trainer.checkpoint.local_store import LocalStore
 from trainer.checkpoint.storage_faults import parse_storage_faults
@@ -43,15 +42,16 @@ from trainer.elastic.process_faults import ProcessFaultInjector, parse_process_f
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.elastic.supervisor import Supervisor
 from trainer.io.paths import resolve
-from trainer.layout import train_spec
-from trainer.loop import Outcome, train_loop
-from trainer.nonfinite import NonFinitePolicy
 from trainer.observe.profiler import StepProfiler
 from trainer.observe.rundir import RunPaths
 from trainer.observe.sinks import JsonlSink, LogSink, ProgressSink, RecordedSteps, Sinks, TensorBoardSink
 from trainer.observe.slowsteps import CoordinationHostTimes, HostTimes, SlowStepMonitor
 from trainer.parallel.mesh import build_mesh, group_into_slices
-from trainer.preemption import StopSignal
+from trainer.runtime.attempt import AttemptBuilder
+from trainer.runtime.layout import train_spec
+from trainer.runtime.loop import Outcome, train_loop
+from trainer.runtime.nonfinite import NonFinitePolicy
+from trainer.runtime.preemption import StopSignal
 
 log = logging.getLogger(__name__)
 

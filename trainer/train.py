@@ -128,10 +128,10 @@ def _train(cfg, paths, checked, config_text: str) -> int:
     from trainer.checkpoint.fence import SaveFence
     from trainer.errors import UserInputError
     from trainer.hostmem import hugepages_requested
-    from trainer.loop import PREEMPTED, TARGET_REACHED
     from trainer.observe.events import EventLog
-    from trainer.preemption import Preempted, StopSignal
     from trainer.run import run
+    from trainer.runtime.loop import PREEMPTED, TARGET_REACHED
+    from trainer.runtime.preemption import Preempted, StopSignal
 
     log = logging.getLogger("trainer.train")
     stop = StopSignal(cfg.train.stop_timeout_seconds)

@@ -48,7 +48,7 @@ from trainer.checkpoint.fence import FencedWrite, SaveFence, fenced_path_class
 from trainer.checkpoint.storage_faults import StorageFaults
 from trainer.config.schema import CheckpointConfig
 from trainer.errors import TransientError, UserInputError
-from trainer.state import tree_nbytes
+from trainer.runtime.state import tree_nbytes
 
 log = logging.getLogger(__name__)
 

@@ -42,9 +42,9 @@ class ActiveSlices:
 
 @dataclasses.dataclass(frozen=True)
 class AttemptParts:
-    """The parts of one attempt that depend on the cluster (`trainer.attempt.AttemptBuilder.__call__`).
+    """The parts of one attempt that depend on the cluster (`trainer.runtime.attempt.AttemptBuilder.__call__`).
 
-    snapshots                   where host-RAM snapshots are restored from (`trainer.restore.SnapshotSource`)
+    snapshots                   where host-RAM snapshots are restored from (`runtime.restore.SnapshotSource`)
     wrap_step                   wraps the compiled step (a fault injector's or the membership's guard), or None
     checkpoint_multiprocessing  Orbax MultiprocessingOptions when only some processes take part, or None
     checkpoint_barrier          Orbax's barrier between processes (one that notices a dead peer), or None

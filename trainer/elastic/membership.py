@@ -40,7 +40,7 @@ from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 
 from trainer.distributed import fatal
 from trainer.distributed.heartbeat import Barrier
-from trainer.preemption import Preempted
+from trainer.runtime.preemption import Preempted
 
 log = logging.getLogger(__name__)
 

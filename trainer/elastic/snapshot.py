@@ -4,7 +4,7 @@
 may donate the original; replicas are copied once) and copies it to host memory on a background
 thread while training continues. A process keeps only what its own devices hold: the whole state when
 its slice is one process, else its blocks of each array (`Blocks`). Recovery restores the newest
-complete snapshot by the restore order of `trainer.restore` (unless a committed checkpoint is newer),
+complete snapshot by the restore order of `trainer.runtime.restore` (unless a committed checkpoint is newer),
 so a slice failure rewinds at most `snapshot_period` steps instead of `checkpoint_period`.
 
 With the local checkpoint tier on (`trainer.checkpoint.local_store`), every `local_checkpoint_period`
@@ -199,7 +199,7 @@ class HostSnapshots:
 
     def newest_step(self, abstract_state=None, checkpoint_step: int | None = None) -> int | None:
         """Step of the newest complete snapshot (after any in-flight copy), in RAM or, when newer than
-        RAM and `checkpoint_step`, in the local tier; `trainer.restore` decides whether it beats the
+        RAM and `checkpoint_step`, in the local tier; `trainer.runtime.restore` decides whether it beats the
         checkpoint."""
         self.settle()
         if self.store is not None and abstract_state is not None:

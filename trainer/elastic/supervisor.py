@@ -31,9 +31,9 @@ When a slice dies at step N (its step fails; the steps before it completed):
    faster than progress: `trainer.elastic.retry_budget`) and starts the downtime clock.
 3. `wait_for_slices` waits until enough slices are healthy (all of them under pause-and-resume). A
    formation that brings fresh devices (new communicators) drops the compiled plans.
-4. The next attempt is built on them (`trainer.attempt`: a slice set seen before reuses its compiled
+4. The next attempt is built on them (`trainer.runtime.attempt`: a slice set seen before reuses its compiled
    step; the cluster's `AttemptParts` give its snapshot source, step guard and checkpoint barrier) and
-   restores by the one restore order (`trainer.restore`): the newest host snapshot, else the newest
+   restores by the one restore order (`trainer.runtime.restore`): the newest host snapshot, else the newest
    committed checkpoint. The steps between that point and N-1 are counted as lost.
 5. Its first completed step ends the downtime (`trainer.elastic.boundary`); training goes on. When the
    lost slice returns (`Cluster.returning`), the loop ends at a step boundary with a scale-up outcome: the
@@ -55,7 +55,6 @@ from collections.abc import Callable
 import jax
 from jax.experimental.multihost_utils import ProcessFailureError
 
-from trainer.attempt import Attempt
 from trainer.config.schema import ElasticConfig
 from trainer.distributed.fatal import PeerFailed
 from trainer.elastic.boundary import RecoveryStats, StepBoundary
@@ -63,8 +62,9 @@ from trainer.elastic.cluster import Cluster
 from trainer.elastic.errors import ElasticGiveUp, SlicesUnavailable
 from trainer.elastic.retry_budget import RetryBudget
 from trainer.elastic.snapshot import HostSnapshots
-from trainer.loop import ROLLBACK, SCALE_UP, Outcome
-from trainer.preemption import Preempted, phase
+from trainer.runtime.attempt import Attempt
+from trainer.runtime.loop import ROLLBACK, SCALE_UP, Outcome
+from trainer.runtime.preemption import Preempted, phase
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ class Supervisor:
 
     cluster    the slices and what differs between one controller and several processes
                (`trainer.elastic.cluster`)
-    attempts   slices -> Attempt (`trainer.attempt.AttemptBuilder`)
-    run_loop   (attempt, boundary=...) -> Outcome (`trainer.loop.train_loop` with the run's sinks and policy)
+    attempts   slices -> Attempt (`trainer.runtime.attempt.AttemptBuilder`)
+    run_loop   (attempt, boundary=...) -> Outcome (`runtime.loop.train_loop` with the run's sinks and policy)
     snapshots  this process's host-RAM snapshots (`trainer.elastic.snapshot.HostSnapshots`)
     sync       copies the run's logs to their final place (`RunPaths.sync`), after every attempt
     local_checkpoint_period  every this many steps the snapshot is also written to the local tier
@@ -121,7 +121,7 @@ class Supervisor:
     def run(self) -> Outcome:
         try:
             return self._run()
-        except Preempted:  # SIGTERM outside a step boundary (trainer.preemption)
+        except Preempted:  # SIGTERM outside a step boundary (trainer.runtime.preemption)
             self.emergency_save()
             self.cluster.propose_stop(self.stats.last_step)  # several processes: the others stop too
             raise

@@ -15,12 +15,12 @@ from typing import Any, Protocol
 
 import jax
 
-from trainer.attempt import Attempt
 from trainer.data.batch import fingerprint
-from trainer.nonfinite import NonFinitePolicy
 from trainer.observe.peaks import peak_tflops
 from trainer.observe.sinks import Sinks
-from trainer.preemption import STEPPING, phase
+from trainer.runtime.attempt import Attempt
+from trainer.runtime.nonfinite import NonFinitePolicy
+from trainer.runtime.preemption import STEPPING, phase
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def train_loop(
         return Outcome(ROLLBACK, done.step) if nonfinite.check(record) else None
 
     try:
-        with phase(STEPPING):  # a SIGTERM here is acted on at the step boundary (trainer.preemption)
+        with phase(STEPPING):  # a SIGTERM here is acted on at the step boundary (trainer.runtime.preemption)
             while step < steps:
                 if nonfinite.skips(step + 1):
                     next(iterator)  # the batch that produced a non-finite update is skipped
@@ -249,7 +249,7 @@ def train_loop(
 
 def _evaluate(evaluator, step: int, state, records: StepRecords, sinks: Sinks, interrupt) -> dict[str, Any] | None:
     """Evaluate the state after `step` and write its eval row; the eval's wall time is its own, not the
-    step's (trainer.evaluate). None, with no row, when `interrupt()` ended it early (a SIGTERM)."""
+    step's (trainer.runtime.evaluate). None, with no row, when `interrupt()` ended it early (a SIGTERM)."""
     t0 = time.perf_counter()
     jax.block_until_ready(state)  # the step's remaining device time stays in the step's time
     records.waited_for_devices(time.perf_counter() - t0)

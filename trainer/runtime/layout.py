@@ -1,7 +1,7 @@
 """The layout of a run on a set of slices: what to train, how the batch is split, and the compiled steps.
 
 Pure: config sections and devices in, plans and executables out; no device data, threads or files. The
-trainer (`trainer.attempt.AttemptBuilder`, per slice set) and the AOT tool (`trainer.compile` through
+trainer (`trainer.runtime.attempt.AttemptBuilder`, per slice set) and the AOT tool (`trainer.compile` through
 `trainer.aot.layouts`, on compile-only TPU devices) both go through this module and only this module,
 so the step the tool measures is the step a run executes.
 
@@ -38,13 +38,13 @@ from trainer.config.schema import (
     RunConfig,
 )
 from trainer.data.batch import BATCH_KEYS
-from trainer.executable_cache import compile_lowered
-from trainer.optim import learning_rate_schedule, make_optimizer
 from trainer.parallel.activations import ActivationSharding
 from trainer.parallel.mesh import build_mesh
 from trainer.parallel.rules import logical_to_spec
-from trainer.state import state_shardings
-from trainer.step import make_eval_step, make_train_step
+from trainer.runtime.executable_cache import compile_lowered
+from trainer.runtime.optim import learning_rate_schedule, make_optimizer
+from trainer.runtime.state import state_shardings
+from trainer.runtime.step import make_eval_step, make_train_step
 
 Step = Literal["train", "eval"]
 

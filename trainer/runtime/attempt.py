@@ -4,7 +4,7 @@ Everything an attempt needs is created here and torn down by its ExitStack, so a
 failure starts from clean objects (no threads, arrays of a dead mesh or stale caches survive). What is
 passed in: the run's `TrainSpec` (config sections), the active slices, and long-lived services that
 the caller owns (event log, host snapshots). Only `AttemptBuilder.plans` outlives attempts: per slice
-set, the `SlicePlan` of `trainer.layout` (mesh, shardings, compiled steps), which holds no device data.
+set, the `SlicePlan` of `trainer.runtime.layout` (mesh, shardings, compiled steps), which holds no device data.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from trainer import model as qwen3
 from trainer.checkpoint import open_checkpointer
 from trainer.checkpoint.fence import SaveFence
 from trainer.data.pipeline import make_eval_iterator, make_train_iterator
-from trainer.evaluate import EvalSchedule, Evaluator
-from trainer.layout import BatchPlan, SlicePlan, TrainSpec, plan_slices
-from trainer.preemption import phase
-from trainer.restore import Restored, SnapshotSource, restore_state
-from trainer.state import init_state, state_around, tree_nbytes
+from trainer.runtime.evaluate import EvalSchedule, Evaluator
+from trainer.runtime.layout import BatchPlan, SlicePlan, TrainSpec, plan_slices
+from trainer.runtime.preemption import phase
+from trainer.runtime.restore import Restored, SnapshotSource, restore_state
+from trainer.runtime.state import init_state, state_around, tree_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class AttemptBuilder:
     ) -> Attempt:
         """Everything one attempt needs, on the mesh over `slices` (the active ones), fresh except the plan.
 
-        `snapshots`: host-RAM snapshots to restore from (see `trainer.restore`).
+        `snapshots`: host-RAM snapshots to restore from (see `trainer.runtime.restore`).
         `wrap_step` wraps the compiled step (the fault injector's or the membership's guard).
         `checkpoint_multiprocessing`: Orbax MultiprocessingOptions when only some processes take part.
         `checkpoint_barrier`: Orbax's barrier between processes (one that notices a dead peer), or None.
@@ -183,7 +183,7 @@ class AttemptBuilder:
         return checkpointer
 
     def _restore(self, plan: SlicePlan, checkpointer, snapshots: SnapshotSource | None) -> Restored:
-        """The train state by the one restore order (`trainer.restore`), on the devices."""
+        """The train state by the one restore order (`trainer.runtime.restore`), on the devices."""
         spec = self.spec
         t0 = time.perf_counter()
         self.events.emit("restore_start")

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from cli_harness import cli_env, command
 
-from trainer.chaos import attempt_of, request_kill
 from trainer.config import load_config, to_yaml
+from trainer.elastic.chaos_requests import attempt_of, request_kill
 from trainer.elastic.faults import FaultInjector, Outages
 from trainer.io.jsonl import read_jsonl
 

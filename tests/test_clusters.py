@@ -15,11 +15,12 @@ import jax
 import pytest
 from jax.experimental.multihost_utils import ProcessFailureError
 
+from trainer.config.fault_schedule import Fault
 from trainer.config.schema import ElasticConfig
 from trainer.distributed.fatal import PeerFailed
 from trainer.elastic.cluster import ActiveSlices, AttemptParts, FixedCluster
 from trainer.elastic.errors import ElasticGiveUp, SlicesUnavailable
-from trainer.elastic.faults import Fault, FaultInjector, Outages, slice_down_error
+from trainer.elastic.faults import FaultInjector, Outages, slice_down_error
 from trainer.elastic.local_cluster import LocalCluster
 from trainer.elastic.process_cluster import ProcessCluster
 from trainer.elastic.snapshot import HostSnapshots

@@ -17,8 +17,8 @@ import pytest
 from cli_harness import events, run_cli
 
 from trainer.config.errors import ConfigError
+from trainer.config.fault_schedule import parse_fault_schedule
 from trainer.config.loader import load_config
-from trainer.elastic.faults import parse_fault_schedule
 from trainer.observe.events import EventLog
 from trainer.observe.slowsteps import CoordinationHostTimes, SlowStepMonitor
 

@@ -415,8 +415,7 @@ def test_a_process_error_schedule_is_checked_before_any_compute_and_only_runs_wi
     from helpers import micro_config
 
     from trainer.config import ConfigError
-    from trainer.elastic.faults import parse_fault_schedule
-    from trainer.elastic.process_faults import parse_process_faults
+    from trainer.config.fault_schedule import parse_fault_schedule, parse_process_faults
 
     assert parse_process_faults("step=6,process=2,error=oom", 3)[0].error == "oom"
     micro_config("fault_schedule=step=6,process=2,error=oom")  # valid config: the process count comes later

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from trainer.config.errors import ConfigError
-from trainer.elastic.faults import Fault, PoissonFaults, parse_fault_schedule
+from trainer.config.fault_schedule import Fault, parse_fault_schedule
+from trainer.elastic.faults import PoissonFaults
 from trainer.observe.goodput import CAUSES
 from trainer.plan import model
 from trainer.plan.model import Costs, Failures, Periods

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from trainer.config import load_config
-from trainer.elastic.faults import Fault, FaultInjector, Outages
+from trainer.config.fault_schedule import Fault
+from trainer.elastic.faults import FaultInjector, Outages
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.observe.events import EventLog
 from trainer.parallel.mesh import group_into_slices

@@ -20,50 +20,19 @@ Only a live run is accepted, so a request cannot wait in the directory for a lat
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
+from trainer.elastic.chaos_requests import attempt_of, request_kill
 from trainer.errors import UserInputError, tool_main
 from trainer.io.jsonl import read_jsonl
 from trainer.io.paths import is_remote, resolve
 
 PROG = "python -m trainer.chaos"
-EVENTS_FILE, CONFIG_FILE, CHAOS_DIR = "events.jsonl", "config.yml", "chaos"
-
-
-def attempt_of(start: dict[str, Any]) -> dict[str, Any]:
-    """The identity of the trainer process that wrote the `start` event: its pid and the event's time."""
-    return {"pid": start.get("pid"), "started": start.get("time")}
-
-
-def names_attempt(request: dict[str, Any], attempt: dict[str, Any] | None) -> bool:
-    """True when the request's `target` is `attempt` (both pid and start time)."""
-    target = request.get("target")
-    return (
-        isinstance(target, dict)
-        and attempt is not None
-        and target.get("pid") == attempt["pid"]
-        and target.get("started") == attempt["started"]
-    )
-
-
-def request_kill(run_dir: Path, slice_index: int, down_s: float, target: dict[str, Any]) -> Path:
-    """Write a kill request for the trainer attempt `target` (see `attempt_of`); returns its path."""
-    chaos = Path(run_dir) / CHAOS_DIR
-    chaos.mkdir(parents=True, exist_ok=True)
-    name = f"{time.time_ns()}-kill-slice-{slice_index}"
-    tmp = chaos / f"{name}.tmp"
-    tmp.write_text(
-        json.dumps({"slice": slice_index, "down_s": down_s, "requested_at": time.time(), "target": target})
-    )
-    final = chaos / f"{name}.json"
-    os.replace(tmp, final)  # atomic: the trainer never reads a half-written request
-    return final
+EVENTS_FILE, CONFIG_FILE = "events.jsonl", "config.yml"
 
 
 # ---- validation: every check names the bad input and what to do instead ---------------------------------

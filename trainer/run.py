@@ -20,8 +20,9 @@ import jax
 
 from trainer.checkpoint.fence import SaveFence
 from trainer.checkpoint.local_store import LocalStore
-from trainer.checkpoint.storage_faults import parse_storage_faults
+from trainer.checkpoint.storage_faults import StorageFaults
 from trainer.config.errors import ConfigError
+from trainer.config.fault_schedule import parse_fault_schedule, parse_process_faults
 from trainer.config.loader import to_flat_dict
 from trainer.config.schema import RunConfig
 from trainer.distributed import DistributedSettings, coordination_client, initialize, leave, resolve_settings
@@ -34,11 +35,11 @@ from trainer.distributed.communicators import (
 from trainer.distributed.heartbeat import Heartbeat
 from trainer.distributed.stop import CoordinatedStop
 from trainer.elastic.cluster import Cluster, FixedCluster
-from trainer.elastic.faults import FaultInjector, Outages, parse_fault_schedule
+from trainer.elastic.faults import FaultInjector, Outages
 from trainer.elastic.local_cluster import LocalCluster
 from trainer.elastic.membership import Membership
 from trainer.elastic.process_cluster import ProcessCluster
-from trainer.elastic.process_faults import ProcessFaultInjector, parse_process_faults
+from trainer.elastic.process_faults import ProcessFaultInjector
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.elastic.supervisor import Supervisor
 from trainer.io.paths import resolve
@@ -151,7 +152,7 @@ def build_supervisor(
             checkpoint_dir=paths.checkpoints,
             events=events,
             fence=fence or SaveFence(),
-            storage_faults=parse_storage_faults(cfg.elastic.fault_schedule),
+            storage_faults=StorageFaults.from_schedule(cfg.elastic.fault_schedule),
         ),
         run_loop=run_loop,
         events=events,

@@ -21,8 +21,8 @@ import threading
 from collections.abc import Callable
 
 from etils import epath
-from orbax.checkpoint._src.path import atomicity
 
+from trainer.distributed.internals import orbax_commit_classes
 from trainer.io.paths import is_remote
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ def fenced_path_class(
 ):
     """Orbax's TemporaryPath class for `directory` (atomic rename locally, commit marker on object stores)
     whose step-level commit first runs `check(step)` (raising refuses the commit) and `record(path)`."""
-    base = atomicity.CommitFileTemporaryPath if is_remote(str(directory)) else atomicity.AtomicRenameTemporaryPath
+    rename, marker = orbax_commit_classes()
+    base = marker if is_remote(str(directory)) else rename
     root = str(epath.Path(directory))
 
     class Fenced(base):

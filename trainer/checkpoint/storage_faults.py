@@ -13,17 +13,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from trainer.config.errors import ConfigError
-
-KINDS = ("restore", "save")
+from trainer.config.fault_schedule import parse_storage_faults
 
 
 class InjectedStorageError(OSError):
     """An injected transient storage failure (fault_schedule storage=...)."""
-
-
-def is_storage_entry(entry: str) -> bool:
-    return any(part.strip().startswith("storage=") for part in entry.split(","))
 
 
 @dataclasses.dataclass
@@ -36,6 +30,12 @@ class StorageFaults:
     def __post_init__(self):
         self._lock = threading.Lock()
 
+    @classmethod
+    def from_schedule(cls, text: str) -> StorageFaults:
+        """The storage failures a fault_schedule asks for (`storage=...` entries)."""
+        spec = parse_storage_faults(text)
+        return cls(restore=spec.restore, save=spec.save)
+
     def fire(self, kind: str, what: str) -> None:
         """Raise InjectedStorageError if a `kind` failure is still due (thread-safe)."""
         with self._lock:
@@ -44,22 +44,3 @@ class StorageFaults:
                 return
             setattr(self, kind, left - 1)
         raise InjectedStorageError(f"injected transient storage error ({kind} of {what})")
-
-
-def parse_storage_faults(text: str) -> StorageFaults:
-    """The storage entries of a fault_schedule ('storage=restore,count=1; step=4,slice=0'), or a ConfigError."""
-    faults = StorageFaults()
-    for entry in filter(None, (e.strip() for e in text.split(";"))):
-        if not is_storage_entry(entry):
-            continue
-        try:
-            fields = dict(part.strip().split("=", 1) for part in entry.split(","))
-            kind, count = fields.pop("storage").strip(), int(fields.pop("count", 1))
-            if fields or kind not in KINDS or count < 1:
-                raise ValueError
-        except ValueError:
-            raise ConfigError(
-                f"fault_schedule entry {entry!r}: a storage failure is storage=restore|save[,count=N] (N >= 1)"
-            ) from None
-        setattr(faults, kind, getattr(faults, kind) + count)
-    return faults

@@ -74,9 +74,7 @@ def _run_problems(cfg: RunConfig) -> list[str]:
             f"between 1 and num_slices={mesh.num_slices}"
         )
     if e.fault_schedule.strip():
-        from trainer.checkpoint.storage_faults import parse_storage_faults
-        from trainer.elastic.faults import parse_fault_schedule
-        from trainer.elastic.process_faults import parse_process_faults
+        from trainer.config.fault_schedule import parse_fault_schedule, parse_process_faults, parse_storage_faults
 
         try:
             parse_storage_faults(e.fault_schedule)

@@ -13,9 +13,9 @@ from trainer.distributed.init import DistributedSettings, initialize, leave, pro
 
 def coordination_client():
     """The coordination-service client of this process (after `initialize`)."""
-    from jax._src import distributed
+    from trainer.distributed import internals
 
-    return distributed.global_state.client
+    return internals.coordination_client()
 
 
 __all__ = [

@@ -30,10 +30,9 @@ import time
 
 import numpy as np
 
-log = logging.getLogger(__name__)
+from trainer.distributed import internals
 
-_RENDEZVOUS_DIR = "cpu:gloo"  # gloo's rendezvous keys: cpu:gloo/<device ids>/<rank>
-_TOPOLOGY_KEY = "cpu:global_topology"  # published by process 0 when its CPU client is created
+log = logging.getLogger(__name__)
 
 
 def needs_fresh_communicators() -> bool:
@@ -63,24 +62,17 @@ def mesh_cliques(mesh) -> set[tuple[int, ...]]:
 
 def forget_rendezvous(client) -> None:
     """Delete every gloo rendezvous key: the next collective of each device list meets afresh."""
-    client.key_value_delete(_RENDEZVOUS_DIR)
+    client.key_value_delete(internals.GLOO_RENDEZVOUS_DIR)
 
 
 def fresh_cpu_client(client, *, process_index: int) -> list:
     """Drop this process's CPU client (its communicators and compiled executables) and create a new one;
     returns the new client's devices (every process's, as `jax.devices()`)."""
-    import jax
-    from jax.experimental.multihost_utils import live_devices
-    from jax.extend import backend
-
     t0 = time.perf_counter()
     if process_index == 0:
-        client.key_value_delete(_TOPOLOGY_KEY)  # re-published by the new client below
-    jax.clear_caches()
-    backend.clear_backends()
+        client.key_value_delete(internals.CPU_TOPOLOGY_KEY)  # re-published by the new client below
     # live_devices remembers the previous round's devices to detect failures; those objects belong to the
-    # dropped client, and compared with the new ones every device would look failed.
-    live_devices.devices = None
-    devices = jax.devices()
+    # dropped client, and compared with the new ones every device would look failed: renew forgets them.
+    devices = internals.renew_cpu_client()
     log.info("fresh CPU client: %d devices in %.2f s", len(devices), time.perf_counter() - t0)
     return devices

@@ -152,16 +152,13 @@ def watch_orbax_barriers(barrier: Barrier | None) -> None:
     Orbax looks its barrier function up at each call (`multihost.get_barrier_sync_fn`), so replacing that
     module attribute covers the barriers no option reaches (the checkpoint manager's constructor, the
     finalize thread)."""
-    from orbax.checkpoint._src.multihost import multihost
+    from trainer.distributed.internals import route_orbax_barriers
 
-    original = getattr(multihost, "_orbax_get_barrier_sync_fn", None)
-    if original is None:
-        original = multihost._orbax_get_barrier_sync_fn = multihost.get_barrier_sync_fn
     if barrier is None:
-        multihost.get_barrier_sync_fn = original
+        route_orbax_barriers(None)
         return
 
     def get_barrier_sync_fn(*, processes=None):
         return barrier.over(processes)
 
-    multihost.get_barrier_sync_fn = get_barrier_sync_fn
+    route_orbax_barriers(get_barrier_sync_fn)

@@ -126,9 +126,10 @@ def xla_flags_with_timeout(flags: str, collective_timeout_s: int) -> str:
 def initialize(settings: DistributedSettings, *, fault_tolerant: bool) -> None:
     """Join the job. Must run before anything touches a JAX device (XLA_FLAGS are read once, then)."""
     import jax
-    from jax._src import xla_bridge
 
-    if xla_bridge.backends_are_initialized():
+    from trainer.distributed.internals import backends_initialized
+
+    if backends_initialized():
         raise RuntimeError("trainer.distributed.initialize must run before JAX's backend is initialised")
     os.environ["XLA_FLAGS"] = xla_flags_with_timeout(
         os.environ.get("XLA_FLAGS", ""), settings.collective_timeout_seconds
@@ -171,9 +172,10 @@ def leave(settings: DistributedSettings, *, wait_s: float = 10.0) -> None:
     import threading
 
     import jax
-    from jax._src import distributed
 
-    client = distributed.global_state.client
+    from trainer.distributed.internals import coordination_client
+
+    client = coordination_client()
     if client is None:
         return
     if settings.process_id == 0 and settings.multi_process:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 
-from trainer.distributed import fatal
+from trainer.distributed import fatal, internals
 from trainer.distributed.heartbeat import Barrier
 from trainer.runtime.preemption import Preempted
 
@@ -137,7 +137,7 @@ class Membership:
     @staticmethod
     def _newest_round() -> dict[int, int]:
         """What jax's live_devices saw last: {process: incarnation}."""
-        return {d.process_index: int(i) for d, i in (live_devices.devices or {}).items()}
+        return internals.newest_round()
 
     def _record(self, new: dict[int, int], entry: set[int] | None = None) -> dict[int, int]:
         if entry is not None:  # this process's first rounds: entry and exit of one live_devices call
@@ -148,7 +148,7 @@ class Membership:
 
     def round(self) -> dict[int, int]:
         """One barrier round with every live process; returns {process: incarnation}."""
-        first = live_devices.devices is None
+        first = internals.no_round_yet()
         entry = None
         try:
             with live_devices(self.devices) as alive:
@@ -259,11 +259,13 @@ class Membership:
                 self.fresh_clients += 1
                 # The next round compares with the newest one, on the new device objects (a first round
                 # would take two barrier calls where the other members take one).
-                live_devices.devices = {
-                    d: self.current[d.process_index]
-                    for d in self.devices
-                    if d.process_index in (self.current or {})
-                }
+                internals.set_round(
+                    {
+                        d: self.current[d.process_index]
+                        for d in self.devices
+                        if d.process_index in (self.current or {})
+                    }
+                )
             self.cliques_used |= cliques  # the attempt on this formation runs collectives over them
         log.info("formation %s: slices %s in mesh order %s", formation.key, slices, list(formation.slices))
         if self.events is not None:

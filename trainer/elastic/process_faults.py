@@ -8,51 +8,14 @@ raises when an allocation fails) or `bug` (a RuntimeError); it is raised by the 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 
 import jax
 
-from trainer.checkpoint.storage_faults import is_storage_entry
-from trainer.config.errors import ConfigError
+from trainer.config.fault_schedule import ProcessFault
 
 log = logging.getLogger(__name__)
-
-_ERRORS = ("oom", "bug")
-
-
-@dataclasses.dataclass(frozen=True)
-class ProcessFault:
-    step: int
-    process: int
-    error: str
-
-
-def parse_process_faults(text: str, num_processes: int) -> list[ProcessFault]:
-    """'step=5,process=2,error=oom; ...' -> ProcessFaults, or a ConfigError naming the bad entry."""
-    faults = []
-    for entry in filter(None, (e.strip() for e in text.split(";"))):
-        if is_storage_entry(entry):  # trainer.checkpoint.storage_faults parses those
-            continue
-        try:
-            fields = dict(part.strip().split("=", 1) for part in entry.split(","))
-            if set(fields) != {"step", "process", "error"}:
-                raise ValueError
-            fault = ProcessFault(int(fields["step"]), int(fields["process"]), fields["error"].strip())
-        except ValueError:
-            raise ConfigError(
-                f"fault_schedule entry {entry!r}: with several processes the schedule injects a process's own "
-                f"error, step=N,process=P,error={'|'.join(_ERRORS)}; lose a process by killing it "
-                "(scripts/launch_local.py)"
-            ) from None
-        if fault.error not in _ERRORS or fault.step < 1 or not 0 <= fault.process < num_processes:
-            raise ConfigError(
-                f"fault_schedule entry {entry!r}: error must be one of {list(_ERRORS)}, step >= 1 and "
-                f"process in [0, {num_processes})"
-            )
-        faults.append(fault)
-    return faults
 
 
 class ProcessFaultInjector:

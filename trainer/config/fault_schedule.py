@@ -1,0 +1,194 @@
+"""The `fault_schedule` grammar, parsed once for every part that injects a failure.
+
+A leaf: config validation, the elastic layer (slice failures, a process's own errors) and the
+checkpointer (storage failures) all read the schedule through here, and nothing here imports them.
+Entries are separated by ';':
+
+    step=40,slice=1,down_s=5 | step=N,slice=K,down_steps=M | step=N,nan=1 | step=N,slow_s=S
+    rate=R,seed=S[,slice=K][,down_s=D][,step=N]           (local slices: trainer.elastic.faults)
+    step=N,process=P,error=oom|bug                        (several processes: trainer.elastic.process_faults)
+    storage=restore|save[,count=N]                        (either: trainer.checkpoint.storage_faults)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from trainer.config.errors import ConfigError
+
+STORAGE_KINDS = ("restore", "save")
+
+
+def is_storage_entry(entry: str) -> bool:
+    return any(part.strip().startswith("storage=") for part in entry.split(","))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    step: int
+    slice: int = -1
+    down_s: float = 0.0
+    down_steps: int = 0  # also stay down until this many more steps have run (deterministic tests)
+    nan: bool = False  # report the step's result as non-finite (exercises nan_policy) instead of a slice loss
+    rate: float = 0.0  # > 0: a Poisson source of failures per second of wall time from `step` on (see above)
+    seed: int = 0  # the Poisson source's random seed (gaps and, with slice=-1, which slice)
+    slices: int = 0  # the Poisson source picks among this many slices when slice=-1
+    slow_s: float = 0.0  # > 0: no failure; the host stalls this long after step `step` (a slow step)
+
+
+def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
+    """'step=40,slice=1,down_s=5; step=90,slice=2; rate=0.1,seed=3' -> Faults, or a ConfigError naming the
+    bad entry."""
+    faults = []
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        if is_storage_entry(entry):  # trainer.checkpoint.storage_faults parses those
+            continue
+        fields = {}
+        for part in entry.split(","):
+            k, sep, v = part.strip().partition("=")
+            if not sep:
+                raise ConfigError(f"fault_schedule entry {entry!r}: {part!r} is not key=value")
+            fields[k.strip()] = v.strip()
+        if "process" in fields:
+            raise ConfigError(
+                f"fault_schedule entry {entry!r}: step=N,process=P,error=E injects an error into one process "
+                "of a multi-process job; this run has one process"
+            )
+        if "rate" in fields:
+            fault = _poisson_entry(entry, fields, num_slices)
+        elif "slow_s" in fields:
+            fault = _slow_entry(entry, fields)
+        else:
+            fault = _fixed_entry(entry, fields)
+        if not fault.nan and fault.slice >= num_slices:
+            raise ConfigError(f"fault_schedule entry {entry!r}: slice must be in [0, {num_slices})")
+        faults.append(fault)
+    return faults
+
+
+def _fixed_entry(entry: str, fields: dict[str, str]) -> Fault:
+    unknown = set(fields) - {"step", "slice", "down_s", "down_steps", "nan"}
+    if unknown or "step" not in fields or ("slice" in fields) == ("nan" in fields):
+        raise ConfigError(
+            f"fault_schedule entry {entry!r}: use step=N,slice=K[,down_s=S], step=N,nan=1 or rate=R,seed=S"
+        )
+    try:
+        fault = Fault(
+            int(fields["step"]),
+            int(fields.get("slice", -1)),
+            float(fields.get("down_s", 0)),
+            int(fields.get("down_steps", 0)),
+            nan="nan" in fields,
+        )
+    except ValueError:
+        raise ConfigError(f"fault_schedule entry {entry!r}: step and slice are integers, down_s seconds") from None
+    if (not fault.nan and fault.slice < 0) or fault.step < 1 or fault.down_s < 0:
+        raise ConfigError(f"fault_schedule entry {entry!r}: slice must be >= 0, step >= 1, down_s >= 0")
+    return fault
+
+
+def _slow_entry(entry: str, fields: dict[str, str]) -> Fault:
+    """step=N,slow_s=S: the host sleeps S seconds at the boundary after step N, so step N's time grows
+    by S (what slow-step detection, monitor_step_time_deviation, is for)."""
+    try:
+        if set(fields) != {"step", "slow_s"}:
+            raise ValueError
+        fault = Fault(int(fields["step"]), slow_s=float(fields["slow_s"]))
+    except ValueError:
+        raise ConfigError(
+            f"fault_schedule entry {entry!r}: a slow step is step=N,slow_s=S (N an integer, S seconds)"
+        ) from None
+    if fault.step < 1 or not 0 < fault.slow_s < float("inf"):
+        raise ConfigError(f"fault_schedule entry {entry!r}: step must be >= 1 and slow_s a number of seconds > 0")
+    return fault
+
+
+def _poisson_entry(entry: str, fields: dict[str, str], num_slices: int) -> Fault:
+    unknown = set(fields) - {"rate", "seed", "slice", "down_s", "step"}
+    if unknown or "seed" not in fields:
+        raise ConfigError(
+            f"fault_schedule entry {entry!r}: a random source is rate=R,seed=S[,slice=K][,down_s=D][,step=N] "
+            f"(R failures per second, S an integer seed)"
+        )
+    try:
+        fault = Fault(
+            int(fields.get("step", 1)),
+            int(fields.get("slice", -1)),
+            float(fields.get("down_s", 0)),
+            rate=float(fields["rate"]),
+            seed=int(fields["seed"]),
+            slices=num_slices,
+        )
+    except ValueError:
+        raise ConfigError(
+            f"fault_schedule entry {entry!r}: rate and down_s are numbers, seed, slice and step integers"
+        ) from None
+    if not (0 < fault.rate < float("inf")) or fault.step < 1 or fault.down_s < 0 or fault.slice < -1:
+        raise ConfigError(
+            f"fault_schedule entry {entry!r}: rate must be a finite number > 0 (failures per second), "
+            f"step >= 1, down_s >= 0, slice >= 0 (or left out for a random slice)"
+        )
+    return fault
+
+
+PROCESS_ERRORS = ("oom", "bug")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessFault:
+    step: int
+    process: int
+    error: str
+
+
+def parse_process_faults(text: str, num_processes: int) -> list[ProcessFault]:
+    """'step=5,process=2,error=oom; ...' -> ProcessFaults, or a ConfigError naming the bad entry."""
+    faults = []
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        if is_storage_entry(entry):  # trainer.checkpoint.storage_faults parses those
+            continue
+        try:
+            fields = dict(part.strip().split("=", 1) for part in entry.split(","))
+            if set(fields) != {"step", "process", "error"}:
+                raise ValueError
+            fault = ProcessFault(int(fields["step"]), int(fields["process"]), fields["error"].strip())
+        except ValueError:
+            raise ConfigError(
+                f"fault_schedule entry {entry!r}: with several processes the schedule injects a process's own "
+                f"error, step=N,process=P,error={'|'.join(PROCESS_ERRORS)}; lose a process by killing it "
+                "(scripts/launch_local.py)"
+            ) from None
+        if fault.error not in PROCESS_ERRORS or fault.step < 1 or not 0 <= fault.process < num_processes:
+            raise ConfigError(
+                f"fault_schedule entry {entry!r}: error must be one of {list(PROCESS_ERRORS)}, step >= 1 and "
+                f"process in [0, {num_processes})"
+            )
+        faults.append(fault)
+    return faults
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageSpec:
+    """How many checkpoint restores and saves fail (`storage=...` entries)."""
+
+    restore: int = 0
+    save: int = 0
+
+
+def parse_storage_faults(text: str) -> StorageSpec:
+    """The storage entries of a fault_schedule ('storage=restore,count=1; step=4,slice=0'), or a ConfigError."""
+    counts = {"restore": 0, "save": 0}
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        if not is_storage_entry(entry):
+            continue
+        try:
+            fields = dict(part.strip().split("=", 1) for part in entry.split(","))
+            kind, count = fields.pop("storage").strip(), int(fields.pop("count", 1))
+            if fields or kind not in STORAGE_KINDS or count < 1:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(
+                f"fault_schedule entry {entry!r}: a storage failure is storage=restore|save[,count=N] (N >= 1)"
+            ) from None
+        counts[kind] += count
+    return StorageSpec(**counts)

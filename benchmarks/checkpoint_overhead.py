@@ -45,6 +45,8 @@ from cli_runs import (
     step_times,
 )
 
+from trainer.observe import catalogue  # noqa: E402
+
 
 def disk_bandwidth(directory: Path, nbytes: int) -> tuple[float, float]:
     """(write MB/s with fsync, read MB/s) for one file of nbytes, in 4 MiB blocks."""
@@ -83,7 +85,19 @@ def main() -> None:
         [f"model={args.model}", f"steps={steps}", "log_period=1000", *args.extra], **SMOKE_SHAPE
     )
     announce_smoke(f"checkpoint period {args.period}, {steps} steps, {SMOKE_SHAPE_TEXT}")
-    prefix = "local_" if args.tier == "local" else ""  # the local tier's events carry this prefix
+    local = args.tier == "local"  # the local tier has save events of its own
+    if local:
+        blocked_event, start, end = (
+            catalogue.LOCAL_CHECKPOINT_SAVE_BLOCKED,
+            catalogue.LOCAL_CHECKPOINT_SAVE_START,
+            catalogue.LOCAL_CHECKPOINT_SAVE_COMMITTED,
+        )
+    else:
+        blocked_event, start, end = (
+            catalogue.CHECKPOINT_SAVE_BLOCKED,
+            catalogue.CHECKPOINT_SAVE_START,
+            catalogue.CHECKPOINT_SAVE_COMMITTED,
+        )
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if args.tier == "local":
@@ -93,9 +107,8 @@ def main() -> None:
             ckpt_args = [*common, f"checkpoint_period={args.period}", "max_num_checkpoints_to_keep=2"]
         ckpt = run(root, "ckpt", ckpt_args)
         events = read_jsonl(ckpt / "events.jsonl")
-        blocked = [e for e in events if e["event"] == f"{prefix}checkpoint_save_blocked"]
-        saved = [e for e in events if e["event"] == f"{prefix}checkpoint_save_committed"]
-        start, end = f"{prefix}checkpoint_save_start", f"{prefix}checkpoint_save_committed"
+        blocked = [e for e in events if e["event"] == blocked_event]
+        saved = [e for e in events if e["event"] == end]
         excess, base = excess_step_time(ckpt, start, end)
         waited = [e.get("waited_for_step_s", 0.0) for e in blocked]  # the local tier does not wait apart
         per_save = smoke_median(excess)
@@ -121,8 +134,8 @@ def main() -> None:
             out["ab_mean_step_time_s_with"] = round(mean(step_times(ckpt)), 4)
             out["ab_step_time_overhead"] = round(mean(step_times(ckpt)) / mean(step_times(plain)) - 1, 4)
         run(root, "ckpt", [*ckpt_args, f"steps={steps + 1}", f"learning_rate_schedule_steps={steps}"])
-        restore = [e for e in read_jsonl(ckpt / "events.jsonl") if e["event"] == "restore_end"][-1]
-        assert restore["source"].startswith("local:" if prefix else "checkpoint:"), restore
+        restore = [e for e in read_jsonl(ckpt / "events.jsonl") if e["event"] == catalogue.RESTORE_END][-1]
+        assert restore["source"].startswith("local:" if local else "checkpoint:"), restore
         nbytes = restore["bytes"]
         write_mb, read_mb = disk_bandwidth(root, nbytes)
     out.update(

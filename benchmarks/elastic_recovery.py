@@ -53,6 +53,7 @@ from cli_runs import (
     trainer_cmd,
 )
 
+from trainer.observe import catalogue  # noqa: E402
 from trainer.observe.timeline import recovery_timelines  # noqa: E402
 
 
@@ -169,7 +170,9 @@ def main() -> None:
         out["pause_resume_speedup_vs_full_restart"] = round(median(restarts) / median(kill_to_step), 1)
 
         snap = run(root, "snap", [*common, f"snapshot_period={snap_period}"], devices=3)
-        excess, base = excess_step_time(snap, "snapshot_taken", "snapshot_taken", not_with="checkpoint_save_start")
+        excess, base = excess_step_time(
+            snap, catalogue.SNAPSHOT_TAKEN, catalogue.SNAPSHOT_TAKEN, not_with=catalogue.CHECKPOINT_SAVE_START
+        )
         out["snapshot_extra_step_time_s"] = [round(x, 3) for x in excess]
         per_snapshot = smoke_median(excess)
         out["snapshot_overhead_at_period_10"] = (

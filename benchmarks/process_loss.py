@@ -38,6 +38,8 @@ from cli_runs import (  # noqa: E402
     trainer_cmd,
 )
 
+from trainer.observe import catalogue  # noqa: E402
+
 
 def _last_step(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
@@ -67,12 +69,12 @@ def measure(root: Path, name: str, overrides: list[str], kill_steps: list[int]) 
     run(root, name, overrides)
     events = read_jsonl(root / name / "events.jsonl")
     records = [r for r in read_jsonl(root / name / "metrics.jsonl") if "loss" in r]
-    resumed = [e for e in events if e["event"] == "restart_resumed"]
+    resumed = [e for e in events if e["event"] == catalogue.RESTART_RESUMED]
     restores: dict[str, list[float]] = {}
     restarts = []
     for r in resumed:
-        start = max(e["time"] for e in events if e["event"] == "start" and e["time"] <= r["time"])
-        end = next(e for e in events if e["event"] == "restore_end" and e["time"] >= start)
+        start = max(e["time"] for e in events if e["event"] == catalogue.START and e["time"] <= r["time"])
+        end = next(e for e in events if e["event"] == catalogue.RESTORE_END and e["time"] >= start)
         restores.setdefault(end["source"].split(":")[0], []).append(end["seconds"])
         first = next((m["time"] for m in records if m["time"] >= r["time"]), None)
         if first is not None:

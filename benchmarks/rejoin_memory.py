@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_runs import announce_smoke, smoke, smoke_env  # noqa: E402
 
 from scripts.multiprocess_demo import Job, collect, kill_at_step, trainer_args  # noqa: E402
+from trainer.observe import catalogue  # noqa: E402
 
 # qwen3-tiny widened to an 86 MiB train state, 3x a process's shard with 3 processes per slice. A state
 # several times a CPU process's base resident memory (~1 GB) does not train on 2 cores in minutes, so the
@@ -86,7 +87,7 @@ class Sampler(threading.Thread):
         return max(xs) if xs else None
 
 
-def first(events: list[dict], name: str, after: float, **match) -> dict | None:
+def first(events: list[dict], name: catalogue.Event, after: float, **match) -> dict | None:
     for e in events:
         if e["event"] == name and e["time"] >= after and all(e.get(k) == v for k, v in match.items()):
             return e
@@ -146,16 +147,18 @@ def main() -> int:
     data = collect(job.run_dir, processes)
     t0 = kill["time"]
     ev0 = data[0]["events"]
-    start0 = min(e["time"] for e in ev0 if e["event"] == "attempt_start")
-    respawn = [e for e in job.launcher_events() if e["event"] == "spawn" and e["process"] == victim][-1]
-    up = first(ev0, "scale_up_requested", respawn["time"])  # None: it was back before slice 0 re-formed
-    shared = first(ev0, "snapshot_shared", respawn["time"])
+    start0 = min(e["time"] for e in ev0 if e["event"] == catalogue.ATTEMPT_START)
+    respawn = [
+        e for e in job.launcher_events() if e["event"] == catalogue.LAUNCHER_SPAWN and e["process"] == victim
+    ][-1]
+    up = first(ev0, catalogue.SCALE_UP_REQUESTED, respawn["time"])  # None: it was back before slice 0 re-formed
+    shared = first(ev0, catalogue.SNAPSHOT_SHARED, respawn["time"])
     if shared is None:
         sys.exit("the replacement did not rejoin before the run ended: raise --steps")
     grown = [r for r in data[0]["metrics"] if r["time"] > shared["time"] and r["devices"] == processes]
     settle = grown[min(3, len(grown) - 1)]["time"] if grown else time.time()
 
-    state_bytes = first(ev0, "restore_end", 0)["bytes"]
+    state_bytes = first(ev0, catalogue.RESTORE_END, 0)["bytes"]
     print(
         f"\n{args.slices} slices x {per_slice} processes, train state {state_bytes / 2**20:.0f} MiB "
         f"({state_bytes / per_slice / 2**20:.0f} MiB per process); kill -9 process {victim} after step "
@@ -182,11 +185,11 @@ def main() -> int:
             f"{peak / 2**20 if peak else float('nan'):>10.0f}Mi {ratio:>6.2f}"
         )
 
-    det = first(ev0, "slice_down_detected", t0)
-    wait = first(ev0, "wait_end", det["time"]) if det else None
-    restore = first(ev0, "restore_end", det["time"]) if det else None
-    restore_start = first(ev0, "restore_start", det["time"]) if det else None
-    resumed = first(ev0, "first_step_after_recovery", det["time"]) if det else None
+    det = first(ev0, catalogue.SLICE_DOWN_DETECTED, t0)
+    wait = first(ev0, catalogue.WAIT_END, det["time"]) if det else None
+    restore = first(ev0, catalogue.RESTORE_END, det["time"]) if det else None
+    restore_start = first(ev0, catalogue.RESTORE_START, det["time"]) if det else None
+    resumed = first(ev0, catalogue.FIRST_STEP_AFTER_RECOVERY, det["time"]) if det else None
     phases = {
         "detection (kill -> failure seen)": det and det["time"] - t0,
         "re-forming (-> formation agreed)": wait and det and wait["time"] - det["time"],
@@ -198,9 +201,9 @@ def main() -> int:
     print("\nslice 0 after the kill:")
     for k, v in phases.items():
         print(f"  {k:<36} {v:8.2f} s" if v is not None else f"  {k:<36}      n/a")
-    formed = first(ev0, "wait_end", up["time"] if up else respawn["time"])
-    rejoin_restore = first(ev0, "restore_end", up["time"] if up else respawn["time"])
-    rejoin_restore_start = first(ev0, "restore_start", up["time"] if up else respawn["time"])
+    formed = first(ev0, catalogue.WAIT_END, up["time"] if up else respawn["time"])
+    rejoin_restore = first(ev0, catalogue.RESTORE_END, up["time"] if up else respawn["time"])
+    rejoin_restore_start = first(ev0, catalogue.RESTORE_START, up["time"] if up else respawn["time"])
     all_step = grown[0]["time"] if grown else None
     rejoin = {
         "replacement started (after kill)": respawn["time"] - t0,

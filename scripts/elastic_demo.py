@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.observe import catalogue  # noqa: E402
 from trainer.observe.events import read_events  # noqa: E402
 from trainer.observe.records import step_rows  # noqa: E402
 from trainer.observe.timeline import format_timeline, recovery_timelines  # noqa: E402
@@ -129,8 +130,8 @@ def main() -> int:
     for i, t in enumerate(recovery_timelines(events), 1):
         print(f"recovery {i} ({args.mode}):")
         print(format_timeline(t))
-    summary = [e for e in events if e["event"] == "elastic_summary"]
-    goodput = [e for e in events if e["event"] == "goodput"]
+    summary = [e for e in events if e["event"] == catalogue.ELASTIC_SUMMARY]
+    goodput = [e for e in events if e["event"] == catalogue.GOODPUT]
     if summary:
         s = summary[-1]
         print(f"failures {s['failures']}, steps lost {s['steps_lost']}, downtime {s['downtime_s']} s")

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from trainer.observe import catalogue  # noqa: E402
 
 # Small enough to compile in seconds on a shared CPU; the elastic machinery is what is shown. Rows of 128
 # tokens give a step enough work that the survivors are still training when a replacement has started.
@@ -121,7 +123,9 @@ class Job:
         return read_jsonl(self.events_path)
 
     def pid_of(self, process: int) -> int | None:
-        spawns = [e for e in self.launcher_events() if e["event"] == "spawn" and e["process"] == process]
+        spawns = [
+            e for e in self.launcher_events() if e["event"] == catalogue.LAUNCHER_SPAWN and e["process"] == process
+        ]
         return spawns[-1]["pid"] if spawns else None
 
     def wait(self, timeout: float) -> int:
@@ -202,7 +206,7 @@ def collect(run_dir: Path, processes: int = 3) -> dict:
     }
 
 
-def _first(events: list[dict], name: str, after: float, **match) -> dict | None:
+def _first(events: list[dict], name: catalogue.Event, after: float, **match) -> dict | None:
     for e in events:
         if e["event"] == name and e["time"] >= after and all(e.get(k) == v for k, v in match.items()):
             return e
@@ -225,33 +229,33 @@ def timeline(run_dir: Path, kill: dict, launcher_events: list[dict], processes: 
         out["pids"][i] = sorted({r["pid"] for r in data[i]["metrics"]})
     for i in survivors:
         ev = data[i]["events"]
-        det = _first(ev, "slice_down_detected", t0)
+        det = _first(ev, catalogue.SLICE_DOWN_DETECTED, t0)
         s = {"detected": det and det["time"] - t0, "last_step_before": det and det["last_step"]}
         if det:
-            resumed = _first(ev, "first_step_after_recovery", det["time"])
+            resumed = _first(ev, catalogue.FIRST_STEP_AFTER_RECOVERY, det["time"])
             s["continued"] = resumed and resumed["time"] - t0
             s["continued_step"] = resumed and resumed["step"]
             s["continued_slices"] = resumed and resumed["slices"]
             s["detection_to_next_step"] = resumed and resumed["seconds_since_detection"]
-            up = _first(ev, "scale_up_requested", det["time"])
+            up = _first(ev, catalogue.SCALE_UP_REQUESTED, det["time"])
             s["rejoin_seen"] = up and up["time"] - t0
             s["rejoin_step"] = up and up["step"]
             if up:  # the first step on every process again, from this process's metrics
                 grown = [r for r in data[i]["metrics"] if r["time"] > up["time"] and r["devices"] == processes]
                 s["first_step_all"] = grown[0]["time"] - t0 if grown else None
                 s["first_step_all_number"] = grown[0]["step"] if grown else None
-        summary = [e for e in ev if e["event"] == "elastic_summary"]
+        summary = [e for e in ev if e["event"] == catalogue.ELASTIC_SUMMARY]
         s["steps_lost"] = summary[-1]["steps_lost"] if summary else None
         out["survivors"][i] = s
-    died = _first(launcher_events, "exit", t0, process=victim)
-    respawn = _first(launcher_events, "spawn", t0, process=victim)
+    died = _first(launcher_events, catalogue.LAUNCHER_EXIT, t0, process=victim)
+    respawn = _first(launcher_events, catalogue.LAUNCHER_SPAWN, t0, process=victim)
     out["launcher_saw_exit"] = died and died["time"] - t0
     out["respawned"] = respawn and respawn["time"] - t0
     out["respawned_pid"] = respawn and respawn["pid"]
     if respawn:
         ev = [e for e in data[victim]["events"] if e.get("pid") == respawn["pid"]]
-        joined = _first(ev, "wait_end", 0)
-        attempt = _first(ev, "attempt_start", 0)
+        joined = _first(ev, catalogue.WAIT_END, 0)
+        attempt = _first(ev, catalogue.ATTEMPT_START, 0)
         recs = [r for r in data[victim]["metrics"] if r["pid"] == respawn["pid"]]
         out["rejoiner"] = {
             "joined": joined and joined["time"] - t0,
@@ -356,7 +360,7 @@ def main() -> int:
     finally:
         job.stop()
     print(f"launcher exit code: {rc}")
-    exits = [e for e in job.launcher_events() if e["event"] == "exit"]
+    exits = [e for e in job.launcher_events() if e["event"] == catalogue.LAUNCHER_EXIT]
     print("process exits: " + ", ".join(f"p{e['process']} pid {e['pid']} rc={e['rc']}" for e in exits))
     if args.kill_process == 0:
         print(

@@ -54,7 +54,7 @@ class Attempt:
     def __init__(self, start_step: int = 0):
         self.start_step = start_step
         self.restored_from = "init"
-        self.plan = SimpleNamespace(global_batch_size=8, micro_steps=1, lr_scale=1.0)
+        self.batch_layout = SimpleNamespace(global_batch_size=8, micro_steps=1, lr_scale=1.0)
         self.iterator = SimpleNamespace(get_state=lambda: {"position": 0})
         self.checkpointer = None
         self.closed = False

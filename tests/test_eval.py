@@ -22,7 +22,7 @@ from trainer.observe.records import is_eval
 from trainer.observe.runlog import load_run, summarize
 from trainer.runtime.attempt import Attempt
 from trainer.runtime.evaluate import EvalSchedule, Evaluator
-from trainer.runtime.layout import BatchPlan
+from trainer.runtime.layout import BatchLayout
 from trainer.runtime.loop import FINISHED, TARGET_REACHED, train_loop
 from trainer.runtime.nonfinite import NonFinitePolicy
 from trainer.runtime.step import make_eval_step
@@ -190,7 +190,7 @@ def _attempt(evaluator, start=0):
 
     return Attempt(
         mesh=mesh,
-        plan=BatchPlan(2, 1, 1.0),
+        batch_layout=BatchLayout(2, 1, 1.0),
         state={"params": jnp.float32(1.0 - 0.1 * start)},
         start_step=start,
         restored_from="init",

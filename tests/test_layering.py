@@ -1,45 +1,216 @@
-"""The dependency rules the code's layout promises, checked on the source: a change that breaks one
-fails here instead of surfacing as an import cycle or a hidden global later."""
+"""The layers the code's layout promises, declared once and checked on every import of trainer/ (imports
+inside functions included): a change that breaks one fails here instead of surfacing as an import cycle,
+a tool that drags the runtime in, or a hidden global later."""
 
 import ast
+import fnmatch
 from pathlib import Path
 
 import pytest
 
 TRAINER = Path(__file__).resolve().parents[1] / "trainer"
 
+# Lowest first. A module may import modules of its own layer or of a lower one, never of a higher one.
+LAYERS = [
+    # 0: the exit-code contract, the one path layer; process bootstrap that needs nothing else
+    ("foundation", ["trainer.errors", "trainer.io", "trainer.io.*", "trainer.hostmem", "trainer.backends"]),
+    # 1: the typed config and the small grammars it validates with (fault schedule, data mixtures)
+    ("config", ["trainer.config", "trainer.config.*", "trainer.data.mixture", "trainer.data.errors"]),
+    # 2: services with no model: observation, processes, signals, policies
+    (
+        "services",
+        [
+            "trainer.observe",
+            "trainer.observe.*",
+            "trainer.parallel",
+            "trainer.parallel.*",
+            "trainer.distributed",
+            "trainer.distributed.*",
+            "trainer.runtime.preemption",
+            "trainer.elastic.retry_budget",
+            "trainer.elastic.chaos_requests",
+            "trainer.elastic.errors",
+        ],
+    ),
+    # 3: the math and the data: model, train state and step, input pipelines
+    (
+        "math",
+        [
+            "trainer.model",
+            "trainer.model.*",
+            "trainer.data",
+            "trainer.data.*",
+            "trainer.runtime",
+            "trainer.runtime.state",
+            "trainer.runtime.step",
+            "trainer.runtime.optim",
+            "trainer.runtime.evaluate",
+            "trainer.runtime.nonfinite",
+            "trainer.runtime.executable_cache",
+        ],
+    ),
+    # 4: state on storage, and the layout of a run on a set of slices (what trainer.compile measures)
+    (
+        "storage and layout",
+        ["trainer.checkpoint", "trainer.checkpoint.*", "trainer.runtime.layout", "trainer.aot"],
+    ),
+    ("ahead of time", ["trainer.aot.*"]),
+    # 5: one attempt: restore, build, loop; Hugging Face files
+    (
+        "attempt",
+        [
+            "trainer.runtime.restore",
+            "trainer.runtime.attempt",
+            "trainer.runtime.loop",
+            "trainer.hf",
+            "trainer.hf.*",
+        ],
+    ),
+    # 6: recovery across attempts, and the planner that models it
+    (
+        "recovery",
+        ["trainer.elastic", "trainer.elastic.*", "trainer.plan", "trainer.plan.model", "trainer.plan.costs"],
+    ),
+    # 7: the composition root and the checks before it
+    ("composition", ["trainer.run", "trainer.preflight"]),
+    # 8: command-line tools
+    (
+        "cli",
+        [
+            "trainer",
+            "trainer.train",
+            "trainer.compile",
+            "trainer.convert",
+            "trainer.decode",
+            "trainer.report",
+            "trainer.chaos",
+            "trainer.plan.__main__",
+            "trainer.data.prepare",
+            "trainer.config.render_base",
+        ],
+    ),
+]
 
-def _imports(path: Path) -> set[str]:
-    names = set()
+
+def _name(path: Path) -> str:
+    parts = list(path.relative_to(TRAINER.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(p): p for p in sorted(TRAINER.rglob("*.py"))}
+
+
+def _layer(module: str) -> int | None:
+    """The layer of `module`: the most specific pattern that matches it (an exact name beats a wildcard)."""
+    best = None
+    for index, (_, patterns) in enumerate(LAYERS):
+        for pattern in patterns:
+            if pattern == module:
+                return index
+            if fnmatch.fnmatchcase(module, pattern) and best is None:
+                best = index
+    return best
+
+
+def _resolve(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str) -> set[str]:
+    """Every trainer module `module` imports, anywhere in its body (inside functions too)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
+            found |= {_resolve(a.name) for a in node.names if a.name.startswith("trainer")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            if not base.startswith("trainer"):
+                continue
+            for alias in node.names:  # `from trainer.x import y`: the submodule y if there is one, else x
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in MODULES else _resolve(base))
+    return {m for m in found if m and m != module}
 
 
-def _modules(folder: str = "") -> list[Path]:
-    return sorted((TRAINER / folder).rglob("*.py"))
+GRAPH = {m: _imports(m) for m in MODULES}
 
 
-@pytest.mark.parametrize("path", _modules("distributed"), ids=lambda p: p.name)
-def test_distributed_never_imports_elastic(path):
-    assert not {m for m in _imports(path) if m.startswith("trainer.elastic")}
+def test_every_module_belongs_to_a_declared_layer():
+    assert not [m for m in MODULES if _layer(m) is None]
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = [
+        f"{m} ({LAYERS[_layer(m)][0]}) imports {d} ({LAYERS[_layer(d)][0]})"
+        for m, deps in GRAPH.items()
+        for d in deps
+        if _layer(d) > _layer(m)
+    ]
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_there_is_no_import_cycle():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(GRAPH[module]):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join(path[path.index(dep) :] + [dep]))
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[module] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "\n".join(cycles)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("trainer.distributed")))
+def test_distributed_never_imports_elastic(module):
+    assert not {m for m in GRAPH[module] if m.startswith("trainer.elastic")}
+
+
+def test_jax_and_orbax_internals_are_used_in_one_module_only():
+    users = sorted(
+        m for m, p in MODULES.items() if "._src" in p.read_text() and m != "trainer.distributed.internals"
+    )
+    # The CLIs name "jax._src" only to quiet its loggers.
+    users = [m for m in users if "._src import" in MODULES[m].read_text() or "._src." in MODULES[m].read_text()]
+    assert not users, users
 
 
 def test_only_the_entry_and_the_config_package_take_the_whole_run_config():
     users = {
         str(p.relative_to(TRAINER))
-        for p in _modules()
+        for p in MODULES.values()
         if "RunConfig" in p.read_text() and not p.is_relative_to(TRAINER / "config")
     }
     # trainer.compile is an entry too: aot/layouts.py is its composition root (it builds the same
-    # TrainSpec as run.py for each layout) and aot/alternatives.py rewrites whole configs (knob changes).
-    # layout.py's `train_spec` picks the sections out of it for the trainer and trainer.compile alike.
+    # TrainSpec as run.py for each layout) and aot/alternatives.py rewrites whole configs (knob changes);
+    # runtime/layout.py's `train_spec` picks the sections out of it for the trainer and trainer.compile alike.
     entries = {"run.py", "train.py", "preflight.py", "runtime/layout.py", "aot/layouts.py", "aot/alternatives.py"}
     assert users <= entries, users
 
 
 def test_no_module_keeps_state_in_a_context_variable():
-    assert not [p.name for p in _modules() if "contextvars" in _imports(p)]
+    assert not [m for m, p in MODULES.items() if "contextvars" in p.read_text()]
+
+
+def test_no_function_in_trainer_is_longer_than_100_lines():
+    long = [
+        f"{m}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for m, p in MODULES.items()
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100
+    ]
+    assert not long, long

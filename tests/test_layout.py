@@ -1,4 +1,4 @@
-"""One layout path: the trainer (`AttemptBuilder`) and the AOT tool (`python -m trainer.compile`) plan and
+"""One layout path: the trainer (`AttemptBuilder`) and the AOT tool (`python -m trainer.compile`) layout and
 lower the train and eval steps through `trainer.runtime.layout` alone, so the tool measures the program a run
 executes; and the tool never imports the runtime (`trainer.run`: distributed, elastic, the loop)."""
 
@@ -20,7 +20,7 @@ from trainer.config import load_config
 from trainer.observe.events import EventLog
 from trainer.parallel.mesh import group_into_slices
 from trainer.runtime.attempt import AttemptBuilder
-from trainer.runtime.layout import lower_step, plan_slices, train_spec
+from trainer.runtime.layout import lower_step, slice_layout, train_spec
 
 TRAINER = Path(__file__).resolve().parents[1] / "trainer"
 AOT_TOOL = [TRAINER / "compile.py", *sorted((TRAINER / "aot").glob("*.py"))]
@@ -31,7 +31,7 @@ RUNTIME = (
     "trainer.elastic",
     "trainer.distributed",
 )
-# Two slices, gradient accumulation and an eval step: every part of the plan that differs between runs.
+# Two slices, gradient accumulation and an eval step: every part of the layout that differs between runs.
 MICRO = [
     "model=qwen3-tiny",
     "base_num_decoder_layers=1",
@@ -141,10 +141,10 @@ def test_the_trainer_and_the_compile_cli_lower_the_same_steps(tmp_path, monkeypa
     assert len(trained) == len(compiled) == 2
     assert trained[0].startswith("module @jit_train_step") and trained[1].startswith("module @jit_eval_step")
     assert trained == compiled
-    # And both are what trainer.runtime.layout lowers for that plan.
+    # And both are what trainer.runtime.layout lowers for that layout.
     spec = train_spec(cfg)
-    plan = plan_slices(spec, slices)
-    assert [lower_step(spec, plan, "train").as_text(), lower_step(spec, plan, "eval").as_text()] == trained
+    layout = slice_layout(spec, slices)
+    assert [lower_step(spec, layout, "train").as_text(), lower_step(spec, layout, "eval").as_text()] == trained
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from trainer.checkpoint import NoCheckpoints
 from trainer.data.batch import BATCH_KEYS
 from trainer.elastic.boundary import RecoveryStats, StepBoundary
 from trainer.runtime.attempt import Attempt
-from trainer.runtime.layout import BatchPlan
+from trainer.runtime.layout import BatchLayout
 from trainer.runtime.loop import FINISHED, PREEMPTED, ROLLBACK, SCALE_UP, train_loop
 from trainer.runtime.nonfinite import NonFiniteError, NonFinitePolicy
 
@@ -71,7 +71,7 @@ def _attempt(nan_at=(), start=0):
 
     return Attempt(
         mesh=mesh,
-        plan=BatchPlan(2, 1, 1.0),
+        batch_layout=BatchLayout(2, 1, 1.0),
         state=jnp.int32(start),
         start_step=start,
         restored_from="init",
@@ -176,7 +176,7 @@ class _Snapshots:
     def take(self, step, state, data_state, *, block=False, persist=False):
         self.taken.append((step, data_state) + (("persist",) if persist else ()))
 
-    def settle(self):
+    def wait_for_copy(self):
         self.taken.append("settled")
 
 

@@ -427,6 +427,31 @@ def test_a_process_error_schedule_is_checked_before_any_compute_and_only_runs_wi
         parse_process_faults("step=6,slice=1", 3)
     with pytest.raises(ConfigError, match="this run has one process"):
         parse_fault_schedule("step=6,process=0,error=bug", 2)
+    [slow] = parse_process_faults("step=8,process=1,slow_snapshot_s=2.5", 3)
+    assert (slow.step, slow.process, slow.slow_snapshot_s, slow.error) == (8, 1, 2.5, "")
+    with pytest.raises(ConfigError, match="slow_snapshot_s=S"):
+        parse_process_faults("step=8,process=1,slow_snapshot_s=-1", 3)
+
+
+def test_a_slow_snapshot_stretches_that_steps_host_copy_and_says_when_it_began():
+    import time
+
+    import jax.numpy as jnp
+
+    from trainer.elastic.snapshot import HostSnapshots
+
+    logged = []
+
+    class Events:
+        def emit(self, name, **fields):
+            logged.append((str(name), fields))
+
+    snaps = HostSnapshots(Events(), copy_delay=lambda step: 0.5 if step == 4 else 0.0)
+    t0 = time.monotonic()
+    snaps.take(4, {"w": jnp.ones(3)}, {})
+    assert [n for n, _ in logged] == ["snapshot_started"], "the copy of step 4 is still in flight"
+    snaps.wait_for_copy()
+    assert time.monotonic() - t0 >= 0.5 and [n for n, _ in logged] == ["snapshot_started", "snapshot_taken"]
 
 
 class Deadlock(Exception):

@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -285,38 +286,51 @@ def test_ten_kills_in_a_slice_then_kills_during_a_save_a_rejoin_and_a_restore_an
 ):
     """2 slices x 2 processes, pause-and-resume (every step on all 4), one run:
     - processes 2 and 3 (slice 1) are killed in turn, 10 times, each once its replacement has trained past
-      the previous kill, the last the moment process 2 has taken its snapshot of step 78 (process 3's copy
-      of that step in flight). Every formation keeps the one mesh order and renews the communicators it
-      reuses, so there is no limit on rejoins; a replacement receives only its own shards of slice 0's snapshot;
+      the previous kill, the last while process 3 is taking its snapshot of step 78 (its host copy
+      stretched by the fault schedule's slow_snapshot_s, so the kill lands inside it). Every formation
+      keeps the one mesh order and renews the communicators it reuses, so there is no limit on rejoins; a
+      replacement receives only its own shards of slice 0's snapshot;
     - then process 2 dies the moment it starts writing checkpoint 90 (the others are in the same save);
     - then process 3 dies the moment process 2's replacement has joined a formation, while the rejoin is in
       flight (barriers, renewed communicators, compiling);
-    - then that replacement dies the moment process 3's replacement starts restoring (gathering who
-      holds the snapshot, receiving its shards).
+    - then that replacement dies the moment it starts restoring with process 3's replacement (gathering
+      who holds the snapshot, receiving its shards).
+    Every kill is checked, from the killed process's own events, to have landed inside its phase.
     Slice 0's processes keep their PIDs throughout; the data order and the parameters are an
     uninterrupted 2 x 2 run's."""
     kills = 10
-    args = _args(tmp_path, "ten", cache_dir, min_slices=-1, two_by_two=True) + [f"elastic_max_retries={3 * kills}"]
+    snapshot_step = 6 + 8 * (kills - 1)
+    args = _args(tmp_path, "ten", cache_dir, min_slices=-1, two_by_two=True) + [
+        f"elastic_max_retries={3 * kills}",
+        f"fault_schedule=step={snapshot_step},process=3,slow_snapshot_s=30",
+    ]
     # Replacements start 1 s after a kill, long before the survivors detect it (the collective timeout):
     # their first membership rounds meet the survivors' failing step.
     job = Job(tmp_path, "ten", args, processes=4, restart_delay=1.0, max_restarts=kills + 3)  # over the job
     try:
         for k in range(kills - 1):
             kill_at_step(job, 2 + k % 2, 6 + 8 * k, timeout=RUN_TIMEOUT)
-        in_snapshot = kill_when(job, victim=3, watched=2, name="snapshot_taken", step=6 + 8 * (kills - 1))
+        in_snapshot = kill_when(job, victim=3, watched=3, name="snapshot_started", step=snapshot_step)
         in_save = kill_when(job, victim=2, watched=2, name="checkpoint_save_start", step=90)
         replacement = respawned(job, 2, in_save["pid"])
         in_rejoin = kill_when(job, victim=3, watched=2, name="formation", pid=replacement)
-        other = respawned(job, 3, in_rejoin["pid"])
-        in_restore = kill_when(job, victim=2, watched=3, name="restore_start", pid=other)
+        respawned(job, 3, in_rejoin["pid"])
+        # Process 2 dies the moment it starts the restore it does together with process 3's replacement.
+        since = time.time()
+        in_restore = kill_when(job, victim=2, watched=2, name="restore_start", pid=replacement, time=since)
         rc = job.wait(timeout=RUN_TIMEOUT)
     finally:
         job.stop()
     assert rc == 0, job.output()[-4000:]
     run = job.run_dir
     assert in_save["event"]["step"] == 90
+    assert _open_phase(run, 3, in_snapshot["pid"], "snapshot_started", "snapshot_taken")["step"] == snapshot_step
     assert in_rejoin["event"]["pid"] == replacement
-    assert in_restore["pid"] == replacement and in_restore["event"]["pid"] == other
+    assert in_restore["pid"] == replacement and in_restore["event"]["pid"] == replacement
+    # Each kill landed inside its phase, by the killed process's own events: the phase began, never ended.
+    assert _open_phase(run, 2, in_save["pid"], "checkpoint_save_start", "checkpoint_save_committed")["step"] == 90
+    assert _open_phase(run, 3, in_rejoin["pid"], "wait_start", "attempt_start", after=True)
+    assert _open_phase(run, 2, in_restore["pid"], "restore_start", "restore_end", after=True)
     for p in (0, 1):  # slice 0 never stopped
         assert len(_launcher(job, "spawn", process=p)) == 1
         assert len({r["pid"] for r in collect(run, 4)[p]["metrics"]}) == 1
@@ -341,6 +355,21 @@ def test_ten_kills_in_a_slice_then_kills_during_a_save_a_rejoin_and_a_restore_an
     per_step = assert_data_order_is_the_uninterrupted_one(run, **_shape(TWO_BY_TWO))
     assert set(per_step.values()) == {4}
     assert_params_match(run, baseline_2x2)
+
+
+def _open_phase(run: Path, process: int, pid: int, start: str, end: str, *, after: bool = False) -> dict:
+    """The last `start` event of process `process`'s incarnation `pid` with no `end` for it: the same `step`,
+    or (`after`) any `end` logged after it. Fails when the kill did not land inside that phase."""
+    mine = [e for e in _events(run, process) if e.get("pid") == pid]
+    starts = [i for i, e in enumerate(mine) if e["event"] == start]
+    assert starts, f"process {process} (pid {pid}) never logged {start}"
+    last = starts[-1]
+    if after:
+        ended = any(e["event"] == end for e in mine[last + 1 :])
+    else:
+        ended = any(e["event"] == end and e.get("step") == mine[last].get("step") for e in mine)
+    assert not ended, f"process {process} (pid {pid}) logged {end} after {start}: killed outside the phase"
+    return mine[last]
 
 
 def _shape(shape: dict) -> dict:

@@ -168,7 +168,7 @@ def test_a_retry_on_slices_seen_before_reuses_their_layout_and_builds_fresh_stat
     assert second.state["params"] is not first.state["params"]
     other = build(slices[:1])  # another slice set: its own mesh and executable
     other.close()
-    assert other.mesh.size == 2 and log.count("compile_done") == 2 and len(build.plans) == 2
+    assert other.mesh.size == 2 and log.count("compile_done") == 2 and len(build.layouts) == 2
 
 
 def test_a_snapshot_copies_each_distinct_shard_once_and_reassembles_the_global_arrays():
@@ -185,7 +185,7 @@ def test_a_snapshot_copies_each_distinct_shard_once_and_reassembles_the_global_a
     snaps = HostSnapshots(EventLog(None))
     snaps.take(9, state, {}, block=False)
     jax.tree.map(lambda x: x.delete(), state)  # the next step donates the live state right away
-    snaps.settle()
+    snaps.wait_for_copy()
     got = snaps.latest.state
     np.testing.assert_array_equal(got["w"], np.arange(64.0).reshape(8, 8))
     assert got["b"].dtype == jnp.bfloat16 and got["step"] == 9 and got["step"].shape == ()

@@ -7,7 +7,7 @@ import pytest
 from helpers import fresh_state_on_one_device, micro_config, synthetic_batch
 
 from trainer import model as qwen3
-from trainer.runtime.layout import BatchPlan, plan_batch
+from trainer.runtime.layout import BatchLayout, batch_layout
 from trainer.runtime.optim import learning_rate_schedule
 from trainer.runtime.step import LOSS_CHUNK_TOKENS, make_train_step, token_losses
 
@@ -91,7 +91,7 @@ def test_keep_global_uses_more_micro_steps_on_fewer_slices_and_scale_shrinks_bat
     cfg = micro_config("num_slices=3", "per_device_batch_size=2")
 
     def plan(policy="keep_global", **slices):
-        return plan_batch(
+        return batch_layout(
             per_device_batch_size=cfg.data.per_device_batch_size,
             accumulation_steps=cfg.optim.gradient_accumulation_steps,
             num_slices=cfg.mesh.num_slices,
@@ -101,7 +101,7 @@ def test_keep_global_uses_more_micro_steps_on_fewer_slices_and_scale_shrinks_bat
 
     full = plan(devices_per_slice=1, active_slices=3, batch_shards=3)
     kept = plan(devices_per_slice=1, active_slices=2, batch_shards=2)
-    assert full == BatchPlan(6, 1, 1.0) and kept.global_batch_size == 6 and kept.lr_scale == 1.0
+    assert full == BatchLayout(6, 1, 1.0) and kept.global_batch_size == 6 and kept.lr_scale == 1.0
     scaled = plan("scale", devices_per_slice=1, active_slices=2, batch_shards=2)
     assert scaled.global_batch_size == 4 and scaled.lr_scale == pytest.approx(2 / 3)
     odd = plan(devices_per_slice=4, active_slices=1, batch_shards=4)

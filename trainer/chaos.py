@@ -30,6 +30,7 @@ from trainer.elastic.chaos_requests import attempt_of, request_kill
 from trainer.errors import UserInputError, tool_main
 from trainer.io.jsonl import read_jsonl
 from trainer.io.paths import is_remote, resolve
+from trainer.observe import catalogue
 
 PROG = "python -m trainer.chaos"
 EVENTS_FILE, CONFIG_FILE = "events.jsonl", "config.yml"
@@ -124,14 +125,14 @@ def pid_running(pid: Any) -> bool:
 def live_attempt(run_dir: Path) -> dict[str, Any]:
     """The identity of the trainer running in `run_dir` now (see the module docstring)."""
     events = read_jsonl(run_dir / EVENTS_FILE)
-    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
+    starts = [i for i, e in enumerate(events) if e.get("event") == catalogue.START]
     if not starts:
         raise UserInputError(
             f"--run-dir {run_dir}: no trainer has started in it yet (no start event in "
             f"{EVENTS_FILE}); request the kill once it trains"
         )
     start = events[starts[-1]]
-    finish = [e for e in events[starts[-1] + 1 :] if e.get("event") == "finish"]
+    finish = [e for e in events[starts[-1] + 1 :] if e.get("event") == catalogue.FINISH]
     if finish:
         raise UserInputError(
             f"--run-dir {run_dir}: the run has ended (status {finish[-1].get('status', '?')}); "

@@ -30,6 +30,7 @@ import textwrap
 from trainer.errors import UserInputError, tool_main
 from trainer.io.paths import is_remote, resolve
 from trainer.io.staging import check_writable, staged_file
+from trainer.observe import catalogue
 
 PROG = "python -m trainer.report"
 EXIT_OK, EXIT_NO_RUN = 0, 2
@@ -185,13 +186,13 @@ def _recorded_differences(s) -> list[str]:
     """The trainer logs its own elastic_summary and goodput at the finish, for its process only; say so
     when they differ from the numbers derived over the whole file (e.g. a resumed run)."""
     out = []
-    summary = s.recorded.get("elastic_summary")
+    summary = s.recorded.get(catalogue.ELASTIC_SUMMARY)
     if summary and (summary.get("failures"), summary.get("steps_lost")) != (s.failures, s.steps_lost):
         out.append(
             f"  note: the trainer's elastic_summary says failures={summary.get('failures')} "
             f"steps_lost={summary.get('steps_lost')} (its own process only)"
         )
-    recorded = s.recorded.get("goodput")
+    recorded = s.recorded.get(catalogue.GOODPUT)
     if (
         recorded
         and recorded.get("goodput") is not None

@@ -157,7 +157,9 @@ def build_supervisor(
         run_loop=run_loop,
         events=events,
         profiler=StepProfiler(cfg.observe, paths.local / "profile", events),
-        snapshots=HostSnapshots(events, store=local_store(cfg, paths, events, recorded)),
+        snapshots=HostSnapshots(
+            events, store=local_store(cfg, paths, events, recorded), copy_delay=copy_delay(cfg)
+        ),
         sync=paths.sync,
         local_checkpoint_period=cfg.checkpoint.local_checkpoint_period if paths.local_checkpoints else 0,
         wait_for_local_write=cfg.checkpoint.local_checkpoint_wait_for_write,
@@ -208,6 +210,18 @@ def build_cluster(
         injector=injector,
         single_controller=single_controller,
     )
+
+
+def copy_delay(cfg: RunConfig):
+    """This process's injected slow snapshot copies (fault_schedule step=N,process=P,slow_snapshot_s=S)."""
+    if jax.process_count() == 1:
+        return lambda step: 0.0
+    slow = {
+        f.step: f.slow_snapshot_s
+        for f in parse_process_faults(cfg.elastic.fault_schedule, jax.process_count())
+        if f.process == jax.process_index() and f.slow_snapshot_s
+    }
+    return lambda step: slow.get(step, 0.0)
 
 
 def local_store(

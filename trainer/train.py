@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from trainer.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_OK, EXIT_PREEMPTED, EXIT_TRANSIENT
+from trainer.observe import catalogue
 
 _EPILOG = """Config layers, each later one winning: configs/base.yml (every key, its default and a one-line
 description), the model preset configs/models/<model>.yml, CONFIG when it is not base.yml, then
@@ -148,7 +149,7 @@ def _train(cfg, paths, checked, config_text: str) -> int:
     (run_dir / "config.yml").write_text(config_text)
     events = EventLog(run_dir / "events.jsonl")
     events.emit(
-        "start",
+        catalogue.START,
         run_name=paths.local.name if paths.remote is None else paths.remote.name,
         model=cfg.model.model,
         steps=cfg.train.steps,
@@ -157,10 +158,10 @@ def _train(cfg, paths, checked, config_text: str) -> int:
         host_hugepages=hugepages_requested(),
     )
     if taken is not None:
-        events.emit("lease_acquired", **taken)
+        events.emit(catalogue.LEASE_ACQUIRED, **taken)
     for given in checked.unused_load_paths:
         key, _, value = given.partition("=")
-        events.emit("load_path_unused", key=key, path=value, resume_step=checked.resume_step)
+        events.emit(catalogue.LOAD_PATH_UNUSED, key=key, path=value, resume_step=checked.resume_step)
     if lease is not None:
         stop.add_check(lambda: _check_lease(lease))
         stop.add_saver(lease.release)
@@ -190,7 +191,7 @@ def _train(cfg, paths, checked, config_text: str) -> int:
     except Exception as e:  # every failure ends with the contract's code for its cause (trainer.errors)
         code, status, line, fields = _failure(e, log)
     _emit_goodput(events, run_dir)
-    events.emit("finish", status=status, exit_code=code, **fields)
+    events.emit(catalogue.FINISH, status=status, exit_code=code, **fields)
     events.close()
     paths.sync()
     if lease is not None:
@@ -283,7 +284,7 @@ def _emit_goodput(events, run_dir: Path) -> None:
     # The whole run, earlier processes and pods included (a resumed run appends to the same files).
     summary = account(read_jsonl(run_dir / "events.jsonl"), read_jsonl(run_dir / "metrics.jsonl"), now=time.time())
     events.emit(
-        "goodput",
+        catalogue.GOODPUT,
         goodput=None if summary["goodput"] is None else round(summary["goodput"], 4),
         wall_s=round(summary["wall_s"], 3),
         productive_s=round(summary["productive_s"], 3),

@@ -1,7 +1,7 @@
 """Compile the trainer's real train step for a TPU target, once per slice layout the run can be in.
 
 The step is built by the same functions an attempt uses, all in `trainer.runtime.layout` (`train_spec`,
-`plan_slices`, `compile_step`): the same mesh over slices, logical rules, optimizer, batch plan and
+`slice_layout`, `compile_step`): the same mesh over slices, logical rules, optimizer, batch layout and
 micro-steps, remat and scan. Only the devices differ: compile-only TPU devices from libtpu instead of
 live ones, so the state is abstract (ShapeDtypeStructs with their shardings) and nothing is allocated.
 
@@ -23,7 +23,7 @@ from trainer.aot.topology import Target, topology_devices
 from trainer.config.schema import RunConfig
 from trainer.model import attention
 from trainer.parallel.mesh import group_into_slices
-from trainer.runtime.layout import TrainSpec, compile_step, plan_slices, train_spec
+from trainer.runtime.layout import TrainSpec, compile_step, slice_layout, train_spec
 from trainer.runtime.state import tree_nbytes
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class LayoutResult:
-    """One compiled layout: its mesh, batch plan, memory, collectives and estimate (all per chip)."""
+    """One compiled layout: its mesh, batch layout, memory, collectives and estimate (all per chip)."""
 
     label: str
     active_slices: int
@@ -68,33 +68,33 @@ def layout_slice_counts(cfg: RunConfig) -> list[int]:
 
 def compile_layout(spec: TrainSpec, slices: list[list], target: Target, *, label: str) -> LayoutResult:
     """Plan and compile the train step over `slices` (compile-only devices) and measure it."""
-    plan = plan_slices(spec, slices)
-    chips = plan.mesh.size
+    layout = slice_layout(spec, slices)
+    chips = layout.mesh.size
     t0 = time.perf_counter()
     try:
-        compiled, _ = compile_step(spec, plan, "train")
+        compiled, _ = compile_step(spec, layout, "train")
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         # The compiler refuses a program that cannot fit HBM: that is the answer, not a failure.
-        return _refused(label, slices, plan, analysis.out_of_memory(str(e), plan.abstract_state, target.chip))
+        return _refused(label, slices, layout, analysis.out_of_memory(str(e), layout.abstract_state, target.chip))
     seconds = time.perf_counter() - t0
-    eval_report = _compile_eval(spec, plan, target) if plan.eval_batch is not None else {}
+    eval_report = _compile_eval(spec, layout, target) if layout.eval_batch is not None else {}
     found = hlo.collectives(compiled.as_text(), devices_per_slice=len(slices[0]), num_slices=len(slices))
     summary = hlo.summarize(found)
     length = spec.data.max_target_length
-    tokens = plan.batch.global_batch_size * length
+    tokens = layout.batch.global_batch_size * length
     model_flops = qwen3.training_flops_per_token(spec.model, length) * tokens / chips
     recompute_flops = qwen3.recompute_flops_per_token(spec.model, length) * tokens / chips
-    memory = analysis.memory(compiled, plan.abstract_state, target.chip)
+    memory = analysis.memory(compiled, layout.abstract_state, target.chip)
     result = LayoutResult(
         label=label,
         active_slices=len(slices),
         chips=chips,
-        mesh=dict(plan.mesh.shape),
-        global_batch_size=plan.batch.global_batch_size,
-        micro_steps=plan.batch.micro_steps,
-        lr_scale=plan.batch.lr_scale,
+        mesh=dict(layout.mesh.shape),
+        global_batch_size=layout.batch.global_batch_size,
+        micro_steps=layout.batch.micro_steps,
+        lr_scale=layout.batch.lr_scale,
         compile_s=round(seconds, 2),
         memory=memory,
         collectives=summary,
@@ -106,7 +106,7 @@ def compile_layout(spec: TrainSpec, slices: list[list], target: Target, *, label
             state_bytes_per_chip=memory.params + memory.optimizer,
             chip=target.chip,
         ),
-        state_bytes=tree_nbytes(plan.abstract_state),
+        state_bytes=tree_nbytes(layout.abstract_state),
         attention=_attention_kernel(spec, target),
         eval=eval_report,
     )
@@ -129,18 +129,18 @@ def _attention_kernel(spec: TrainSpec, target: Target) -> str:
     )
 
 
-def _compile_eval(spec: TrainSpec, plan, target: Target) -> dict:
+def _compile_eval(spec: TrainSpec, layout, target: Target) -> dict:
     """Compile the eval step next to the train step. While it runs the whole train state stays in HBM,
     so its per-chip total counts the optimizer state too (the eval step takes only the params)."""
     t0 = time.perf_counter()
     try:
-        compiled, _ = compile_step(spec, plan, "eval")
+        compiled, _ = compile_step(spec, layout, "eval")
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         return {"fits": False, "compiler_error": str(e).strip().splitlines()[0][:500]}
     stats = compiled.memory_analysis()
-    optimizer = analysis.shard_bytes(plan.abstract_state["opt_state"])
+    optimizer = analysis.shard_bytes(layout.abstract_state["opt_state"])
     total = (
         stats.argument_size_in_bytes
         + stats.output_size_in_bytes
@@ -150,24 +150,24 @@ def _compile_eval(spec: TrainSpec, plan, target: Target) -> dict:
     )
     return {
         "compile_s": round(time.perf_counter() - t0, 2),
-        "global_batch_size": plan.eval_batch.global_batch_size,
-        "micro_steps": plan.eval_batch.micro_steps,
+        "global_batch_size": layout.eval_batch.global_batch_size,
+        "micro_steps": layout.eval_batch.micro_steps,
         "temporaries": int(stats.temp_size_in_bytes),
         "total": int(total),
         "fits": total <= target.chip.hbm_bytes,
     }
 
 
-def _refused(label: str, slices: list[list], plan, memory: analysis.Memory) -> LayoutResult:
-    log.info("event=compiled layout=%s chips=%d refused=%s", label, plan.mesh.size, memory.compiler_error)
+def _refused(label: str, slices: list[list], layout, memory: analysis.Memory) -> LayoutResult:
+    log.info("event=compiled layout=%s chips=%d refused=%s", label, layout.mesh.size, memory.compiler_error)
     return LayoutResult(
         label=label,
         active_slices=len(slices),
-        chips=plan.mesh.size,
-        mesh=dict(plan.mesh.shape),
-        global_batch_size=plan.batch.global_batch_size,
-        micro_steps=plan.batch.micro_steps,
-        lr_scale=plan.batch.lr_scale,
+        chips=layout.mesh.size,
+        mesh=dict(layout.mesh.shape),
+        global_batch_size=layout.batch.global_batch_size,
+        micro_steps=layout.batch.micro_steps,
+        lr_scale=layout.batch.lr_scale,
         compile_s=0.0,
         memory=memory,
         collectives={},

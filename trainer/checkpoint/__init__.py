@@ -31,7 +31,7 @@ from trainer.checkpoint.checkpointer import (
     CheckpointRestoreError,
     CheckpointSaveError,
     NoCheckpoints,
-    Restored,
+    RestoredStep,
     open_checkpointer,
 )
 from trainer.checkpoint.commit import is_committed
@@ -41,7 +41,7 @@ __all__ = [
     "Checkpointer",
     "NoCheckpoints",
     "open_checkpointer",
-    "Restored",
+    "RestoredStep",
     "CheckpointSaveError",
     "CheckpointRestoreError",
     "is_committed",

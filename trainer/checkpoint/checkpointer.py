@@ -48,6 +48,7 @@ from trainer.checkpoint.fence import FencedWrite, SaveFence, fenced_path_class
 from trainer.checkpoint.storage_faults import StorageFaults
 from trainer.config.schema import CheckpointConfig
 from trainer.errors import TransientError, UserInputError
+from trainer.observe import catalogue
 from trainer.runtime.state import tree_nbytes
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class RunStepsAllCorrupt(CheckpointRestoreError, UserInputError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Restored:
+class RestoredStep:
     step: int
     state: Any
     data_state: dict
@@ -263,11 +264,11 @@ class Checkpointer:
                 continue
             if not path.name.endswith(commit.SAVING_SUFFIX):
                 removed.append(str(path))
-                self._emit("checkpoint_partial_removed", logging.WARNING, path=str(path))
+                self._emit(catalogue.CHECKPOINT_PARTIAL_REMOVED, logging.WARNING, path=str(path))
         for path in commit.foreign_step_paths(self.directory):
             if str(path) not in self._foreign_reported:
                 self._foreign_reported.add(str(path))
-                self._emit("checkpoint_foreign_step", logging.WARNING, path=str(path))
+                self._emit(catalogue.CHECKPOINT_FOREIGN_STEP, logging.WARNING, path=str(path))
         if removed:
             self._manager.reload()  # Orbax may have listed a marker-less step dir as a checkpoint
         return removed
@@ -280,7 +281,7 @@ class Checkpointer:
         try:
             self._fence.check(epoch, step)
         except FencedWrite as e:
-            self._emit("checkpoint_save_fenced", logging.WARNING, step=step, error=str(e))
+            self._emit(catalogue.CHECKPOINT_SAVE_FENCED, logging.WARNING, step=step, error=str(e))
             raise
 
     # ---- saving -----------------------------------------------------------------------------------
@@ -310,7 +311,7 @@ class Checkpointer:
         self._poll()
         if self._inflight is not None and self._inflight.step == step:
             return False
-        self._settle()  # Orbax would wait for the previous save anyway; this reports how it ended
+        self._finish_inflight()  # Orbax would wait for the previous save anyway; this reports how it ended
         if self._failure is not None and not force:
             self._raise_failure()
         started = self._clock()
@@ -324,7 +325,7 @@ class Checkpointer:
                 log.info("checkpoint step=%d is already committed; not saving it again", step)
                 return False
             self._manager.reload()  # retention and "step exists" use Orbax's cache: refresh it
-            self._emit("checkpoint_save_start", step=step)
+            self._emit(catalogue.CHECKPOINT_SAVE_START, step=step)
             self._faults.fire("save", f"step {step}")
             if self._is_primary():  # ours, for cleanup: written before the step's directory exists
                 commit.saving_marker(self.directory, step).write_text(str(time.time()))
@@ -372,7 +373,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the in-flight save is committed; raise CheckpointSaveError if a save failed."""
-        self._settle()
+        self._finish_inflight()
         self._raise_failure()
 
     def close(self, *, timeout_s: float | None = None) -> None:
@@ -393,13 +394,13 @@ class Checkpointer:
             return
         self._manager = None
         try:
-            if not self._settle(timeout_s, manager=manager):
+            if not self._finish_inflight(timeout_s, manager=manager):
                 step = self._inflight.step
                 self._inflight = None
                 with _ABANDONED_LOCK:  # its writer may go on; the fence refuses its commit
                     _ABANDONED.append((str(self.directory), manager, step))
                 self._emit(
-                    "checkpoint_save_failed",
+                    catalogue.CHECKPOINT_SAVE_FAILED,
                     logging.ERROR,
                     step=step,
                     error=f"abandoned: still writing after {timeout_s} s",
@@ -414,7 +415,7 @@ class Checkpointer:
 
     # ---- restoring --------------------------------------------------------------------------------
 
-    def restore(self, abstract_state, step: int | None = None) -> Restored | None:
+    def restore(self, abstract_state, step: int | None = None) -> RestoredStep | None:
         """Restore the newest committed step (or `step`, which must be committed) onto the shardings of
         `abstract_state` (jax.ShapeDtypeStruct leaves with .sharding, any mesh). Returns None if there is
         no committed step. A failed read is classified:
@@ -426,7 +427,7 @@ class Checkpointer:
           CheckpointRestoreTransient: nothing on storage changes.
         If every committed step was set aside, raises RunStepsAllCorrupt (the run never silently
         starts over)."""
-        self._settle()
+        self._finish_inflight()
         steps = self.committed_steps()
         if step is not None:
             if step not in steps:
@@ -448,7 +449,7 @@ class Checkpointer:
             "start over), or start a new run: another run_name=..."
         )
 
-    def _restore_or_verify(self, step: int, abstract_state) -> tuple[Restored | None, str | None]:
+    def _restore_or_verify(self, step: int, abstract_state) -> tuple[RestoredStep | None, str | None]:
         """(restored, None), or (None, the failed check) once the step was proven corrupt and set aside."""
         for attempt in range(1, RESTORE_TRIES + 1):
             try:
@@ -466,7 +467,7 @@ class Checkpointer:
                         "saved with, or start a new run (another run_name=...); nothing was changed"
                     ) from e
                 self._emit(
-                    "checkpoint_restore_failed",
+                    catalogue.CHECKPOINT_RESTORE_FAILED,
                     logging.ERROR,
                     step=step,
                     error=_describe(e),
@@ -509,7 +510,7 @@ class Checkpointer:
             return
         self._manager.reload()
         self._emit(
-            "checkpoint_set_aside",
+            catalogue.CHECKPOINT_SET_ASIDE,
             logging.WARNING,
             step=step,
             path=str(aside),
@@ -517,8 +518,8 @@ class Checkpointer:
             reason=_describe(error),
         )
 
-    def _restore_step(self, step: int, abstract_state) -> Restored:
-        self._emit("checkpoint_restore_start", step=step)
+    def _restore_step(self, step: int, abstract_state) -> RestoredStep:
+        self._emit(catalogue.CHECKPOINT_RESTORE_START, step=step)
         started = self._clock()
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
         items = {
@@ -529,17 +530,17 @@ class Checkpointer:
         out = self._manager.restore(step, args=ocp.args.Composite(**items))
         state = jax.block_until_ready(out[STATE])  # read errors surface here, inside the fallback
         seconds, nbytes = self._clock() - started, tree_nbytes(state)
-        self._emit("checkpoint_restore_done", step=step, seconds=round(seconds, 4), bytes=nbytes)
-        return Restored(step, state, out[DATA], out[METADATA], nbytes, seconds)
+        self._emit(catalogue.CHECKPOINT_RESTORE_DONE, step=step, seconds=round(seconds, 4), bytes=nbytes)
+        return RestoredStep(step, state, out[DATA], out[METADATA], nbytes, seconds)
 
     # ---- the in-flight save -------------------------------------------------------------------------
 
     def _poll(self) -> None:
         """Report the in-flight save if it has ended; never blocks."""
         if self._inflight is not None and self._saving(self._manager, _POLL_S) is False:
-            self._settle()
+            self._finish_inflight()
 
-    def _settle(self, timeout_s: float | None = None, *, manager=None) -> bool:
+    def _finish_inflight(self, timeout_s: float | None = None, *, manager=None) -> bool:
         """Wait (at most timeout_s) for the in-flight save and report how it ended. False: still writing."""
         inflight, manager = self._inflight, manager or self._manager
         if inflight is None:
@@ -563,7 +564,7 @@ class Checkpointer:
         self._failure = None  # a newer committed checkpoint supersedes an earlier failure
         self._drop_marker(inflight.step)
         self._emit(
-            "checkpoint_save_committed",
+            catalogue.CHECKPOINT_SAVE_COMMITTED,
             step=inflight.step,
             seconds=round(self._clock() - inflight.started, 4),
             bytes=inflight.nbytes,
@@ -584,14 +585,14 @@ class Checkpointer:
         failure = CheckpointSaveError(step, f"checkpoint save of step {step} failed: {_describe(error)}")
         failure.__cause__ = error
         self._failure = failure
-        self._emit("checkpoint_save_failed", logging.ERROR, step=step, error=_describe(error))
+        self._emit(catalogue.CHECKPOINT_SAVE_FAILED, logging.ERROR, step=step, error=_describe(error))
 
     def _raise_failure(self) -> None:
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
 
-    def _emit(self, name: str, level: int = logging.INFO, **fields) -> None:
+    def _emit(self, name: catalogue.Event, level: int = logging.INFO, **fields) -> None:
         log.log(level, "%s %s", name, " ".join(f"{k}={v}" for k, v in fields.items()))
         self._on_event(name, fields)
 

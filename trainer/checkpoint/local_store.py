@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trainer.observe import catalogue
+
 log = logging.getLogger(__name__)
 
 MANIFEST, PAYLOAD = "manifest.json", "state.bin"
@@ -87,7 +89,7 @@ class LocalStore:
                     shutil.rmtree(p, ignore_errors=True)
                     removed.append(p.name)
         if removed:
-            self.events.emit("local_checkpoint_partial_removed", directories=removed)
+            self.events.emit(catalogue.LOCAL_CHECKPOINT_PARTIAL_REMOVED, directories=removed)
         return removed
 
     def steps(self) -> list[int]:
@@ -129,7 +131,9 @@ class LocalStore:
         if self.recorded is not None and not self.recorded.wait(step):
             # A step that is restored from must have its record: without it, it is never written.
             shutil.rmtree(partial, ignore_errors=True)
-            self.events.emit("local_checkpoint_save_failed", step=step, error="its metrics row was never written")
+            self.events.emit(
+                catalogue.LOCAL_CHECKPOINT_SAVE_FAILED, step=step, error="its metrics row was never written"
+            )
             return
         final = self.root / str(step)
         if final.exists():  # the same step trained again (after a restore from an older one)
@@ -137,7 +141,7 @@ class LocalStore:
         os.rename(partial, final)  # the commit
         removed = self._prune()
         self.events.emit(
-            "local_checkpoint_save_committed",
+            catalogue.LOCAL_CHECKPOINT_SAVE_COMMITTED,
             step=step,
             bytes=offset,
             seconds=round(time.perf_counter() - t0, 4),

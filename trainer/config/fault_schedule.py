@@ -138,27 +138,39 @@ PROCESS_ERRORS = ("oom", "bug")
 class ProcessFault:
     step: int
     process: int
-    error: str
+    error: str = ""  # oom | bug: this process's own error at step N
+    slow_snapshot_s: float = 0.0  # > 0: this process's host copy of step N's snapshot takes this much longer
 
 
 def parse_process_faults(text: str, num_processes: int) -> list[ProcessFault]:
-    """'step=5,process=2,error=oom; ...' -> ProcessFaults, or a ConfigError naming the bad entry."""
+    """'step=5,process=2,error=oom; step=8,process=1,slow_snapshot_s=10' -> ProcessFaults, or a ConfigError
+    naming the bad entry. A slow snapshot stretches one host copy (so a test can kill a process while its
+    snapshot is being taken)."""
     faults = []
     for entry in filter(None, (e.strip() for e in text.split(";"))):
         if is_storage_entry(entry):  # trainer.checkpoint.storage_faults parses those
             continue
         try:
             fields = dict(part.strip().split("=", 1) for part in entry.split(","))
-            if set(fields) != {"step", "process", "error"}:
+            if set(fields) == {"step", "process", "slow_snapshot_s"}:
+                fault = ProcessFault(
+                    int(fields["step"]), int(fields["process"]), slow_snapshot_s=float(fields["slow_snapshot_s"])
+                )
+                if not 0 < fault.slow_snapshot_s < float("inf"):
+                    raise ValueError
+            elif set(fields) == {"step", "process", "error"}:
+                fault = ProcessFault(int(fields["step"]), int(fields["process"]), fields["error"].strip())
+            else:
                 raise ValueError
-            fault = ProcessFault(int(fields["step"]), int(fields["process"]), fields["error"].strip())
         except ValueError:
             raise ConfigError(
                 f"fault_schedule entry {entry!r}: with several processes the schedule injects a process's own "
-                f"error, step=N,process=P,error={'|'.join(PROCESS_ERRORS)}; lose a process by killing it "
+                f"error, step=N,process=P,error={'|'.join(PROCESS_ERRORS)}, or a slow snapshot copy, "
+                "step=N,process=P,slow_snapshot_s=S; lose a process by killing it "
                 "(scripts/launch_local.py)"
             ) from None
-        if fault.error not in PROCESS_ERRORS or fault.step < 1 or not 0 <= fault.process < num_processes:
+        bad_error = not fault.slow_snapshot_s and fault.error not in PROCESS_ERRORS
+        if bad_error or fault.step < 1 or not 0 <= fault.process < num_processes:
             raise ConfigError(
                 f"fault_schedule entry {entry!r}: error must be one of {list(PROCESS_ERRORS)}, step >= 1 and "
                 f"process in [0, {num_processes})"

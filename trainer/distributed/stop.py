@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from trainer.observe import catalogue
+
 log = logging.getLogger(__name__)
 
 KEY = "trainer/stop_at_step"
@@ -47,7 +49,7 @@ class CoordinatedStop:
                 self.stop_at = value
                 log.warning("stop requested: every process stops after step %d", value)
                 if self.events is not None:
-                    self.events.emit("stop_agreed", step=value, proposed_here=self._proposed, at_step=step)
+                    self.events.emit(catalogue.STOP_AGREED, step=value, proposed_here=self._proposed, at_step=step)
         return self.stop_at is not None and step >= self.stop_at
 
     def agreed(self) -> bool:

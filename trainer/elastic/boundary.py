@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 
+from trainer.observe import catalogue
+
 
 @dataclasses.dataclass
 class RecoveryStats:
@@ -85,12 +87,15 @@ class StepBoundary:
             self.stats.downtime_s += down
             self.stats.failed_at = None
             self.events.emit(
-                "first_step_after_recovery", step=step, seconds_since_detection=round(down, 3), slices=self.active
+                catalogue.FIRST_STEP_AFTER_RECOVERY,
+                step=step,
+                seconds_since_detection=round(down, 3),
+                slices=self.active,
             )
         if self._writing is not None and step > self._writing:
             # The local write of the previous step commits before this step's record is written, so a
             # lost process never trains more than local_checkpoint_period steps again.
-            self.snapshots.settle()
+            self.snapshots.wait_for_copy()
             self._writing = None
         persist = bool(self.local_checkpoint_period) and step % self.local_checkpoint_period == 0
         if persist or (self.snapshot_period and step % self.snapshot_period == 0):

@@ -27,6 +27,7 @@ import jax
 from trainer.config.fault_schedule import Fault
 from trainer.elastic.chaos_requests import attempt_of, names_attempt
 from trainer.io.jsonl import read_jsonl
+from trainer.observe import catalogue
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,9 @@ class FaultInjector:
             self.outages.steps_run += 1
         self.next_step = next_step
         if stall := self.stalls.pop(next_step - 1, 0.0):  # once: a replayed step runs at full speed
-            self.events.emit("host_stalled", step=next_step - 1, seconds=stall, cause="fault_schedule slow_s")
+            self.events.emit(
+                catalogue.HOST_STALLED, step=next_step - 1, seconds=stall, cause="fault_schedule slow_s"
+            )
             time.sleep(stall)
         due = []
         while self.pending and self.pending[0].step <= next_step:
@@ -142,7 +145,7 @@ class FaultInjector:
         self.outages.mark_down(slice_index, down_s, down_steps)
         self.last_cause = cause
         self.events.emit(
-            "slice_killed",
+            catalogue.SLICE_KILLED,
             slice=slice_index,
             step=self.next_step,
             down_s=down_s,
@@ -200,7 +203,7 @@ class FaultInjector:
         (the chaos directory's parent), or None outside a run directory. Read only once a request exists."""
         if self._own_attempt is None:
             events = read_jsonl(self.chaos_dir.parent / "events.jsonl")
-            mine = [e for e in events if e.get("event") == "start" and e.get("pid") == os.getpid()]
+            mine = [e for e in events if e.get("event") == catalogue.START and e.get("pid") == os.getpid()]
             self._own_attempt = attempt_of(mine[-1]) if mine else None
         return self._own_attempt
 
@@ -214,7 +217,7 @@ class FaultInjector:
             state, metrics = step_fn(*args, **kwargs)
             if self.next_step in self.nan_steps:
                 self.nan_steps.discard(self.next_step)  # fires once, like a slice fault
-                self.events.emit("nan_injected", step=self.next_step)
+                self.events.emit(catalogue.NAN_INJECTED, step=self.next_step)
                 metrics = dict(metrics, loss=metrics["loss"] * float("nan"), finite=metrics["finite"] & False)
             return state, metrics
 

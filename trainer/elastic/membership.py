@@ -40,6 +40,7 @@ from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 
 from trainer.distributed import fatal, internals
 from trainer.distributed.heartbeat import Barrier
+from trainer.observe import catalogue
 from trainer.runtime.preemption import Preempted
 
 log = logging.getLogger(__name__)
@@ -270,7 +271,7 @@ class Membership:
         log.info("formation %s: slices %s in mesh order %s", formation.key, slices, list(formation.slices))
         if self.events is not None:
             self.events.emit(
-                "formation",
+                catalogue.FORMATION,
                 key=formation.key,
                 mesh_order=list(formation.slices),
                 incarnations={p: i for p, i in sorted((self.current or {}).items())},

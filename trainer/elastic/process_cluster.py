@@ -29,6 +29,7 @@ from trainer.elastic.membership import Formation, Membership
 from trainer.elastic.process_faults import ProcessFaultInjector
 from trainer.elastic.shared_snapshots import SharedSnapshots
 from trainer.elastic.snapshot import HostSnapshots
+from trainer.observe import catalogue
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class ProcessCluster:
     def fail(self, err: BaseException) -> None:
         """This process's own error ends every process (trainer.distributed.fatal)."""
         self.events.emit(
-            "fatal_error", error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            catalogue.FATAL_ERROR, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         )
         try:
             self.membership.fail(err, wait_s=self.fatal_wait_s)
@@ -134,7 +135,7 @@ class ProcessCluster:
         return lambda: membership.arrived(active)  # every step: each process saw the same round at this step
 
     def hand_over(self, attempt) -> None:
-        _settle_save(attempt.checkpointer)  # every process is alive: let an in-flight save commit
+        _let_save_commit(attempt.checkpointer)  # every process is alive: let an in-flight save commit
 
     def propose_stop(self, last_step: int) -> None:
         if self.stop is not None:  # the others stop at the agreed step
@@ -144,7 +145,7 @@ class ProcessCluster:
         watch_orbax_barriers(None)  # Orbax's own barriers again, outside the attempts
 
 
-def _settle_save(checkpointer) -> None:
+def _let_save_commit(checkpointer) -> None:
     from trainer.checkpoint import CheckpointSaveError
 
     try:

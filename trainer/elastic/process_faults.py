@@ -14,6 +14,7 @@ from collections.abc import Callable
 import jax
 
 from trainer.config.fault_schedule import ProcessFault
+from trainer.observe import catalogue
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ class ProcessFaultInjector:
     """Wraps the train step of this process: raises the scheduled error when the step it runs is due."""
 
     def __init__(self, faults: list[ProcessFault], process_index: int, events):
-        self.due = {f.step: f for f in faults if f.process == process_index}
+        self.due = {f.step: f for f in faults if f.process == process_index and f.error}
         self.events = events
 
     def wrap(self, step_fn: Callable) -> Callable:
@@ -32,7 +33,9 @@ class ProcessFaultInjector:
         def step(state, *args, **kwargs):
             fault = self.due.pop(int(jax.device_get(state["step"])) + 1, None)
             if fault is not None:
-                self.events.emit("fault_injected", step=fault.step, process=fault.process, error=fault.error)
+                self.events.emit(
+                    catalogue.FAULT_INJECTED, step=fault.step, process=fault.process, error=fault.error
+                )
                 log.warning("injecting %s at step %d (fault_schedule)", fault.error, fault.step)
                 if fault.error == "oom":
                     raise jax.errors.JaxRuntimeError(

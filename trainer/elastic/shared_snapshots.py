@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from trainer.distributed.transfer import broadcast_from_data_row, data_rows_of, gather_rows
 from trainer.elastic.snapshot import HostSnapshots, block_of
+from trainer.observe import catalogue
 
 STEP, CHECKPOINT, BLOB, LOCAL, SERVES = range(5)  # the columns of the gathered table
 
@@ -73,7 +74,7 @@ class SharedSnapshots:
         rows = [r for r, procs in enumerate(data_rows_of(self.mesh)) if procs <= holders]
         if not rows:
             self.events.emit(
-                "snapshot_skipped",
+                catalogue.SNAPSHOT_SKIPPED,
                 step=best,
                 reason=f"no slice's processes all hold step {best} (holders {sorted(holders)})",
             )
@@ -111,7 +112,7 @@ class SharedSnapshots:
         state = jax.block_until_ready(out["state"])
         data_state = json.loads(np.asarray(out["data"]).tobytes().decode().strip() or "{}")
         self.events.emit(
-            "snapshot_shared",
+            catalogue.SNAPSHOT_SHARED,
             step=best,
             source_processes=sorted(senders),
             origin=self.origin(),

@@ -20,11 +20,14 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from trainer.observe import catalogue
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +114,11 @@ class HostSnapshots:
     `store` (a `LocalStore`, or None): where `take(..., persist=True)` also writes the copy, and where
     `newest_step` finds a newer one than RAM holds (a restarted process)."""
 
-    def __init__(self, events, store=None):
+    def __init__(self, events, store=None, copy_delay: Callable[[int], float] = lambda step: 0.0):
+        """`copy_delay(step)`: extra seconds the host copy of that step takes (an injected slow copy)."""
         self.events = events
         self.store = store
+        self.copy_delay = copy_delay
         self.latest: Snapshot | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -121,14 +126,17 @@ class HostSnapshots:
     def take(self, step: int, state, data_state: dict, *, block: bool = False, persist: bool = False) -> None:
         """Copy `state` (maybe still being computed) to host memory; with `persist`, also write it to the
         local tier. The loop is blocked only while the on-device copies are dispatched."""
-        self.settle()
+        self.wait_for_copy()
         persist = persist and self.store is not None
         t0 = time.perf_counter()
+        self.events.emit(catalogue.SNAPSHOT_STARTED, step=step, persist=persist)
         leaves, treedef = jax.tree.flatten(state)
         on_device = [(x.shape, x.dtype, _distinct_shards(x)) for x in leaves]
         data_state = dict(data_state)
 
         def to_host():
+            if delay := self.copy_delay(step):
+                time.sleep(delay)
             try:
                 host = jax.tree.unflatten(treedef, [_assemble(*leaf) for leaf in on_device])
             except Exception as e:  # a snapshot lost with its slice is simply not used
@@ -138,7 +146,7 @@ class HostSnapshots:
             with self._lock:
                 self.latest = Snapshot(step, host, data_state, nbytes)
             self.events.emit(
-                "snapshot_taken",
+                catalogue.SNAPSHOT_TAKEN,
                 step=step,
                 bytes=nbytes,
                 seconds=round(time.perf_counter() - t0, 4),
@@ -151,10 +159,10 @@ class HostSnapshots:
                     self.store.write(step, host, data_state, started=t0)
                 except OSError as e:  # a full or failing local disk costs the tier, not the run
                     log.warning("local checkpoint of step %d failed: %s", step, e)
-                    self.events.emit("local_checkpoint_save_failed", step=step, error=str(e))
+                    self.events.emit(catalogue.LOCAL_CHECKPOINT_SAVE_FAILED, step=step, error=str(e))
 
         if persist:
-            self.events.emit("local_checkpoint_save_start", step=step)
+            self.events.emit(catalogue.LOCAL_CHECKPOINT_SAVE_START, step=step)
         if block:
             to_host()
         else:
@@ -162,7 +170,7 @@ class HostSnapshots:
             self._thread.start()
         if persist:
             self.events.emit(
-                "local_checkpoint_save_blocked", step=step, seconds=round(time.perf_counter() - t0, 4)
+                catalogue.LOCAL_CHECKPOINT_SAVE_BLOCKED, step=step, seconds=round(time.perf_counter() - t0, 4)
             )
 
     def persist_latest(self) -> int | None:
@@ -177,7 +185,7 @@ class HostSnapshots:
             return None
         if any(isinstance(leaf, Blocks) for leaf in jax.tree.leaves(snap.state)):
             return None  # this process holds part of the state: the local tier needs all of it
-        self.events.emit("local_checkpoint_save_start", step=snap.step)
+        self.events.emit(catalogue.LOCAL_CHECKPOINT_SAVE_START, step=snap.step)
         self.store.write(snap.step, snap.state, snap.data_state)
         return snap.step
 
@@ -191,7 +199,7 @@ class HostSnapshots:
         if self.store is not None and self.store.recorded is not None:
             self.store.recorded.end()
 
-    def settle(self) -> None:
+    def wait_for_copy(self) -> None:
         """Wait for an in-flight host copy (called before a new one and before recovery)."""
         if self._thread is not None:
             self._thread.join()
@@ -201,7 +209,7 @@ class HostSnapshots:
         """Step of the newest complete snapshot (after any in-flight copy), in RAM or, when newer than
         RAM and `checkpoint_step`, in the local tier; `trainer.runtime.restore` decides whether it beats the
         checkpoint."""
-        self.settle()
+        self.wait_for_copy()
         if self.store is not None and abstract_state is not None:
             self._adopt_local(abstract_state, checkpoint_step)
         return None if self.latest is None else self.latest.step
@@ -226,12 +234,15 @@ class HostSnapshots:
                 host, data_state = self.store.read(step, abstract_state)
             except LocalStepUnusable as e:
                 log.warning("%s; trying an older one", e)
-                self.events.emit("local_checkpoint_skipped", step=step, reason=str(e))
+                self.events.emit(catalogue.LOCAL_CHECKPOINT_SKIPPED, step=step, reason=str(e))
                 continue
             nbytes = held_nbytes(host)
             self.latest = Snapshot(step, host, data_state, nbytes, origin="local")
             self.events.emit(
-                "local_checkpoint_read", step=step, bytes=nbytes, seconds=round(time.perf_counter() - t0, 4)
+                catalogue.LOCAL_CHECKPOINT_READ,
+                step=step,
+                bytes=nbytes,
+                seconds=round(time.perf_counter() - t0, 4),
             )
             return
 
@@ -264,7 +275,7 @@ class HostSnapshots:
         ]
         state = jax.block_until_ready(jax.tree.unflatten(treedef, arrays))
         self.events.emit(
-            "snapshot_restored",
+            catalogue.SNAPSHOT_RESTORED,
             step=snap.step,
             bytes=snap.nbytes,
             seconds=round(time.perf_counter() - t0, 4),

@@ -62,6 +62,7 @@ from trainer.elastic.cluster import Cluster
 from trainer.elastic.errors import ElasticGiveUp, SlicesUnavailable
 from trainer.elastic.retry_budget import RetryBudget
 from trainer.elastic.snapshot import HostSnapshots
+from trainer.observe import catalogue
 from trainer.runtime.attempt import Attempt
 from trainer.runtime.loop import ROLLBACK, SCALE_UP, Outcome
 from trainer.runtime.preemption import Preempted, phase
@@ -149,12 +150,12 @@ class Supervisor:
                 raise
             if outcome.kind == SCALE_UP:
                 back = list(outcome.returning)
-                self.events.emit("scale_up", step=outcome.step, detail=f"slices {back} are back")
+                self.events.emit(catalogue.SCALE_UP, step=outcome.step, detail=f"slices {back} are back")
             elif outcome.kind == ROLLBACK:
                 log.warning("non-finite loss/gradients at step %d: rolling back, skipping its batch", outcome.step)
-                self.events.emit("rollback", step=outcome.step, last_step=self.stats.last_step)
+                self.events.emit(catalogue.ROLLBACK, step=outcome.step, last_step=self.stats.last_step)
             else:
-                self.snapshots.settle()
+                self.snapshots.wait_for_copy()
                 self._summary()
                 return outcome
 
@@ -183,20 +184,20 @@ class Supervisor:
         if not e.elastic_enabled:
             return list(range(self.total))
         t0 = time.time()
-        self.events.emit("wait_start", min_slices=self.min_slices, total_slices=self.total)
+        self.events.emit(catalogue.WAIT_START, min_slices=self.min_slices, total_slices=self.total)
         try:
             ready = self.cluster.wait_for_slices(self.min_slices)
             if ready.fresh_devices:  # the compiled plans ran on device objects that are gone
                 self._forget_compiled()
             active = ready.active
         except TimeoutError as err:
-            self.events.emit("wait_timeout", seconds=round(time.time() - t0, 3), error=str(err))
+            self.events.emit(catalogue.WAIT_TIMEOUT, seconds=round(time.time() - t0, 3), error=str(err))
             raise SlicesUnavailable(
                 f"fewer than {self.min_slices} slices healthy after "
                 f"elastic_timeout_seconds={e.elastic_timeout_seconds}: {err}"
             ) from None
         log.info("Sufficient slices active: %d >= %d", len(active), self.min_slices)
-        self.events.emit("wait_end", active=active, seconds=round(time.time() - t0, 3))
+        self.events.emit(catalogue.WAIT_END, active=active, seconds=round(time.time() - t0, 3))
         return active
 
     def _forget_compiled(self) -> None:
@@ -215,32 +216,32 @@ class Supervisor:
             if number == 1 and self.previous_last_step is not None:
                 rewound = max(0, self.previous_last_step - attempt.start_step)
                 self.events.emit(
-                    "restart_resumed",
+                    catalogue.RESTART_RESUMED,
                     last_step=self.previous_last_step,
                     start_step=attempt.start_step,
                     source=attempt.restored_from,
                     steps_lost=rewound,
                 )
             self.stats.steps_lost += rewound
-            plan = attempt.plan
+            batch = attempt.batch_layout
             self.events.emit(
-                "attempt_start",
+                catalogue.ATTEMPT_START,
                 attempt=number,
                 slices=active,
                 start_step=attempt.start_step,
                 source=attempt.restored_from,
                 steps_rewound=rewound,
-                global_batch_size=plan.global_batch_size,
-                micro_steps=plan.micro_steps,
-                lr_scale=plan.lr_scale,
+                global_batch_size=batch.global_batch_size,
+                micro_steps=batch.micro_steps,
+                lr_scale=batch.lr_scale,
             )
             log.info(
                 "attempt %d: slices=%s global_batch=%d micro_steps=%d lr_scale=%.3f from %s (rewound %d steps)",
                 number,
                 active,
-                plan.global_batch_size,
-                plan.micro_steps,
-                plan.lr_scale,
+                batch.global_batch_size,
+                batch.micro_steps,
+                batch.lr_scale,
                 attempt.restored_from,
                 rewound,
             )
@@ -277,7 +278,9 @@ class Supervisor:
         """Scale-up: snapshot the live state synchronously, so the grown attempt restores this exact step."""
         self.snapshots.take(outcome.step, outcome.state, attempt.iterator.get_state(), block=True)
         self.cluster.hand_over(attempt)  # several processes: an in-flight save commits first
-        self.events.emit("scale_up_requested", step=outcome.step, returning=list(outcome.returning), active=active)
+        self.events.emit(
+            catalogue.SCALE_UP_REQUESTED, step=outcome.step, returning=list(outcome.returning), active=active
+        )
 
     # ---- failures ----------------------------------------------------------------------------------
 
@@ -286,11 +289,11 @@ class Supervisor:
         self.stats.failures += 1
         seen = self._failure_seen_at or time.time()
         self.stats.failed_at = seen
-        self.snapshots.settle()
+        self.snapshots.wait_for_copy()
         # Stamped with the time the error reached the train function; teardown_s is what closing the
         # failed attempt (in-flight save, iterator, profiler) took after that.
         self.events.emit(
-            "slice_down_detected",
+            catalogue.SLICE_DOWN_DETECTED,
             attempt=number,
             last_step=self.stats.last_step,
             slices=active,
@@ -314,7 +317,7 @@ class Supervisor:
 
     def _summary(self) -> None:
         self.events.emit(
-            "elastic_summary",
+            catalogue.ELASTIC_SUMMARY,
             failures=self.stats.failures,
             steps_lost=self.stats.steps_lost,
             downtime_s=round(self.stats.downtime_s, 3),

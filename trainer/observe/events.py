@@ -11,14 +11,21 @@ from pathlib import Path
 from typing import Any
 
 from trainer.io.jsonl import dumps, open_append, read_jsonl
+from trainer.observe.catalogue import NAMES, Event
 
 log = logging.getLogger(__name__)
+
+
+class UnknownEvent(ValueError):
+    """An event name that trainer/observe/catalogue.py does not list."""
 
 
 class EventLog:
     """Appends `{"event", "time", "pid", ...fields}` to events.jsonl and logs one line per event.
 
-    Thread-safe (async checkpoint callbacks emit from other threads); the clock is injectable.
+    Thread-safe (async checkpoint callbacks emit from other threads); the clock is injectable. Event
+    names are the entries of `trainer.observe.catalogue`: a name that is not one raises `UnknownEvent`
+    (a programming error, caught by the tests; the check is one set lookup).
     """
 
     def __init__(self, path: Path | None, *, clock: Callable[[], float] = time.time):
@@ -27,15 +34,17 @@ class EventLog:
         self._lock = threading.Lock()
         self._file = open_append(path) if path is not None else None
 
-    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        record = {"event": event, "time": self.clock(), "pid": os.getpid(), **fields}
+    def emit(self, event: Event, **fields: Any) -> dict[str, Any]:
+        if event not in NAMES:
+            raise UnknownEvent(f"event {event!r} is not in trainer/observe/catalogue.py")
+        record = {"event": str(event), "time": self.clock(), "pid": os.getpid(), **fields}
         with self._lock:
             if self._file is not None:
                 self._file.write(dumps(record))
         log.info("event=%s %s", event, " ".join(f"{k}={v}" for k, v in fields.items()))
         return record
 
-    def __call__(self, event: str, fields: dict[str, Any] | None = None) -> None:
+    def __call__(self, event: Event, fields: dict[str, Any] | None = None) -> None:
         """The `on_event(name, fields)` callback shape other packages take."""
         self.emit(event, **(fields or {}))
 

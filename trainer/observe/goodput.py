@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from trainer.observe import catalogue
 from trainer.observe.records import eval_rows, step_rows
 
 CAUSES = (
@@ -25,7 +26,9 @@ CAUSES = (
 )
 
 
-def _durations(events: list[dict], start: str, end: str, skip_first: bool = False) -> float:
+def _durations(
+    events: list[dict], start: catalogue.Event, end: catalogue.Event, skip_first: bool = False
+) -> float:
     total, opened, seen = 0.0, None, 0
     for e in events:
         if e["event"] == start:
@@ -47,7 +50,7 @@ def account(
     if not events:
         return {"wall_s": 0.0, "productive_s": 0.0, "goodput": None, "badput_s": {c: 0.0 for c in CAUSES}}
     t0 = events[0]["time"]
-    finish = [e for e in events if e["event"] == "finish"]
+    finish = [e for e in events if e["event"] == catalogue.FINISH]
     t1 = (
         finish[-1]["time"]
         if finish
@@ -62,19 +65,19 @@ def account(
     saving = sum(
         e.get("seconds", 0.0) - e.get("waited_for_step_s", 0.0)
         for e in events
-        if e["event"] == "checkpoint_save_blocked"
+        if e["event"] == catalogue.CHECKPOINT_SAVE_BLOCKED
     )
     # A step's step_time_s includes the time the loop was blocked starting its save: count that once,
     # as checkpoint_save, not also as productive time.
     productive = max(0.0, sum(m["step_time_s"] for i, m in enumerate(metrics) if i in kept) - saving)
     wasted = sum(m["step_time_s"] for i, m in enumerate(metrics) if i not in kept)
-    first_attempt = next((e["time"] for e in events if e["event"] == "attempt_start"), t1)
+    first_attempt = next((e["time"] for e in events if e["event"] == catalogue.ATTEMPT_START), t1)
     startup = (first_attempt - t0) + sum(
-        e.get("seconds", 0.0) for e in events if e["event"] == "compile_done" and e["time"] > first_attempt
+        e.get("seconds", 0.0) for e in events if e["event"] == catalogue.COMPILE_DONE and e["time"] > first_attempt
     )
     # The first restore (or init) belongs to startup; later ones are recoveries.
-    restore = _durations(events, "restore_start", "restore_end", skip_first=True)
-    waiting = _durations(events, "wait_start", "wait_end", skip_first=True)
+    restore = _durations(events, catalogue.RESTORE_START, catalogue.RESTORE_END, skip_first=True)
+    waiting = _durations(events, catalogue.WAIT_START, catalogue.WAIT_END, skip_first=True)
     bad = {
         "startup_compile": startup,
         "checkpoint_save": saving,

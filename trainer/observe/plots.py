@@ -32,6 +32,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import ScalarFormatter
 from matplotlib.transforms import blended_transform_factory
 
+from trainer.observe import catalogue
 from trainer.observe.goodput import CAUSES
 from trainer.observe.runlog import (
     DOWN,
@@ -162,7 +163,7 @@ def plot_step_time(ax: Axes, runs: list[RunLog], labels: list[str]) -> None:
             ms=4,
             label="step time" + (f" ({label})" if compare else ""),
         )
-        slow = [e for e in run.events if e["event"] == "slow_step"]
+        slow = [e for e in run.events if e["event"] == catalogue.SLOW_STEP]
         if slow:  # monitor_step_time_deviation's events, on the step-time curve
             ax.scatter(
                 [e["step"] for e in slow],
@@ -349,12 +350,12 @@ def _recovery_note(t: dict[str, Any]) -> str:
 
 def _bands(run: RunLog) -> list[tuple[str, float, float]]:
     """Startup, blocking checkpoint saves and every recovery phase, as (name, start, end) wall times."""
-    first_attempt = next((e["time"] for e in run.events if e["event"] == "attempt_start"), None)
+    first_attempt = next((e["time"] for e in run.events if e["event"] == catalogue.ATTEMPT_START), None)
     out = [(STARTUP, run.t0, first_attempt)] if first_attempt is not None else []
     out += [
         (CHECKPOINT, e["time"] - e.get("seconds", 0.0) + e.get("waited_for_step_s", 0.0), e["time"])
         for e in run.events
-        if e["event"] == "checkpoint_save_blocked"
+        if e["event"] == catalogue.CHECKPOINT_SAVE_BLOCKED
     ]
     out += [(EVAL, r["time"] - r.get("eval_time_s", 0.0), r["time"]) for r in run.eval_records]
     out += [p for _, phases in recovery_phases(run) for p in phases]
@@ -377,7 +378,7 @@ def _shade_rewinds(ax: Axes, run: RunLog) -> None:
     bottom = blended_transform_factory(ax.transData, ax.transAxes)
     for e in run.events:
         n = e.get("steps_rewound") or 0
-        if e["event"] != "attempt_start" or n <= 0:
+        if e["event"] != catalogue.ATTEMPT_START or n <= 0:
             continue
         lo, hi = e["start_step"] + 0.5, e["start_step"] + n + 0.5
         ax.axvspan(lo, hi, color=REWIND_COLOR, alpha=0.12, lw=0, label="steps rewound")

@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 
 from trainer.config.schema import ObserveConfig
+from trainer.observe import catalogue
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class StepProfiler:
             logdir = self.logdir / f"from_step_{step:06d}"
             jax.profiler.start_trace(str(logdir))
             self.active = True
-            self.events.emit("profiler_start", step=step, logdir=str(logdir))
+            self.events.emit(catalogue.PROFILER_START, step=step, logdir=str(logdir))
 
     def after_step(self, step: int, state=None) -> None:
         if self.active and step >= self.last:
@@ -55,4 +56,4 @@ class StepProfiler:
             log.warning("stopping the profiler trace failed: %s", e)
         self.active = False
         self.done = complete
-        self.events.emit("profiler_stop", step=step, complete=complete)
+        self.events.emit(catalogue.PROFILER_STOP, step=step, complete=complete)

@@ -25,6 +25,7 @@ from etils import epath
 from trainer.errors import UserInputError
 from trainer.io.jsonl import read_jsonl
 from trainer.io.paths import resolve
+from trainer.observe import catalogue
 from trainer.observe.goodput import account
 from trainer.observe.records import eval_rows, step_rows
 from trainer.observe.timeline import recovery_timelines
@@ -72,8 +73,8 @@ class RunLog:
     @property
     def status(self) -> str:
         """The finish status of the newest process, or "in progress" when it has not finished."""
-        last_start = max((i for i, e in enumerate(self.events) if e["event"] == "start"), default=-1)
-        finish = [e for e in self.events[last_start + 1 :] if e["event"] == "finish"]
+        last_start = max((i for i, e in enumerate(self.events) if e["event"] == catalogue.START), default=-1)
+        finish = [e for e in self.events[last_start + 1 :] if e["event"] == catalogue.FINISH]
         return finish[-1].get("status", "finished") if finish else "in progress"
 
 
@@ -131,16 +132,18 @@ def recovery_phases(run: RunLog) -> list[tuple[dict, list[tuple[str, float, floa
         phases: list[tuple[str, float, float]] = []
         if t["killed"] is not None:
             phases.append((DOWN, t["killed"], t["detected"]))
-        phases += _spans(window, "wait_start", "wait_end", WAITING, run.t_end)
-        phases += _spans(window, "restore_start", "restore_end", RESTORING, run.t_end)
-        restored = [e["time"] for e in window if e["event"] == "restore_end"]
+        phases += _spans(window, catalogue.WAIT_START, catalogue.WAIT_END, WAITING, run.t_end)
+        phases += _spans(window, catalogue.RESTORE_START, catalogue.RESTORE_END, RESTORING, run.t_end)
+        restored = [e["time"] for e in window if e["event"] == catalogue.RESTORE_END]
         if restored and "first_step" in t:
             phases.append((TO_FIRST_STEP, restored[-1], t["first_step"]))
         out.append((t, phases))
     return out
 
 
-def _spans(events: list[dict], start: str, end: str, name: str, now: float) -> list[tuple[str, float, float]]:
+def _spans(
+    events: list[dict], start: catalogue.Event, end: catalogue.Event, name: str, now: float
+) -> list[tuple[str, float, float]]:
     out, opened = [], None
     for e in events:
         if e["event"] == start:
@@ -187,10 +190,12 @@ def summarize(run: RunLog) -> RunSummary:
     event; `recorded` keeps the trainer's own numbers so a report can show where they differ.
     """
     ev = run.events
-    start = next((e for e in reversed(ev) if e["event"] == "start"), {})
+    start = next((e for e in reversed(ev) if e["event"] == catalogue.START), {})
     step_times = [r["step_time_s"] for r in run.surviving if r.get("step_time_s")]
     tokens = [r["tokens_per_s"] for r in run.surviving if r.get("tokens_per_s")]
-    recorded = {name: e for e in ev for name in ("elastic_summary", "goodput") if e["event"] == name}
+    recorded = {
+        name: e for e in ev for name in (catalogue.ELASTIC_SUMMARY, catalogue.GOODPUT) if e["event"] == name
+    }
     return RunSummary(
         name=run.name,
         status=run.status,
@@ -199,17 +204,19 @@ def summarize(run: RunLog) -> RunSummary:
         final_loss=run.surviving[-1].get("loss") if run.surviving else None,
         median_step_time_s=statistics.median(step_times) if step_times else None,
         median_tokens_per_s=statistics.median(tokens) if tokens else None,
-        failures=sum(e["event"] == "slice_down_detected" for e in ev),
-        steps_lost=sum(e.get("steps_rewound") or 0 for e in ev if e["event"] == "attempt_start"),
+        failures=sum(e["event"] == catalogue.SLICE_DOWN_DETECTED for e in ev),
+        steps_lost=sum(e.get("steps_rewound") or 0 for e in ev if e["event"] == catalogue.ATTEMPT_START),
         downtime_s=sum(
-            e.get("seconds_since_detection") or 0.0 for e in ev if e["event"] == "first_step_after_recovery"
+            e.get("seconds_since_detection") or 0.0
+            for e in ev
+            if e["event"] == catalogue.FIRST_STEP_AFTER_RECOVERY
         ),
         goodput=account(ev, run.records + run.eval_records),
         recorded=recorded,
         timelines=recovery_timelines(ev),
         final_eval_loss=run.evals[-1].get("eval_loss") if run.evals else None,
         final_eval_step=run.evals[-1]["step"] if run.evals else None,
-        slow_steps=[e for e in ev if e["event"] == "slow_step"],
+        slow_steps=[e for e in ev if e["event"] == catalogue.SLOW_STEP],
         restores=_restores(ev),
     )
 
@@ -219,9 +226,9 @@ def _restores(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
     it trained again."""
     out = []
     for i, e in enumerate(ev):
-        if e["event"] != "attempt_start" or e.get("source") in (None, "init"):
+        if e["event"] != catalogue.ATTEMPT_START or e.get("source") in (None, "init"):
             continue
-        restart = i > 0 and ev[i - 1]["event"] == "restart_resumed"  # emitted right before it
+        restart = i > 0 and ev[i - 1]["event"] == catalogue.RESTART_RESUMED  # emitted right before it
         if e.get("attempt") == 1 and not restart:
             continue  # a new run started from load_*_path
         out.append(

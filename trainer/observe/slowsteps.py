@@ -24,6 +24,8 @@ import logging
 import statistics
 from typing import Any, Protocol
 
+from trainer.observe import catalogue
+
 log = logging.getLogger(__name__)
 WINDOW = 20  # recent step times the median is taken over
 MIN_HISTORY = 5  # steps of an attempt before any step is judged
@@ -109,7 +111,7 @@ class SlowStepMonitor:
         }
         host = record.get("host_time_s")
         if self.host_times is None:
-            self.events.emit("slow_step", **fields, slowest_process=self.process_index, host_time_s=host)
+            self.events.emit(catalogue.SLOW_STEP, **fields, slowest_process=self.process_index, host_time_s=host)
             return
         try:
             self.host_times.publish(record["step"], {"host_time_s": host, "time": record.get("time")})
@@ -130,7 +132,7 @@ class SlowStepMonitor:
             host = {}
         slowest = max(host, key=host.get) if host else None
         self.events.emit(
-            "slow_step", **pending, slowest_process=slowest, host_time_s={str(p): host[p] for p in host}
+            catalogue.SLOW_STEP, **pending, slowest_process=slowest, host_time_s={str(p): host[p] for p in host}
         )
 
     def close(self) -> None:

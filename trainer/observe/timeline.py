@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainer.observe import catalogue
+
 PHASES = ("killed", "detected", "slices_ready", "restored", "first_step")
 
 
@@ -16,9 +18,9 @@ def recovery_timelines(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     last_kill: dict[str, Any] | None = None
     for e in events:
         name = e["event"]
-        if name == "slice_killed":
+        if name == catalogue.SLICE_KILLED:
             last_kill = e
-        elif name == "slice_down_detected":
+        elif name == catalogue.SLICE_DOWN_DETECTED:
             current = {
                 "killed": last_kill["time"] if last_kill else None,
                 "detected": e["time"],
@@ -31,14 +33,14 @@ def recovery_timelines(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append(current)
         elif current is None:
             continue
-        elif name == "wait_end" and "slices_ready" not in current:
+        elif name == catalogue.WAIT_END and "slices_ready" not in current:
             current["slices_ready"], current["slices_after"] = e["time"], e["active"]
-        elif name == "restore_end" and "restored" not in current:
+        elif name == catalogue.RESTORE_END and "restored" not in current:
             current["restored"], current["restore_source"] = e["time"], e["source"]
             current["restore_s"], current["restore_bytes"] = e["seconds"], e["bytes"]
-        elif name == "attempt_start" and "steps_rewound" not in current:
+        elif name == catalogue.ATTEMPT_START and "steps_rewound" not in current:
             current["steps_rewound"], current["resumed_from_step"] = e["steps_rewound"], e["start_step"]
-        elif name == "first_step_after_recovery" and "first_step" not in current:
+        elif name == catalogue.FIRST_STEP_AFTER_RECOVERY and "first_step" not in current:
             current["first_step"], current["first_step_number"] = e["time"], e["step"]
     for t in out:
         origin = t["killed"] if t["killed"] is not None else t["detected"]

@@ -28,6 +28,7 @@ from typing import Any
 
 from trainer.errors import UserInputError
 from trainer.io.jsonl import read_jsonl
+from trainer.observe import catalogue
 
 log = logging.getLogger(__name__)
 SKIP = ("step", "time", "pid", "batch_fingerprint", "kind")
@@ -55,7 +56,9 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 
 def recorded_run_id(events_path: Path) -> str | None:
     """The W&B run id an earlier start of this run recorded, if any."""
-    ids = [e["run_id"] for e in read_jsonl(events_path) if e.get("event") == "wandb_run" and e.get("run_id")]
+    ids = [
+        e["run_id"] for e in read_jsonl(events_path) if e.get("event") == catalogue.WANDB_RUN and e.get("run_id")
+    ]
     return ids[-1] if ids else None
 
 
@@ -93,7 +96,7 @@ class WandbSink:
         self._events: list[list] = []
         self._event_log = events
         self.run_id = run_id
-        events.emit("wandb_run", run_id=run_id, project=project, name=name, resumed=resumed)
+        events.emit(catalogue.WANDB_RUN, run_id=run_id, project=project, name=name, resumed=resumed)
 
     def _first_unlogged_event(self) -> int:
         """Byte offset in events.jsonl where the events no earlier sink logged begin: after the last
@@ -108,9 +111,9 @@ class WandbSink:
                         name = json.loads(line).get("event")
                     except ValueError:
                         continue
-                    if name == "wandb_run_closed":
+                    if name == catalogue.WANDB_RUN_CLOSED:
                         after_closed = offset
-                    elif name == "wandb_run":
+                    elif name == catalogue.WANDB_RUN:
                         after_started = offset
         except FileNotFoundError:
             return 0
@@ -136,7 +139,7 @@ class WandbSink:
             except ValueError:
                 continue
             name = event.get("event")
-            if not name or name.startswith("wandb_run"):
+            if not name or name in (catalogue.WANDB_RUN, catalogue.WANDB_RUN_CLOSED):
                 continue
             step = event.get("step") if isinstance(event.get("step"), int) else self._last_step
             fields = {k: v for k, v in event.items() if k not in ("event", "time", "pid")}
@@ -151,4 +154,4 @@ class WandbSink:
                 self.run.log({STEP_METRIC: self._last_step, "events": table})
         finally:
             self.run.finish()
-        self._event_log.emit("wandb_run_closed", run_id=self.run_id)
+        self._event_log.emit(catalogue.WANDB_RUN_CLOSED, run_id=self.run_id)

@@ -21,6 +21,7 @@ import statistics
 
 import yaml
 
+from trainer.observe import catalogue
 from trainer.plan.model import Costs
 
 
@@ -49,7 +50,7 @@ def _mean(values, default: float = 0.0) -> float:
 def _first_rows(events: list[dict], records: list[dict]) -> set[int]:
     """Indices of the first step record after each attempt_start."""
     firsts, i = set(), 0
-    starts = [e["time"] for e in events if e["event"] == "attempt_start"]
+    starts = [e["time"] for e in events if e["event"] == catalogue.ATTEMPT_START]
     for t in starts:
         while i < len(records) and records[i]["time"] <= t:
             i += 1
@@ -58,7 +59,7 @@ def _first_rows(events: list[dict], records: list[dict]) -> set[int]:
     return firsts
 
 
-def _spans(events: list[dict], start: str, end: str) -> dict[int, float]:
+def _spans(events: list[dict], start: catalogue.Event, end: catalogue.Event) -> dict[int, float]:
     """{id(end event): seconds since its start event}, the intervals the report accounts."""
     out, opened = {}, None
     for e in events:
@@ -79,9 +80,11 @@ def measure(run) -> tuple[Costs, RunFacts]:
     for e in events:
         by.setdefault(e["event"], []).append(e)
     firsts = _first_rows(events, records)
-    snap_steps = {e["step"] for e in by.get("snapshot_taken", []) if e.get("origin", "snapshot") == "snapshot"}
-    local_steps = {e["step"] for e in by.get("local_checkpoint_save_start", [])}
-    ckpt_steps = {e["step"] for e in by.get("checkpoint_save_start", [])}
+    snap_steps = {
+        e["step"] for e in by.get(catalogue.SNAPSHOT_TAKEN, []) if e.get("origin", "snapshot") == "snapshot"
+    }
+    local_steps = {e["step"] for e in by.get(catalogue.LOCAL_CHECKPOINT_SAVE_START, [])}
+    ckpt_steps = {e["step"] for e in by.get(catalogue.CHECKPOINT_SAVE_START, [])}
     surviving = {id(r) for r in run.surviving}
 
     def times(select):
@@ -92,30 +95,34 @@ def measure(run) -> tuple[Costs, RunFacts]:
     plain = times(lambda r: r["step"] not in snap_steps | local_steps | ckpt_steps)
     step_s = _mean(plain, default=_mean(r["step_time_s"] for r in records))
     snap_only = snap_steps - local_steps - ckpt_steps
-    first_attempt = next((e["time"] for e in events if e["event"] == "attempt_start"), events[0]["time"])
-    spans = _spans(events, "restore_start", "restore_end") | _spans(events, "wait_start", "wait_end")
-    every_restore = [dict(e, seconds=spans.get(id(e), e.get("seconds", 0.0))) for e in by.get("restore_end", [])]
+    first_attempt = next((e["time"] for e in events if e["event"] == catalogue.ATTEMPT_START), events[0]["time"])
+    spans = _spans(events, catalogue.RESTORE_START, catalogue.RESTORE_END) | _spans(
+        events, catalogue.WAIT_START, catalogue.WAIT_END
+    )
+    every_restore = [
+        dict(e, seconds=spans.get(id(e), e.get("seconds", 0.0))) for e in by.get(catalogue.RESTORE_END, [])
+    ]
     restores = [e for e in every_restore if e["time"] > first_attempt]  # not the start's
     gaps = []
     for i in range(1, len(records)):
         if i not in firsts:
             gaps.append(records[i]["time"] - records[i]["step_time_s"] - records[i - 1]["time"])
     recoveries = []
-    for d in by.get("slice_down_detected", []):
+    for d in by.get(catalogue.SLICE_DOWN_DETECTED, []):
         before = [r for r in records if r["time"] <= d["time"]]
         after = [i for i in sorted(firsts) if records[i]["time"] > d["time"]]
         if not before or not after:
             continue
         first = records[after[0]]
         window = [e for e in events if before[-1]["time"] <= e["time"] <= first["time"]]
-        wait = sum(spans.get(id(e), 0.0) for e in window if e["event"] == "wait_end")
-        read = sum(spans.get(id(e), 0.0) for e in window if e["event"] == "restore_end")
+        wait = sum(spans.get(id(e), 0.0) for e in window if e["event"] == catalogue.WAIT_END)
+        read = sum(spans.get(id(e), 0.0) for e in window if e["event"] == catalogue.RESTORE_END)
         span = first["time"] - first["step_time_s"] - before[-1]["time"]
         recoveries.append((max(0.0, span - wait - read), wait))
     g = account(events, records)
-    finish = [e["time"] for e in by.get("finish", [])]
+    finish = [e["time"] for e in by.get(catalogue.FINISH, [])]
     startup = first_attempt - events[0]["time"]
-    startup += sum(e.get("seconds", 0.0) for e in by.get("compile_done", []) if e["time"] > first_attempt)
+    startup += sum(e.get("seconds", 0.0) for e in by.get(catalogue.COMPILE_DONE, []) if e["time"] > first_attempt)
     costs = Costs(
         step_s=step_s,
         startup_s=startup,
@@ -123,13 +130,14 @@ def measure(run) -> tuple[Costs, RunFacts]:
         tail_s=max(0.0, finish[-1] - records[-1]["time"]) if finish and records else 0.0,
         first_step_extra_s=max(0.0, _mean(records[i]["step_time_s"] for i in firsts) - step_s),
         checkpoint_save_s=_mean(
-            e.get("seconds", 0.0) - e.get("waited_for_step_s", 0.0) for e in by.get("checkpoint_save_blocked", [])
+            e.get("seconds", 0.0) - e.get("waited_for_step_s", 0.0)
+            for e in by.get(catalogue.CHECKPOINT_SAVE_BLOCKED, [])
         ),
         local_save_s=max(0.0, _mean(times(lambda r: r["step"] in local_steps), default=step_s) - step_s),
         snapshot_save_s=max(0.0, _mean(times(lambda r: r["step"] in snap_only), default=step_s) - step_s),
-        checkpoint_write_s=_mean(e.get("seconds", 0.0) for e in by.get("checkpoint_save_committed", [])),
-        local_write_s=_mean(e.get("seconds", 0.0) for e in by.get("local_checkpoint_save_committed", [])),
-        snapshot_write_s=_mean(e.get("seconds", 0.0) for e in by.get("snapshot_taken", [])),
+        checkpoint_write_s=_mean(e.get("seconds", 0.0) for e in by.get(catalogue.CHECKPOINT_SAVE_COMMITTED, [])),
+        local_write_s=_mean(e.get("seconds", 0.0) for e in by.get(catalogue.LOCAL_CHECKPOINT_SAVE_COMMITTED, [])),
+        snapshot_write_s=_mean(e.get("seconds", 0.0) for e in by.get(catalogue.SNAPSHOT_TAKEN, [])),
         checkpoint_restore_s=_restore(restores, "checkpoint", every_restore),
         local_restore_s=_restore(restores, "local", []),
         snapshot_restore_s=_restore(restores, "snapshot", []),
@@ -137,7 +145,7 @@ def measure(run) -> tuple[Costs, RunFacts]:
         detect_s=_mean(r[0] for r in recoveries),
         reschedule_s=_mean(r[1] for r in recoveries),
     )
-    return costs, _facts(run, g, len(by.get("slice_down_detected", [])))
+    return costs, _facts(run, g, len(by.get(catalogue.SLICE_DOWN_DETECTED, [])))
 
 
 def _restore(restores: list[dict], source: str, fallback: list[dict]) -> float:

@@ -3,8 +3,8 @@
 Everything an attempt needs is created here and torn down by its ExitStack, so a retry after a slice
 failure starts from clean objects (no threads, arrays of a dead mesh or stale caches survive). What is
 passed in: the run's `TrainSpec` (config sections), the active slices, and long-lived services that
-the caller owns (event log, host snapshots). Only `AttemptBuilder.plans` outlives attempts: per slice
-set, the `SlicePlan` of `trainer.runtime.layout` (mesh, shardings, compiled steps), which holds no device data.
+the caller owns (event log, host snapshots). Only `AttemptBuilder.layouts` outlives attempts: per slice
+set, the `SliceLayout` of `trainer.runtime.layout` (mesh, shardings, compiled steps), which holds no device data.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from trainer import model as qwen3
 from trainer.checkpoint import open_checkpointer
 from trainer.checkpoint.fence import SaveFence
 from trainer.data.pipeline import make_eval_iterator, make_train_iterator
+from trainer.observe import catalogue
 from trainer.runtime.evaluate import EvalSchedule, Evaluator
-from trainer.runtime.layout import BatchPlan, SlicePlan, TrainSpec, plan_slices
+from trainer.runtime.layout import BatchLayout, SliceLayout, TrainSpec, slice_layout
 from trainer.runtime.preemption import phase
 from trainer.runtime.restore import Restored, SnapshotSource, restore_state
 from trainer.runtime.state import init_state, state_around, tree_nbytes
@@ -45,7 +46,7 @@ class Attempt:
     """What one attempt trains with. `close()` releases everything it owns."""
 
     mesh: Mesh
-    plan: BatchPlan
+    batch_layout: BatchLayout
     state: dict  # as restored; the loop carries the live state itself (each step donates its input)
     start_step: int
     restored_from: str
@@ -67,12 +68,12 @@ class Attempt:
 
 
 def slice_set_key(slices: list[list]) -> tuple:
-    """A set of active slices in mesh order, by device id: the plan cache's key."""
+    """A set of active slices in mesh order, by device id: the layout cache's key."""
     return tuple(tuple(d.id for d in s) for s in slices)
 
 
 class AttemptBuilder:
-    """Builds the attempts of one run; keeps each slice set's `SlicePlan` (compiled step) across them."""
+    """Builds the attempts of one run; keeps each slice set's `SliceLayout` (compiled step) across them."""
 
     def __init__(self, spec: TrainSpec, *, checkpoint_dir, events, fence=None, storage_faults=None):
         """`fence`: the process's save fence, advanced by each attempt's checkpointer (none given: one of
@@ -82,11 +83,11 @@ class AttemptBuilder:
         self.events = events
         self.fence = fence or SaveFence()
         self.storage_faults = storage_faults
-        self.plans: dict[tuple, SlicePlan] = {}
+        self.layouts: dict[tuple, SliceLayout] = {}
 
     def forget_compiled(self) -> None:
-        """Drop every slice set's plan: the devices they were compiled for are gone (a fresh client)."""
-        self.plans.clear()
+        """Drop every slice set's layout: the devices they were compiled for are gone (a fresh client)."""
+        self.layouts.clear()
 
     def __call__(
         self,
@@ -97,7 +98,7 @@ class AttemptBuilder:
         checkpoint_multiprocessing=None,
         checkpoint_barrier=None,
     ) -> Attempt:
-        """Everything one attempt needs, on the mesh over `slices` (the active ones), fresh except the plan.
+        """Everything one attempt needs, on the mesh over `slices` (the active ones), fresh except the layout.
 
         `snapshots`: host-RAM snapshots to restore from (see `trainer.runtime.restore`).
         `wrap_step` wraps the compiled step (the fault injector's or the membership's guard).
@@ -107,62 +108,64 @@ class AttemptBuilder:
         stack = contextlib.ExitStack()
         try:
             key = slice_set_key(slices)
-            plan = self.plans.get(key) or plan_slices(self.spec, slices)
+            layout = self.layouts.get(key) or slice_layout(self.spec, slices)
             # Data first: a bad dataset or tokenizer must stop the run before any compile or device work.
-            iterator, eval_iterator = self._iterators(plan, stack)
-            plan = self._compiled(key, plan)
+            iterator, eval_iterator = self._iterators(layout, stack)
+            layout = self._compiled(key, layout)
             checkpointer = self._checkpointer(stack, checkpoint_multiprocessing, checkpoint_barrier)
-            restored = self._restore(plan, checkpointer, snapshots)
+            restored = self._restore(layout, checkpointer, snapshots)
             if restored.data_state is not None:
                 iterator.set_state(restored.data_state)
-            step_fn = plan.step_fn if wrap_step is None else wrap_step(plan.step_fn)
-            evaluator = self._evaluator(plan, eval_iterator)
-            return self._attempt(plan, restored, step_fn, iterator, checkpointer, evaluator, stack)
+            step_fn = layout.step_fn if wrap_step is None else wrap_step(layout.step_fn)
+            evaluator = self._evaluator(layout, eval_iterator)
+            return self._attempt(layout, restored, step_fn, iterator, checkpointer, evaluator, stack)
         except BaseException:
             stack.close()
             raise
 
-    def _iterators(self, plan: SlicePlan, stack: contextlib.ExitStack) -> tuple[Any, Any]:
+    def _iterators(self, layout: SliceLayout, stack: contextlib.ExitStack) -> tuple[Any, Any]:
         """The train iterator and, with eval on, the eval iterator (rewound before every evaluation,
         never checkpointed), on this process's rows of each global batch; `stack` closes them."""
         spec = self.spec
         iterator = make_train_iterator(
             spec.data,
             vocab_size=spec.model.vocab_size,
-            global_batch_size=plan.batch.global_batch_size,
-            process_index=plan.loader_index,
-            process_count=plan.loader_count,
+            global_batch_size=layout.batch.global_batch_size,
+            process_index=layout.loader_index,
+            process_count=layout.loader_count,
         )
         stack.callback(iterator.close)
-        if plan.eval_batch is None:
+        if layout.eval_batch is None:
             return iterator, None
         eval_iterator = make_eval_iterator(
             spec.data,
             spec.eval.grain_eval_files,
             vocab_size=spec.model.vocab_size,
-            global_batch_size=plan.eval_batch.global_batch_size,
-            process_index=plan.eval_loader[0],
-            process_count=plan.eval_loader[1],
+            global_batch_size=layout.eval_batch.global_batch_size,
+            process_index=layout.eval_loader[0],
+            process_count=layout.eval_loader[1],
         )
         stack.callback(eval_iterator.close)
         return iterator, eval_iterator
 
-    def _compiled(self, key: tuple, plan: SlicePlan) -> SlicePlan:
-        """The slice set's plan with its compiled steps: the cached one (`compile_cached`), else `plan`
+    def _compiled(self, key: tuple, layout: SliceLayout) -> SliceLayout:
+        """The slice set's layout with its compiled steps: the cached one (`compile_cached`), else `layout`
         compiled now and kept (`compile_done`)."""
-        if key in self.plans:
-            self.events.emit("compile_cached", devices=plan.mesh.size, micro_steps=plan.batch.micro_steps)
-            return plan
+        if key in self.layouts:
+            self.events.emit(
+                catalogue.COMPILE_CACHED, devices=layout.mesh.size, micro_steps=layout.batch.micro_steps
+            )
+            return layout
         with phase("compile"):
-            plan = self.plans[key] = plan.compiled(self.spec)
+            layout = self.layouts[key] = layout.compiled(self.spec)
         self.events.emit(
-            "compile_done",
-            seconds=round(plan.compile_s, 3),
-            eval_seconds=round(plan.eval_compile_s, 3),
-            devices=plan.mesh.size,
-            micro_steps=plan.batch.micro_steps,
+            catalogue.COMPILE_DONE,
+            seconds=round(layout.compile_s, 3),
+            eval_seconds=round(layout.eval_compile_s, 3),
+            devices=layout.mesh.size,
+            micro_steps=layout.batch.micro_steps,
         )
-        return plan
+        return layout
 
     def _checkpointer(self, stack: contextlib.ExitStack, multiprocessing, barrier):
         """A fresh checkpointer (advancing the save fence); `stack` closes it."""
@@ -182,47 +185,49 @@ class AttemptBuilder:
         stack.callback(partial(checkpointer.close, timeout_s=close_s))
         return checkpointer
 
-    def _restore(self, plan: SlicePlan, checkpointer, snapshots: SnapshotSource | None) -> Restored:
+    def _restore(self, layout: SliceLayout, checkpointer, snapshots: SnapshotSource | None) -> Restored:
         """The train state by the one restore order (`trainer.runtime.restore`), on the devices."""
         spec = self.spec
         t0 = time.perf_counter()
-        self.events.emit("restore_start")
+        self.events.emit(catalogue.RESTORE_START)
         with phase("restore"):
             restored = restore_state(
-                plan.abstract_state,
+                layout.abstract_state,
                 checkpoints=checkpointer,
                 snapshots=snapshots,
                 load_full_state_path=spec.checkpoint.load_full_state_path,
                 load_parameters_path=spec.checkpoint.load_parameters_path,
-                fresh_state=partial(self._fresh_state, plan),
+                fresh_state=partial(self._fresh_state, layout),
             )
             jax.block_until_ready(restored.state)
         seconds = round(time.perf_counter() - t0, 4)
-        self.events.emit("restore_end", source=restored.label, seconds=seconds, bytes=tree_nbytes(restored.state))
+        self.events.emit(
+            catalogue.RESTORE_END, source=restored.label, seconds=seconds, bytes=tree_nbytes(restored.state)
+        )
         return restored
 
     def _attempt(
-        self, plan: SlicePlan, restored: Restored, step_fn, iterator, checkpointer, evaluator, stack
+        self, layout: SliceLayout, restored: Restored, step_fn, iterator, checkpointer, evaluator, stack
     ) -> Attempt:
-        spec, batch = self.spec, plan.batch
+        spec, batch = self.spec, layout.batch
         start_step = int(jax.device_get(restored.state["step"]))
-        _log_ready(plan, start_step, restored.label)
+        _log_ready(layout, start_step, restored.label)
         length = spec.data.max_target_length
         return Attempt(
-            mesh=plan.mesh,
-            plan=batch,
+            mesh=layout.mesh,
+            batch_layout=batch,
             state=restored.state,
             start_step=start_step,
             restored_from=restored.label,
             step_fn=step_fn,
-            batch_sharding=plan.batch_sharding,
+            batch_sharding=layout.batch_sharding,
             iterator=iterator,
             checkpointer=checkpointer,
             flops_per_step=qwen3.training_flops_per_token(spec.model, length) * batch.global_batch_size * length,
             sequence_length=length,
             checkpoint_metadata={
                 "config": spec.config_record,
-                "mesh": dict(plan.mesh.shape),
+                "mesh": dict(layout.mesh.shape),
                 "global_batch_size": batch.global_batch_size,
                 "micro_steps": batch.micro_steps,
             },
@@ -230,13 +235,13 @@ class AttemptBuilder:
             evaluator=evaluator,
         )
 
-    def _evaluator(self, plan: SlicePlan, iterator) -> Evaluator | None:
+    def _evaluator(self, layout: SliceLayout, iterator) -> Evaluator | None:
         if iterator is None:
             return None
         ev = self.spec.eval
-        sharding = plan.batch_sharding
+        sharding = layout.batch_sharding
         return Evaluator(
-            eval_fn=plan.eval_fn,
+            eval_fn=layout.eval_fn,
             iterator=iterator,
             device_batch=lambda b: {k: jax.make_array_from_process_local_data(sharding, v) for k, v in b.items()},
             schedule=EvalSchedule(ev.eval_interval, ev.eval_start_step, self.spec.steps),
@@ -244,23 +249,25 @@ class AttemptBuilder:
             target_loss=ev.target_eval_loss,
         )
 
-    def _fresh_state(self, plan: SlicePlan, params=None) -> dict:
+    def _fresh_state(self, layout: SliceLayout, params=None) -> dict:
         if params is None:
-            return init_state(self.spec.model, plan.optimizer, plan.shardings, seed=self.spec.init_weights_seed)
-        return state_around(params, plan.optimizer, plan.shardings)
+            return init_state(
+                self.spec.model, layout.optimizer, layout.shardings, seed=self.spec.init_weights_seed
+            )
+        return state_around(params, layout.optimizer, layout.shardings)
 
 
-def _log_ready(plan: SlicePlan, start_step: int, source: str) -> None:
-    batch = plan.batch
+def _log_ready(layout: SliceLayout, start_step: int, source: str) -> None:
+    batch = layout.batch
     log.info(
         "attempt ready: mesh=%s global_batch=%d micro_steps=%d lr_scale=%.3f start_step=%d source=%s "
         "loader_shard=%d/%d",
-        dict(plan.mesh.shape),
+        dict(layout.mesh.shape),
         batch.global_batch_size,
         batch.micro_steps,
         batch.lr_scale,
         start_step,
         source,
-        plan.loader_index,
-        plan.loader_count,
+        layout.loader_index,
+        layout.loader_count,
     )

@@ -7,10 +7,10 @@ so the step the tool measures is the step a run executes.
 
 - `TrainSpec` / `train_spec(cfg)`: the config sections every attempt needs (the one place that picks
   them out of a `RunConfig`).
-- `BatchPlan` / `plan_batch`: the global batch and micro-steps on the active slices.
+- `BatchLayout` / `batch_layout`: the global batch and micro-steps on the active slices.
 - `loader_shard`: this process's block of global-batch rows.
-- `SlicePlan` / `plan_slices`: the mesh, batch plan, optimizer and state shardings over a slice set.
-- `lower_step` / `compile_step`: the train step or the eval step, lowered or compiled for a plan.
+- `SliceLayout` / `slice_layout`: the mesh, batch layout, optimizer and state shardings over a slice set.
+- `lower_step` / `compile_step`: the train step or the eval step, lowered or compiled for a layout.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def train_spec(cfg: RunConfig) -> TrainSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchPlan:
+class BatchLayout:
     """How the global batch is run on the current mesh."""
 
     global_batch_size: int
@@ -94,7 +94,7 @@ class BatchPlan:
         return self.global_batch_size // self.micro_steps
 
 
-def plan_batch(
+def batch_layout(
     *,
     per_device_batch_size: int,
     accumulation_steps: int,
@@ -103,7 +103,7 @@ def plan_batch(
     devices_per_slice: int,
     active_slices: int,
     batch_shards: int,
-) -> BatchPlan:
+) -> BatchLayout:
     """Global batch and micro-steps for the active slices.
 
     The nominal global batch is per_device_batch_size x all devices of all `num_slices` configured
@@ -122,7 +122,7 @@ def plan_batch(
     while micro <= global_batch:
         rows = global_batch // micro
         if global_batch % micro == 0 and rows % batch_shards == 0:
-            return BatchPlan(global_batch, micro, lr_scale)
+            return BatchLayout(global_batch, micro, lr_scale)
         micro += 1
     raise ValueError(f"global batch {global_batch} cannot be split evenly over {batch_shards} batch shards")
 
@@ -147,7 +147,7 @@ def loader_shard(batch_sharding: NamedSharding, global_rows: int) -> tuple[int, 
 
 
 @dataclasses.dataclass(frozen=True)
-class SlicePlan:
+class SliceLayout:
     """What an attempt derives from the spec and its slices alone: no device data, threads or files.
 
     Kept per slice set across attempts, so a retry on slices seen before rebuilds none of it: not the
@@ -155,7 +155,7 @@ class SlicePlan:
     rules: ~50 ms on qwen3-tiny, more on bigger models)."""
 
     mesh: Mesh
-    batch: BatchPlan
+    batch: BatchLayout
     batch_sharding: NamedSharding
     loader_index: int
     loader_count: int
@@ -165,12 +165,12 @@ class SlicePlan:
     abstract_state: Any
     step_fn: Callable | None = None  # set by `compiled`
     compile_s: float = 0.0
-    eval_batch: BatchPlan | None = None  # the fixed eval batch on this mesh (None: eval off)
+    eval_batch: BatchLayout | None = None  # the fixed eval batch on this mesh (None: eval off)
     eval_loader: tuple[int, int] = (0, 1)  # this process's (index, count) of the eval batch's rows
     eval_fn: Callable | None = None  # set by `compiled` when eval is on
     eval_compile_s: float = 0.0
 
-    def compiled(self, spec: TrainSpec) -> SlicePlan:
+    def compiled(self, spec: TrainSpec) -> SliceLayout:
         step_fn, seconds = compile_step(spec, self, "train")
         eval_fn, eval_seconds = compile_step(spec, self, "eval") if self.eval_batch is not None else (None, 0.0)
         return dataclasses.replace(
@@ -178,12 +178,12 @@ class SlicePlan:
         )
 
 
-def plan_slices(spec: TrainSpec, slices: list[list]) -> SlicePlan:
-    """Mesh, batch plan, loader shard, optimizer and state shardings over `slices`; not compiled yet."""
+def slice_layout(spec: TrainSpec, slices: list[list]) -> SliceLayout:
+    """Mesh, batch layout, loader shard, optimizer and state shardings over `slices`; not compiled yet."""
     mesh = build_mesh(spec.mesh, slices)
     batch_spec, shards = _batch_axes_size(mesh, spec.mesh.logical_axis_rules)
     batch_sharding = NamedSharding(mesh, batch_spec)
-    batch = plan_batch(
+    batch = batch_layout(
         per_device_batch_size=spec.data.per_device_batch_size,
         accumulation_steps=spec.optim.gradient_accumulation_steps,
         num_slices=spec.mesh.num_slices,
@@ -199,7 +199,7 @@ def plan_slices(spec: TrainSpec, slices: list[list]) -> SlicePlan:
     eval_batch, eval_loader = None, (0, 1)
     if spec.eval.eval_interval > 0:
         # The same global eval batch on every mesh (never scaled): the same tokens at every evaluation.
-        eval_batch = plan_batch(
+        eval_batch = batch_layout(
             per_device_batch_size=spec.eval.eval_per_device_batch_size or spec.data.per_device_batch_size,
             accumulation_steps=1,
             num_slices=spec.mesh.num_slices,
@@ -209,7 +209,7 @@ def plan_slices(spec: TrainSpec, slices: list[list]) -> SlicePlan:
             batch_shards=shards,
         )
         eval_loader = loader_shard(batch_sharding, eval_batch.global_batch_size)
-    return SlicePlan(
+    return SliceLayout(
         mesh,
         batch,
         batch_sharding,
@@ -226,21 +226,21 @@ def plan_slices(spec: TrainSpec, slices: list[list]) -> SlicePlan:
 
 @dataclasses.dataclass(frozen=True)
 class _Program:
-    """What differs between the train step and the eval step when they are jitted for a plan."""
+    """What differs between the train step and the eval step when they are jitted for a layout."""
 
     fn: Callable
-    batch: BatchPlan
+    batch: BatchLayout
     state: Any  # the abstract first argument
     state_sharding: Any
     out_shardings: Any
     donate_argnums: tuple[int, ...]
 
 
-def _program(spec: TrainSpec, plan: SlicePlan, step: Step) -> _Program:
+def _program(spec: TrainSpec, layout: SliceLayout, step: Step) -> _Program:
     """The train step takes the whole state and donates it, returning (state, metrics); the eval step
     takes only the params (with the train state's shardings) and returns its loss sums, replicated."""
-    mesh = plan.mesh
-    micro_spec = NamedSharding(mesh, plan.batch_sharding.spec)
+    mesh = layout.mesh
+    micro_spec = NamedSharding(mesh, layout.batch_sharding.spec)
 
     def constrain_micro(micro):
         return {k: jax.lax.with_sharding_constraint(v, micro_spec) for k, v in micro.items()}
@@ -250,43 +250,47 @@ def _program(spec: TrainSpec, plan: SlicePlan, step: Step) -> _Program:
     if step == "train":
         fn = make_train_step(
             spec.model,
-            plan.optimizer,
+            layout.optimizer,
             z_loss_multiplier=spec.optim.z_loss_multiplier,
-            micro_steps=plan.batch.micro_steps,
+            micro_steps=layout.batch.micro_steps,
             constrain_micro=constrain_micro,
-            learning_rate=plan.lr_schedule,
+            learning_rate=layout.lr_schedule,
             shard=shard,
         )
-        return _Program(fn, plan.batch, plan.abstract_state, plan.shardings, (plan.shardings, replicated), (0,))
-    if step == "eval":
-        if plan.eval_batch is None:
-            raise ValueError("this plan has no eval batch (eval_interval <= 0)")
-        fn = make_eval_step(
-            spec.model, micro_steps=plan.eval_batch.micro_steps, constrain_micro=constrain_micro, shard=shard
+        return _Program(
+            fn, layout.batch, layout.abstract_state, layout.shardings, (layout.shardings, replicated), (0,)
         )
-        params = plan.abstract_state["params"]
-        return _Program(fn, plan.eval_batch, params, plan.shardings["params"], replicated, ())
+    if step == "eval":
+        if layout.eval_batch is None:
+            raise ValueError("this layout has no eval batch (eval_interval <= 0)")
+        fn = make_eval_step(
+            spec.model, micro_steps=layout.eval_batch.micro_steps, constrain_micro=constrain_micro, shard=shard
+        )
+        params = layout.abstract_state["params"]
+        return _Program(fn, layout.eval_batch, params, layout.shardings["params"], replicated, ())
     raise ValueError(f"step={step!r}: 'train' or 'eval'")
 
 
-def lower_step(spec: TrainSpec, plan: SlicePlan, step: Step = "train") -> jax.stages.Lowered:
-    """The train step (or the eval step) jitted for this plan's mesh and batch, lowered over the abstract
-    state and an abstract int32 batch of the plan's global rows."""
-    program = _program(spec, plan, step)
+def lower_step(spec: TrainSpec, layout: SliceLayout, step: Step = "train") -> jax.stages.Lowered:
+    """The train step (or the eval step) jitted for this layout's mesh and batch, lowered over the abstract
+    state and an abstract int32 batch of the layout's global rows."""
+    program = _program(spec, layout, step)
     jitted = jax.jit(
         program.fn,
-        in_shardings=(program.state_sharding, plan.batch_sharding),
+        in_shardings=(program.state_sharding, layout.batch_sharding),
         out_shardings=program.out_shardings,
         donate_argnums=program.donate_argnums,
     )
     shape = (program.batch.global_batch_size, spec.data.max_target_length)
-    abstract_batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=plan.batch_sharding) for k in BATCH_KEYS}
+    abstract_batch = {
+        k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout.batch_sharding) for k in BATCH_KEYS
+    }
     return jitted.lower(program.state, abstract_batch)
 
 
-def compile_step(spec: TrainSpec, plan: SlicePlan, step: Step = "train"):
-    """AOT-compile the train step (or the eval step, over the plan's fixed eval batch) for this plan;
+def compile_step(spec: TrainSpec, layout: SliceLayout, step: Step = "train"):
+    """AOT-compile the train step (or the eval step, over the layout's fixed eval batch) for this layout;
     returns (executable, seconds, lowering included)."""
     t0 = time.perf_counter()
-    compiled = compile_lowered(lower_step(spec, plan, step), plan.mesh.devices.flat)
+    compiled = compile_lowered(lower_step(spec, layout, step), layout.mesh.devices.flat)
     return compiled, time.perf_counter() - t0

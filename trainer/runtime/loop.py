@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import jax
 
 from trainer.data.batch import fingerprint
+from trainer.observe import catalogue
 from trainer.observe.peaks import peak_tflops
 from trainer.observe.sinks import Sinks
 from trainer.runtime.attempt import Attempt
@@ -164,8 +165,8 @@ def train_loop(
     boundary = boundary or _NoBoundary()
     records = StepRecords(
         flops_per_step=attempt.flops_per_step,
-        tokens_per_step=attempt.plan.global_batch_size * attempt.sequence_length,
-        global_batch_size=attempt.plan.global_batch_size,
+        tokens_per_step=attempt.batch_layout.global_batch_size * attempt.sequence_length,
+        global_batch_size=attempt.batch_layout.global_batch_size,
         devices=attempt.mesh.size,
         peak_tflops=peak_tflops(attempt.mesh.devices.flat[0].device_kind, peak_tflops_per_device),
     )
@@ -174,7 +175,7 @@ def train_loop(
     iterator, state, step = attempt.iterator, attempt.state, attempt.start_step
     pending: _Pending | None = None
 
-    def settle(*, last: bool = False) -> Outcome | None:
+    def record_pending(*, last: bool = False) -> Outcome | None:
         """Write the pending step's record (blocks on that step only); a rollback Outcome when nan_policy
         asks to go back to before it."""
         nonlocal pending
@@ -197,47 +198,32 @@ def train_loop(
                 fp = fingerprint(host_batch)
                 state, metrics = attempt.step_fn(state, attempt.device_batch(host_batch))
                 step += 1
-                if rollback := settle():  # blocks on step-1 only, while `step` runs on the device
+                if rollback := record_pending():  # blocks on step-1 only, while `step` runs on the device
                     return rollback
                 pending = _Pending(step, metrics, fp)
                 final = step == steps
                 # The iterator has yielded exactly `step` batches: its state pairs with this model state.
                 if ckpt.should_save(step, final=final):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(state)  # the save copies it; timed apart from the save's own work
-                    waited = time.perf_counter() - t0
-                    records.waited_for_devices(waited)
-                    if ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata):
-                        events.emit(
-                            "checkpoint_save_blocked",
-                            step=step,
-                            seconds=round(time.perf_counter() - t0, 4),
-                            waited_for_step_s=round(waited, 4),
-                        )
+                    _save(attempt, step, state, records, events)
                 # Evaluate after the save and before the boundary (snapshot, injected fault): a restore to
                 # this step finds it evaluated; a rewind to before it trains and evaluates it again.
                 if attempt.evaluator is not None and attempt.evaluator.due(step):
                     row = _evaluate(attempt.evaluator, step, state, records, sinks, interrupt_eval)
                     if row is not None and attempt.evaluator.reached_target(row) and not final:
-                        if rollback := settle(last=True):
+                        if rollback := record_pending(last=True):
                             return rollback
                         ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata)
                         ckpt.wait()
-                        events.emit("target_eval_loss_reached", step=step, eval_loss=row["eval_loss"])
+                        events.emit(catalogue.TARGET_EVAL_LOSS_REACHED, step=step, eval_loss=row["eval_loss"])
                         return Outcome(TARGET_REACHED, step, eval_loss=row["eval_loss"])
                 returning = boundary.after_step(step, state, iterator.get_state)
                 if returning:
-                    return settle() or Outcome(SCALE_UP, step, state, tuple(sorted(returning)))
+                    return record_pending() or Outcome(SCALE_UP, step, state, tuple(sorted(returning)))
                 if stop_requested(step) and not final:
-                    if rollback := settle(last=True):
+                    if rollback := record_pending(last=True):
                         return rollback
-                    # The fastest tier first (local), then the persistent checkpoint, inside the stop bound.
-                    boundary.before_stop(step, state, iterator.get_state())
-                    ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata, force=True)
-                    ckpt.wait()
-                    events.emit("preempted", step=step)
-                    return Outcome(PREEMPTED, step)
-            if rollback := settle(last=True):
+                    return _stop(attempt, step, state, boundary, events)
+            if rollback := record_pending(last=True):
                 return rollback
             ckpt.wait()
             return Outcome(FINISHED, step)
@@ -245,6 +231,31 @@ def train_loop(
         # A failure ends the attempt; the step before it did complete: keep its record.
         _write_best_effort(records, sinks, nonfinite, pending)
         raise
+
+
+def _save(attempt: Attempt, step: int, state, records: StepRecords, events) -> None:
+    """A periodic or final save of the state after `step`; the loop's blocked time is its own event."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(state)  # the save copies it; timed apart from the save's own work
+    waited = time.perf_counter() - t0
+    records.waited_for_devices(waited)
+    if attempt.checkpointer.save(step, state, attempt.iterator.get_state(), attempt.checkpoint_metadata):
+        events.emit(
+            catalogue.CHECKPOINT_SAVE_BLOCKED,
+            step=step,
+            seconds=round(time.perf_counter() - t0, 4),
+            waited_for_step_s=round(waited, 4),
+        )
+
+
+def _stop(attempt: Attempt, step: int, state, boundary: Boundary, events) -> Outcome:
+    """A stop request (SIGTERM) at `step`: the fastest tier first (local), then the persistent checkpoint,
+    inside the stop bound."""
+    boundary.before_stop(step, state, attempt.iterator.get_state())
+    attempt.checkpointer.save(step, state, attempt.iterator.get_state(), attempt.checkpoint_metadata, force=True)
+    attempt.checkpointer.wait()
+    events.emit(catalogue.PREEMPTED, step=step)
+    return Outcome(PREEMPTED, step)
 
 
 def _evaluate(evaluator, step: int, state, records: StepRecords, sinks: Sinks, interrupt) -> dict[str, Any] | None:

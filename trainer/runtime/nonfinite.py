@@ -10,6 +10,8 @@ this only decides what happens next, on the host, when the step's metrics are re
 
 from __future__ import annotations
 
+from trainer.observe import catalogue
+
 
 class NonFiniteError(RuntimeError):
     """Training produced a non-finite loss or gradient under nan_policy=stop (or rollback did not help)."""
@@ -35,7 +37,7 @@ class NonFinitePolicy:
             return False
         step = record["step"]
         self.events.emit(
-            "nonfinite_step",
+            catalogue.NONFINITE_STEP,
             step=step,
             policy=self.policy,
             loss=str(record["loss"]),

@@ -1,0 +1,346 @@
+"""Every run event, in one place: its name, its fields and what it means.
+
+events.jsonl holds one JSON object per event, `{"event", "time", "pid", ...fields}` (`trainer.observe.events`).
+Each entry below is an `Event`: a `str` equal to the event's name, so it is what emitters pass
+(`events.emit(catalogue.ATTEMPT_START, attempt=...)`, `on_event(catalogue.CHECKPOINT_SAVE_START, {...})`)
+and what readers compare with (`e["event"] == catalogue.ATTEMPT_START`); the JSON written is the plain
+name. `EventLog.emit` refuses a name that is not here, and tests/test_event_catalogue.py checks that every
+event the code emits is here, that no emitter or reader spells a name as a string literal, and that the
+table in docs/architecture.md is `render_table()`:
+
+    python -m trainer.observe.catalogue                        # prints the table
+    python -m trainer.observe.catalogue docs/architecture.md   # rewrites it between the doc's markers
+
+Fields are listed in the order emitters pass them; `?` marks one that is present only sometimes. The
+launcher's own log (scripts/launch_local.py --events FILE) is another file with its own events: `LAUNCHER`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+class Event(str):
+    """An event's name (a `str`: `Event("start", ...) == "start"`) with its fields and meaning."""
+
+    fields: tuple[str, ...]  # every field, in emit order (optional ones included)
+    optional: frozenset[str]  # the fields present only sometimes
+    meaning: str
+
+    def __new__(cls, name: str, fields: str, meaning: str) -> Event:
+        self = super().__new__(cls, name)
+        spec = fields.split()
+        self.fields = tuple(f.removesuffix("?") for f in spec)
+        self.optional = frozenset(f.removesuffix("?") for f in spec if f.endswith("?"))
+        self.meaning = meaning
+        return self
+
+    @property
+    def name(self) -> str:
+        return str(self)
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        return tuple(f for f in self.fields if f not in self.optional)
+
+    def __reduce__(self):  # pickles (and copies) as the catalogue's own entry
+        return _entry, (str(self),)
+
+
+# ---- a process of the run (trainer/train.py) --------------------------------------------------------------
+START = Event(
+    "start",
+    "run_name model steps resume_step argv host_hugepages",
+    "a trainer process started on the run directory: the first event of every process and restart",
+)
+LEASE_ACQUIRED = Event(
+    "lease_acquired",
+    "generation owner previous_owner? taken_over?",
+    "process 0 took the run directory's lease (from `previous_owner`, because `taken_over`, when it had one)",
+)
+LOAD_PATH_UNUSED = Event(
+    "load_path_unused",
+    "key path resume_step",
+    "a load_*_path was given but the run resumes from its own saved step, so it is not read",
+)
+GOODPUT = Event(
+    "goodput",
+    "goodput wall_s productive_s badput_s",
+    "where the whole run's wall time went (trainer.observe.goodput), just before `finish`",
+)
+FINISH = Event(
+    "finish",
+    "status exit_code step? phase? error?",
+    "the process ended with this STATUS and exit code: its last event",
+)
+
+# ---- one attempt (trainer/runtime/) -----------------------------------------------------------------------
+COMPILE_DONE = Event(
+    "compile_done",
+    "seconds eval_seconds devices micro_steps",
+    "the train (and eval) step compiled for this attempt's set of devices",
+)
+COMPILE_CACHED = Event(
+    "compile_cached",
+    "devices micro_steps",
+    "this attempt's set of devices reuses the steps compiled by an earlier attempt",
+)
+RESTORE_START = Event("restore_start", "", "the attempt starts building its train state (restore or init)")
+RESTORE_END = Event(
+    "restore_end",
+    "source seconds bytes",
+    "the train state is on the devices; `source`: the restore order's pick (checkpoint:N, snapshot:N, init, ...)",
+)
+CHECKPOINT_SAVE_BLOCKED = Event(
+    "checkpoint_save_blocked",
+    "step seconds waited_for_step_s",
+    "the loop was blocked starting a checkpoint save (`waited_for_step_s` of it waiting for the step itself)",
+)
+TARGET_EVAL_LOSS_REACHED = Event(
+    "target_eval_loss_reached",
+    "step eval_loss",
+    "an evaluation reached target_eval_loss: the run saves and stops",
+)
+PREEMPTED = Event("preempted", "step", "a stop was requested (SIGTERM): the loop saved this step and stopped")
+NONFINITE_STEP = Event(
+    "nonfinite_step",
+    "step policy loss grad_norm",
+    "a step's loss or gradient norm was not finite; `policy` (nan_policy) says what follows",
+)
+
+# ---- the persistent checkpoint tier (trainer/checkpoint/checkpointer.py) ----------------------------------
+CHECKPOINT_SAVE_START = Event("checkpoint_save_start", "step", "a checkpoint save of this step started")
+CHECKPOINT_SAVE_COMMITTED = Event(
+    "checkpoint_save_committed",
+    "step seconds bytes",
+    "the save committed (seen by the checkpointer `seconds` after it started)",
+)
+CHECKPOINT_SAVE_FAILED = Event(
+    "checkpoint_save_failed", "step error", "a save failed or was abandoned; it never counts"
+)
+CHECKPOINT_SAVE_FENCED = Event(
+    "checkpoint_save_fenced",
+    "step error",
+    "a save was refused at its commit: an earlier attempt's, or the run's lease was lost",
+)
+CHECKPOINT_RESTORE_START = Event("checkpoint_restore_start", "step", "a restore of this committed step started")
+CHECKPOINT_RESTORE_DONE = Event("checkpoint_restore_done", "step seconds bytes", "this step was restored")
+CHECKPOINT_RESTORE_FAILED = Event(
+    "checkpoint_restore_failed",
+    "step error transient attempt",
+    "a restore of this step failed (`transient`: retried, else set aside)",
+)
+CHECKPOINT_SET_ASIDE = Event(
+    "checkpoint_set_aside",
+    "step path check reason",
+    "a committed step whose own files failed verification (`check`) was renamed to `path`",
+)
+CHECKPOINT_PARTIAL_REMOVED = Event(
+    "checkpoint_partial_removed", "path", "an unfinished write of this trainer's was removed"
+)
+CHECKPOINT_FOREIGN_STEP = Event(
+    "checkpoint_foreign_step", "path", "a marker-less step directory that is not this trainer's: left alone"
+)
+
+# ---- host snapshots and the local tier (trainer/elastic/snapshot.py, shared_snapshots.py, local_store.py)
+SNAPSHOT_STARTED = Event(
+    "snapshot_started",
+    "step persist",
+    "a copy of this step's train state to host memory began (`persist`: also to the local tier)",
+)
+SNAPSHOT_TAKEN = Event(
+    "snapshot_taken",
+    "step bytes seconds blocking",
+    "the train state of this step was copied to host memory (`blocking`: the loop waited for it)",
+)
+SNAPSHOT_RESTORED = Event(
+    "snapshot_restored",
+    "step bytes seconds origin",
+    "the attempt's state was put back from the host snapshot (`origin`: snapshot or local)",
+)
+SNAPSHOT_SHARED = Event(
+    "snapshot_shared",
+    "step source_processes origin bytes seconds",
+    "processes without the newest snapshot received it from `source_processes`",
+)
+SNAPSHOT_SKIPPED = Event(
+    "snapshot_skipped",
+    "step reason",
+    "no slice's processes all hold the newest snapshot: it is not used (`reason`)",
+)
+LOCAL_CHECKPOINT_SAVE_START = Event(
+    "local_checkpoint_save_start", "step", "a local-tier write of this step's host snapshot started"
+)
+LOCAL_CHECKPOINT_SAVE_BLOCKED = Event(
+    "local_checkpoint_save_blocked", "step seconds", "the loop was blocked starting the local-tier write"
+)
+LOCAL_CHECKPOINT_SAVE_COMMITTED = Event(
+    "local_checkpoint_save_committed",
+    "step bytes seconds removed",
+    "the local-tier step committed (`removed`: older local steps pruned)",
+)
+LOCAL_CHECKPOINT_SAVE_FAILED = Event(
+    "local_checkpoint_save_failed", "step error", "a local-tier write failed; the run carries on without it"
+)
+LOCAL_CHECKPOINT_PARTIAL_REMOVED = Event(
+    "local_checkpoint_partial_removed", "directories", "unfinished local-tier writes of a killed process removed"
+)
+LOCAL_CHECKPOINT_READ = Event(
+    "local_checkpoint_read", "step bytes seconds", "a local-tier step newer than RAM became the host snapshot"
+)
+LOCAL_CHECKPOINT_SKIPPED = Event(
+    "local_checkpoint_skipped", "step reason", "a local-tier step cannot be used (`reason`); an older one is tried"
+)
+
+# ---- recovery across attempts (trainer/elastic/) ----------------------------------------------------------
+ATTEMPT_START = Event(
+    "attempt_start",
+    "attempt slices start_step source steps_rewound global_batch_size micro_steps lr_scale",
+    "an attempt starts training on `slices` from `start_step`",
+)
+RESTART_RESUMED = Event(
+    "restart_resumed",
+    "last_step start_step source steps_lost",
+    "a restarted process resumed a run that had trained to `last_step` (emitted right before `attempt_start`)",
+)
+SLICE_KILLED = Event(
+    "slice_killed",
+    "slice step down_s down_steps cause",
+    "an injected fault took this slice down (fault_schedule, random faults or trainer.chaos)",
+)
+HOST_STALLED = Event(
+    "host_stalled",
+    "step seconds cause",
+    "an injected stall (fault_schedule slow_s) slept the host after this step",
+)
+NAN_INJECTED = Event("nan_injected", "step", "an injected fault made this step's loss NaN")
+FAULT_INJECTED = Event(
+    "fault_injected",
+    "step process error",
+    "an injected error (fault_schedule: `oom` or a bug) is raised in this process's step",
+)
+SLICE_DOWN_DETECTED = Event(
+    "slice_down_detected",
+    "attempt last_step slices error cause failures time teardown_s",
+    "the attempt failed on a lost slice or peer (`time`: when the error was seen, `teardown_s` after it)",
+)
+FATAL_ERROR = Event("fatal_error", "error", "this process's own error: it ends every process of the job")
+WAIT_START = Event("wait_start", "min_slices total_slices", "waiting for at least `min_slices` healthy slices")
+WAIT_END = Event("wait_end", "active seconds", "enough slices are healthy: `active`")
+WAIT_TIMEOUT = Event(
+    "wait_timeout", "seconds error", "too few healthy slices within elastic_timeout_seconds: the run ends"
+)
+FORMATION = Event(
+    "formation",
+    "key mesh_order incarnations fresh_clients",
+    "the live processes agreed on a formation (several processes)",
+)
+FIRST_STEP_AFTER_RECOVERY = Event(
+    "first_step_after_recovery",
+    "step seconds_since_detection slices",
+    "the first step after a failure completed",
+)
+SCALE_UP_REQUESTED = Event(
+    "scale_up_requested",
+    "step returning active",
+    "slices came back: the live state was snapshotted for a larger attempt",
+)
+SCALE_UP = Event("scale_up", "step detail", "the next attempt runs on the larger set of slices")
+ROLLBACK = Event(
+    "rollback",
+    "step last_step",
+    "nan_policy=rollback: the next attempt restores the newest saved state and skips this step's batch",
+)
+STOP_AGREED = Event(
+    "stop_agreed",
+    "step proposed_here at_step",
+    "every process stops after `step` (a stop proposed by one of them; several processes)",
+)
+ELASTIC_SUMMARY = Event(
+    "elastic_summary", "failures steps_lost downtime_s", "the supervisor's count of failures and their cost"
+)
+
+# ---- observation (trainer/observe/) -----------------------------------------------------------------------
+PROFILER_START = Event("profiler_start", "step logdir", "a profiler trace started before this step")
+PROFILER_STOP = Event(
+    "profiler_stop", "step complete", "the trace stopped (`complete`: its window ended, else the attempt did)"
+)
+SLOW_STEP = Event(
+    "slow_step",
+    "step step_time_s median_s factor process slowest_process host_time_s",
+    "a step took more than `factor` times the recent median (monitor_step_time_deviation)",
+)
+WANDB_RUN = Event(
+    "wandb_run", "run_id project name resumed", "the W&B run that this process logs to (enable_wandb)"
+)
+WANDB_RUN_CLOSED = Event("wandb_run_closed", "run_id", "the W&B sink logged everything before this event")
+
+# ---- the local launcher's own log (scripts/launch_local.py --events FILE), not events.jsonl --------------
+LAUNCHER_SPAWN = Event("spawn", "process pid incarnation port", "the launcher started a trainer process")
+LAUNCHER_EXIT = Event("exit", "process pid rc incarnation", "a trainer process exited")
+LAUNCHER_DONE = Event("done", "rc", "the job ended with this exit code")
+LAUNCHER_JOB_RESTART = Event("job_restart", "number delay_s", "process 0 died: the whole job restarts")
+LAUNCHER_RESTART_REFUSED = Event("restart_refused", "process", "a dead process is not restarted (--max-restarts)")
+LAUNCHER_RESPAWN_SCHEDULED = Event("respawn_scheduled", "process delay_s", "a dead process restarts after a delay")
+
+ALL: tuple[Event, ...] = tuple(
+    v for k, v in list(globals().items()) if isinstance(v, Event) and not k.startswith("LAUNCHER_")
+)
+LAUNCHER: tuple[Event, ...] = tuple(
+    v for k, v in list(globals().items()) if isinstance(v, Event) and k.startswith("LAUNCHER_")
+)
+NAMES: frozenset[str] = frozenset(e.name for e in ALL)
+_BY_NAME = {e.name: e for e in ALL}
+
+
+def _entry(name: str) -> Event:
+    return _BY_NAME.get(name) or next(e for e in LAUNCHER if e.name == name)
+
+
+def catalogue() -> tuple[Event, ...]:
+    """Every event of events.jsonl, in the order of this module."""
+    return ALL
+
+
+def by_name(name: str) -> Event:
+    """The entry of an events.jsonl event name; KeyError for a name that is not one."""
+    return _BY_NAME[name]
+
+
+BEGIN, END = "<!-- events:begin -->\n", "<!-- events:end -->"
+
+
+def render_table() -> str:
+    """The markdown table of docs/architecture.md (between its `events:begin` / `events:end` markers)."""
+    lines = ["| event | fields (`?`: sometimes) | meaning |", "| --- | --- | --- |"]
+    for e in ALL:
+        fields = ", ".join(f"`{f}`?" if f in e.optional else f"`{f}`" for f in e.fields) or "(none)"
+        lines.append(f"| `{e.name}` | {fields} | {e.meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def documented_table(text: str) -> str:
+    """What a document holds between the markers (ValueError without them)."""
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[start:end]
+
+
+def with_table(text: str) -> str:
+    """`text` with the rendered table between its markers."""
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[:start] + render_table() + text[end:]
+
+
+def main(argv: list[str]) -> None:
+    """No arguments: print the table. Paths: rewrite the table between each one's markers."""
+    for path in argv:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(with_table(text))
+    if not argv:
+        sys.stdout.write(render_table())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -19,8 +19,11 @@ Restart policy (a Job's backoff limit; the delay models scheduling a replacement
 - process 0 hosts the coordination service: when it dies every other process dies with it, so the
   whole job is restarted (all processes, a new port) after the delay, at most --max-job-restarts
   times; the trainer resumes from its newest committed checkpoint;
-- exit 2 (bad config or data) or 3 (elastic retries exhausted) from any process is final;
-- when process 0 exits 0 the job is done: the others get --grace seconds to exit, then are stopped.
+- exit 1 (a process's own error, on every process), 2 (bad input) or 3 (gave up) from any process is
+  final;
+- exit 42 (preempted: a SIGTERM stopped it after saving) is not restarted: here a SIGTERM is the user
+  stopping the job (a Kubernetes Job would replace a preempted pod);
+- when process 0 exits 0 or 42 the job is done: the others get --grace seconds to exit, then are stopped.
 
 The launcher exits with process 0's final code (128 + signal number for a signal). --events FILE
 writes one JSON object per spawn, exit and restart decision (with wall-clock times and PIDs).
@@ -41,6 +44,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 FINAL_CODES = (1, 2, 3)  # failed (every process, with its cause), bad input, elastic gave up
+PREEMPTED = 42  # stopped by SIGTERM after saving (trainer/errors.py): here, the job is being stopped
 _POLL_S = 0.05
 
 
@@ -181,9 +185,9 @@ class Launcher:
         if rc in FINAL_CODES:
             self.say(f"process {i} exited {rc} (not retriable): stopping the job")
             return rc
-        if i == 0 and rc == 0:
+        if i == 0 and rc in (0, PREEMPTED):
             self._finish_others()
-            return 0
+            return rc
         if i == 0:
             self.say("process 0 (the coordination service) is gone: every process of the job goes with it")
             self.stop_all()
@@ -202,7 +206,7 @@ class Launcher:
             for j in range(self.args.num_processes):
                 self.spawn(j)
             return None
-        if rc == 0:
+        if rc in (0, PREEMPTED):  # done, or stopped with the job (a scheduler would restart a preempted pod)
             return None
         if self.restarts >= self.args.max_restarts:
             self.say(f"process {i} not restarted: --max-restarts={self.args.max_restarts} used up")

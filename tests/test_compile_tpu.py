@@ -15,12 +15,12 @@ import sys
 import pytest
 
 from trainer.config import load_config
+from trainer.errors import EXIT_DOES_NOT_FIT
 from trainer.model import count_params
 
 pytest.importorskip("libtpu", reason="needs libtpu: pip install -e '.[tpu]'")
 
 pytestmark = pytest.mark.slow
-EXIT_NO_FIT = 4
 F32 = 4
 BATCH_KEYS = 5  # inputs, targets, positions, segment_ids, loss_mask: int32 [rows, length] each
 
@@ -102,7 +102,7 @@ def test_oversized_config_exits_no_fit_and_names_the_knob_that_fits(tmp_path):
         "per_device_batch_size=1",
         "max_target_length=64",
     )
-    assert code == EXIT_NO_FIT, err[-3000:]
+    assert code == EXIT_DOES_NOT_FIT, err[-3000:]
     (layout,) = report["layouts"]
     assert not layout["memory"]["fits"] and layout["memory"]["total"] > layout["memory"]["hbm"]
     fitting = [a for a in report["alternatives"] if a["fits"]]
@@ -126,7 +126,7 @@ def test_text_report_names_the_knob(tmp_path):
         text=True,
         timeout=600,
     )
-    assert proc.returncode == EXIT_NO_FIT, proc.stderr[-3000:]
+    assert proc.returncode == EXIT_DOES_NOT_FIT, proc.stderr[-3000:]
     assert "DOES NOT FIT" in proc.stdout and "RESOURCE_EXHAUSTED" in proc.stdout
     assert proc.stdout.strip().endswith("STATUS: does_not_fit")
 

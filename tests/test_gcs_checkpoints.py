@@ -328,3 +328,38 @@ def test_on_gs_a_damaged_step_is_set_aside_and_a_live_lease_refuses_a_second_job
     assert third.returncode == 2, third.stderr[-3000:]
     assert "in use by job jobset:ml/other on host node-7, pid 77" in third.stderr
     assert gcs_server.names(bucket, "runs/a/") == before
+
+
+def test_on_gs_a_job_whose_lease_was_taken_over_commits_nothing(gcs, tmp_path):
+    """The lease on the bucket (create-only generations, ifGenerationMatch=0) and the fence at Orbax's commit
+    marker: once another job takes the run over, this one's saves are refused at commit."""
+    import jax
+    import jax.numpy as jnp
+    from etils import epath
+
+    from trainer.checkpoint import Checkpointer, CheckpointSaveError
+    from trainer.checkpoint.fence import SaveFence
+    from trainer.checkpoint.lease import LeaseHeld, Owner, RunLease
+    from trainer.config.schema import CheckpointConfig
+
+    bucket = gcs.new_bucket("fence")
+    run = epath.Path(f"gs://{bucket}/runs/f")
+    clock = [1000.0]
+    frozen = RunLease(run, stale_s=60, owner=Owner("node-a", 1, "slurm:1", "", ""), clock=lambda: clock[0])
+    assert frozen.acquire()["generation"] == 1
+    with pytest.raises(LeaseHeld):  # live: another job is refused through the bucket's generations
+        RunLease(run, stale_s=60, owner=Owner("node-b", 2, "slurm:2", "", ""), clock=lambda: clock[0]).acquire()
+    state = {"w": jnp.arange(4.0), "step": jnp.int32(1)}
+    cfg = CheckpointConfig(async_checkpointing=False)
+    ckpt = Checkpointer(run / "checkpoints", cfg, fence=SaveFence(frozen))
+    assert ckpt.save(1, state, {}, {})
+    assert _committed_in_bucket(gcs, bucket, "runs/f/checkpoints") == [1]
+
+    clock[0] += 120  # frozen past the staleness bound: another job takes the run over
+    taker = RunLease(run, stale_s=60, owner=Owner("node-b", 2, "slurm:2", "", ""), clock=lambda: clock[0])
+    assert taker.acquire()["taken_over"].startswith("stale_")
+    with pytest.raises(CheckpointSaveError, match="no longer holds the run's lease"):
+        ckpt.save(2, jax.tree.map(lambda x: x + 1, state), {}, {})
+    assert _committed_in_bucket(gcs, bucket, "runs/f/checkpoints") == [1], "the fenced save never committed"
+    assert not frozen.renew() and frozen.lost
+    ckpt.close()

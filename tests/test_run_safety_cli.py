@@ -18,7 +18,16 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_harness import assert_same_data_order, assert_same_params, cli_env, command, events, metrics, run_cli
+from cli_harness import (
+    MICRO,
+    assert_same_data_order,
+    assert_same_params,
+    cli_env,
+    command,
+    events,
+    metrics,
+    run_cli,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -172,3 +181,24 @@ def test_a_second_job_on_the_same_run_directory_exits_2_naming_the_first_which_e
     assert_same_data_order(tmp_path / "shared", tmp_path / "solo", 40)
     assert_same_params(tmp_path / "shared", tmp_path / "solo")
     assert [e["pid"] for e in events(tmp_path / "shared") if e["event"] == "start"] == [first.pid]
+
+
+def test_the_preflight_of_a_resumed_run_leaves_jaxs_backends_alone(run):
+    """A process of a multi-process job checks the saved steps before it joins the job, which must come
+    before JAX creates any backend: the check reads the stored layout without Orbax's metadata API."""
+    import sys
+
+    script = (
+        "from jax._src import xla_bridge\n"
+        "from trainer import preflight\n"
+        "from trainer.config.loader import load_config\n"
+        f"cfg = load_config('base.yml', {list(MICRO + LONGER)!r})\n"
+        f"checked = preflight.check(cfg, __import__('etils').epath.Path({str(run / 'checkpoints')!r}))\n"
+        "assert checked.resume_step == 6, checked\n"
+        "print('backends initialised:', xla_bridge.backends_are_initialized())\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(1), timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "backends initialised: False" in proc.stdout

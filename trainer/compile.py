@@ -18,7 +18,8 @@ import logging
 import os
 import sys
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NO_FIT = 0, 1, 2, 4
+from trainer.errors import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_FAILED, EXIT_OK
+
 TARGET_KEYS = ("compile_topology", "compile_topology_num_slices")
 GIB = 1 << 30
 
@@ -141,7 +142,7 @@ def run(args) -> tuple[int, dict]:
             }
             for knob, result in tried
         ]
-    return (EXIT_OK if report["fits"] else EXIT_NO_FIT), report
+    return (EXIT_OK if report["fits"] else EXIT_DOES_NOT_FIT), report
 
 
 def _gib(n: float) -> str:

@@ -23,10 +23,9 @@ import dataclasses
 import logging
 import sys
 
-from trainer.errors import tool_main
+from trainer.errors import EXIT_OK, tool_main
 
 PROG = "python -m trainer.decode"
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def _parse_args(argv):

@@ -36,6 +36,9 @@ EXIT_BAD_INPUT = 2
 EXIT_GAVE_UP = 3
 EXIT_PREEMPTED = 42
 EXIT_TRANSIENT = 75
+# The tools' own outcome, outside the trainer's contract: `python -m trainer.compile` compiled the program but
+# it does not fit the chip's memory.
+EXIT_DOES_NOT_FIT = 4
 
 # (code, status word printed on the STATUS line and in the `finish` event, meaning) for docs and tests.
 EXIT_CODES = (

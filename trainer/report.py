@@ -27,13 +27,12 @@ import os
 import sys
 import textwrap
 
-from trainer.errors import UserInputError, tool_main
+from trainer.errors import EXIT_OK, UserInputError, tool_main
 from trainer.io.paths import is_remote, resolve
 from trainer.io.staging import check_writable, staged_file
 from trainer.observe import catalogue
 
 PROG = "python -m trainer.report"
-EXIT_OK, EXIT_NO_RUN = 0, 2
 DEFAULT_NAME = "report.png"
 
 

@@ -50,18 +50,19 @@ def signature(tree, *, orbax_layout: bool) -> Signature:
 
 
 def stored_orbax_signature(step_dir: epath.PathLike) -> Signature | None:
-    """The state item's signature from Orbax's metadata (no array read); None when it cannot be read."""
-    import orbax.checkpoint as ocp
+    """The state item's signature from its stored layout (no array read, and no JAX backend: a process of
+    a multi-process job reads it before joining the job); None when it cannot be read."""
+    from trainer.distributed.internals import orbax_stored_arrays
 
     try:
-        with ocp.PyTreeCheckpointer() as checkpointer:
-            meta = checkpointer.metadata(epath.Path(step_dir) / "state")
-        tree = getattr(meta, "item_metadata", meta)
-        tree = getattr(tree, "tree", tree)
-        return signature(tree, orbax_layout=False) or None
+        arrays = orbax_stored_arrays(epath.Path(step_dir) / "state")
     except Exception as e:  # noqa: BLE001 - unreadable metadata is for the restore's verification to judge
         log.debug("no state metadata in %s: %s", step_dir, e)
         return None
+    return {
+        "".join(f"[{key}]" if kind == 1 else f"[{key!r}]" for key, kind in path): (shape, str(jnp.dtype(dtype)))
+        for path, (shape, dtype) in arrays.items()
+    } or None
 
 
 def stored_local_signature(manifest: dict) -> Signature:

@@ -19,9 +19,15 @@ Orbax (checked against 0.12.8):
   so that every barrier between processes watches its members' heartbeats.
 - `orbax.checkpoint._src.path.atomicity.{AtomicRenameTemporaryPath, CommitFileTemporaryPath}`: the
   commit of a step (rename locally, marker on object stores), subclassed to check the save's fence.
+- The on-disk layout of a PyTree item (OCDBT + zarr v2): `_METADATA` (JSON: each leaf's key path) and
+  `<param name>/.zarray` (shape, dtype) in the item's OCDBT database, read with tensorstore alone.
+  Orbax's own metadata API initialises JAX's backends (its handler asks for the process index), which a
+  multi-process job must not do before joining: the preflight reads the layout directly instead.
 """
 
 from __future__ import annotations
+
+import json
 
 GLOO_RENDEZVOUS_DIR = "cpu:gloo"  # gloo's rendezvous keys: cpu:gloo/<device ids>/<rank>
 CPU_TOPOLOGY_KEY = "cpu:global_topology"  # published by process 0 when its CPU client is created
@@ -90,3 +96,41 @@ def orbax_commit_classes() -> tuple[type, type]:
     from orbax.checkpoint._src.path import atomicity
 
     return atomicity.AtomicRenameTemporaryPath, atomicity.CommitFileTemporaryPath
+
+
+def _ocdbt_base(item_dir: str) -> dict | str:
+    """tensorstore's kvstore spec of an item directory, local or gs://."""
+    import os
+
+    if item_dir.startswith("gs://"):
+        bucket, _, path = item_dir[len("gs://") :].partition("/")
+        return {"driver": "gcs", "bucket": bucket, "path": path.rstrip("/") + "/"}
+    return "file://" + os.path.abspath(item_dir).rstrip("/") + "/"
+
+
+def orbax_stored_arrays(item_dir) -> dict[tuple[tuple[str, int], ...], tuple[tuple[int, ...], str]]:
+    """{key path: (global shape, dtype name)} of every array a PyTree item stores, without JAX's backends;
+    key path entries are (key, kind) with kind 1 = sequence index, 2 = dict key (Orbax's key types)."""
+    import numpy as np
+    import tensorstore as ts
+    from etils import epath
+
+    item_dir = str(item_dir)
+    meta = json.loads((epath.Path(item_dir) / "_METADATA").read_text())
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": _ocdbt_base(item_dir)}).result()
+    out = {}
+    for entry in meta["tree_metadata"].values():
+        if entry["value_metadata"].get("value_type") in ("None", "Empty"):
+            continue  # an empty node (an optimizer's empty state): no array, not a leaf of the live tree
+        keys = tuple((str(k["key"]), int(k["key_type"])) for k in entry["key_metadata"])
+        name = ".".join(k for k, _ in keys)
+        found = kv.read(f"{name}/.zarray").result()
+        if found.state != "value":
+            raise FileNotFoundError(f"{item_dir}: no array metadata for {name}")
+        zarray = json.loads(bytes(found.value))
+        dtype = zarray["dtype"]
+        out[keys] = (
+            tuple(int(d) for d in zarray["shape"]),
+            dtype if dtype == "bfloat16" else np.dtype(dtype).name,
+        )
+    return out

@@ -7,6 +7,19 @@ import dataclasses
 from trainer.config import load_config
 from trainer.data.synthetic import SyntheticIterator
 
+# A model that compiles in well under a second: 1 layer, d=32, vocab 128, sequence 16.
+NANO_MODEL = [
+    "model=qwen3-tiny",
+    "base_num_decoder_layers=1",
+    "base_emb_dim=32",
+    "base_num_query_heads=2",
+    "base_num_kv_heads=1",
+    "head_dim=16",
+    "base_mlp_dim=64",
+    "vocab_size=128",
+    "max_target_length=16",
+]
+
 
 def micro_config(*overrides: str):
     """A config whose model compiles in a second or two: 2 layers, d=64, vocab 256, sequence 16."""

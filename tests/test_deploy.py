@@ -8,17 +8,16 @@ stub `xpk` / `srun` / `python` commands to check the quoting and the restart pol
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from deploy_stubs import BASH, run_xpk_script, stub
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -27,7 +26,6 @@ if str(REPO) not in sys.path:
 from scripts.deploy import render as R  # noqa: E402
 from trainer.config import ConfigError, load_config  # noqa: E402
 
-BASH = shutil.which("bash")
 needs_bash = pytest.mark.skipif(BASH is None, reason="bash not installed")
 
 IMAGE = "us-docker.pkg.dev/my-proj/trainer/trainer:v1"
@@ -261,13 +259,6 @@ def test_shell_scripts_pass_bash_n(target, pset, tmp_path):
     _bash_n(R.render(target, PARAM_SETS[pset]).text, tmp_path)
 
 
-def _stub(bin_dir: Path, name: str, body: str) -> None:
-    bin_dir.mkdir(exist_ok=True)
-    f = bin_dir / name
-    f.write_text("#!/usr/bin/env bash\n" + body)
-    f.chmod(0o755)
-
-
 @needs_bash
 @pytest.mark.parametrize("pset", PARAM_SETS)
 def test_xpk_script_runs_against_a_stub_xpk(pset, tmp_path):
@@ -275,29 +266,7 @@ def test_xpk_script_runs_against_a_stub_xpk(pset, tmp_path):
     command survives the shell quoting intact."""
     p = PARAM_SETS[pset]
     r = R.render("xpk", p)
-    script = tmp_path / "submit.sh"
-    script.write_text(r.text)
-    record = tmp_path / "xpk_argv.json"
-    _stub(
-        tmp_path / "bin",
-        "xpk",
-        f'python3 -c \'import json, sys; json.dump(sys.argv[1:], open("{record}", "w"))\' "$@"\n',
-    )
-    env = {
-        **os.environ,
-        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
-        "PROJECT": "my-proj",
-        "ZONE": "us-east5-b",
-        "CLUSTER": "my-cluster",
-    }
-    out = subprocess.run([BASH, str(script), "--priority=high"], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    args = json.loads(record.read_text())
-    assert args[:2] == ["workload", "create-pathways"]
-    flags = {}
-    for a in args[2:]:
-        k, _, v = a.partition("=")
-        flags.setdefault(k, []).append(v)
+    flags = run_xpk_script(tmp_path, r.text, "--priority=high", cluster=("my-proj", "us-east5-b", "my-cluster"))
     assert flags["--num-slices"] == [str(p.slices)]
     assert flags["--tpu-type"] == [p.tpu_type]
     assert flags["--docker-image"] == [p.image]
@@ -447,9 +416,9 @@ def test_slurm_directives_and_env(pset, platform):
 
 def _fake_slurm(tmp_path: Path, script_text: str, python_body: str, extra_env: dict | None = None):
     """Run the sbatch script with stub srun/scontrol (N tasks, one after the other) and a stub python."""
-    _stub(tmp_path / "bin", "scontrol", 'printf "node-a\\nnode-b\\nnode-c\\nnode-d\\n"\n')
+    stub(tmp_path / "bin", "scontrol", 'printf "node-a\\nnode-b\\nnode-c\\nnode-d\\n"\n')
     # srun: skip its own options, then run the command once per task with SLURM_PROCID set.
-    _stub(
+    stub(
         tmp_path / "bin",
         "srun",
         r"""
@@ -461,7 +430,7 @@ done
 exit $rc
 """,
     )
-    _stub(tmp_path / "bin", "python", python_body)
+    stub(tmp_path / "bin", "python", python_body)
     script = tmp_path / "job.sbatch"
     script.write_text(script_text)
     env = {
@@ -524,8 +493,8 @@ def test_slurm_mounts_shared_output_dirs_into_the_container(tmp_path):
     shared = tmp_path / "shared"
     p = _params("reference", output_dir=str(shared / "runs"))
     text = R.render("slurm", p).text
-    _stub(tmp_path / "bin", "srun", 'printf "%s\\n" "$@" > "$LOG"\n')
-    _stub(tmp_path / "bin", "scontrol", "echo node-a\n")
+    stub(tmp_path / "bin", "srun", 'printf "%s\\n" "$@" > "$LOG"\n')
+    stub(tmp_path / "bin", "scontrol", "echo node-a\n")
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     env = {

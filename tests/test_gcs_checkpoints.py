@@ -145,10 +145,16 @@ def test_generations_and_create_only_writes(gcs):
     assert gcs.delete(bucket, "other") and not gcs.delete(bucket, "other")
 
 
-def _train(server, tmp_path: Path, pod: str, *args: str) -> subprocess.CompletedProcess:
+def _env(server, tmp_path: Path, pod: str) -> dict:
     env = cli_env(1)
     env.update(server.env)
     env.update({"TRAINER_LOCAL_RUN_ROOT": str(tmp_path / pod), "TRAINER_CACHE_DIR": str(tmp_path / pod / "cache")})
+    return env
+
+
+def _train(server, tmp_path: Path, pod: str, *args: str) -> subprocess.CompletedProcess:
+    """The CLI on one pod (its own local mirror and cache), reaching gs:// through the server."""
+    env = _env(server, tmp_path, pod)
     return subprocess.run(
         [sys.executable, "-m", "trainer.train", "base.yml", *MICRO, *args],
         capture_output=True,
@@ -188,13 +194,6 @@ def test_the_cli_checkpoints_to_gs_and_a_fresh_pod_resumes_from_the_bucket(gcs_s
     assert not [n for n in names if ".orbax-checkpoint-tmp" in n]
     metrics = [json.loads(line) for line in gcs_server.read(bucket, "runs/gcs/metrics.jsonl").splitlines()]
     assert [r["step"] for r in metrics] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
-
-
-def _env(server, tmp_path: Path, pod: str) -> dict:
-    env = cli_env(1)
-    env.update(server.env)
-    env.update({"TRAINER_LOCAL_RUN_ROOT": str(tmp_path / pod), "TRAINER_CACHE_DIR": str(tmp_path / pod / "cache")})
-    return env
 
 
 def _mirror(tmp_path: Path, pod: str, run_dir: str) -> Path:

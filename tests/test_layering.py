@@ -142,6 +142,15 @@ def _imports(module: str) -> set[str]:
 GRAPH = {m: _imports(m) for m in MODULES}
 
 
+def test_the_import_graph_sees_top_level_imports_imports_inside_functions_and_submodules():
+    assert "trainer.runtime.loop" in GRAPH["trainer.elastic.supervisor"]  # from trainer.runtime.loop import ...
+    assert "trainer.config.fault_schedule" in GRAPH["trainer.config.validate"]  # inside a function
+    assert (
+        "trainer.checkpoint.verify" in GRAPH["trainer.checkpoint.checkpointer"]
+    )  # from trainer.checkpoint import verify
+    assert _layer("trainer.run") > _layer("trainer.runtime.loop") > _layer("trainer.config.schema")
+
+
 def test_every_module_belongs_to_a_declared_layer():
     assert not [m for m in MODULES if _layer(m) is None]
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from helpers import NANO_MODEL
 
 import trainer.runtime.layout
 from trainer import compile as compile_cli
@@ -33,15 +34,7 @@ RUNTIME = (
 )
 # Two slices, gradient accumulation and an eval step: every part of the layout that differs between runs.
 MICRO = [
-    "model=qwen3-tiny",
-    "base_num_decoder_layers=1",
-    "base_emb_dim=32",
-    "base_num_query_heads=2",
-    "base_num_kv_heads=1",
-    "head_dim=16",
-    "base_mlp_dim=64",
-    "vocab_size=128",
-    "max_target_length=16",
+    *NANO_MODEL,
     "gradient_accumulation_steps=2",
     "eval_interval=5",
     "eval_steps=1",

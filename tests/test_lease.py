@@ -6,14 +6,14 @@ in tests/test_gcs_checkpoints.py; the protocol is the same code.
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
 from trainer.checkpoint.fence import FencedWrite, SaveFence
-from trainer.checkpoint.lease import LeaseHeld, Owner, RunLease, job_identity
+from trainer.checkpoint.lease import LeaseHeld, Owner, RunLease, _alive_here, job_identity
 
 
 class Clock:
@@ -79,9 +79,13 @@ def test_a_dead_process_of_this_host_is_taken_over_at_once(tmp_path):
 
 
 def test_a_live_process_of_this_host_is_not_taken_for_dead(tmp_path):
+    me = Owner.this_process()
+    assert _alive_here(dataclasses.asdict(me)) is True, "this process, by pid, boot and start time"
+    reused = dataclasses.replace(me, started=str(int(me.started or 0) + 1))
+    assert _alive_here(dataclasses.asdict(reused)) is False, "a reused pid is not its old owner"
+    assert _alive_here({**dataclasses.asdict(me), "host": "elsewhere"}) is None, "another host: unknown"
     RunLease(tmp_path, stale_s=3600).acquire()  # this very process
-    other_job = Owner.this_process()
-    other = RunLease(tmp_path, stale_s=3600, owner=Owner(other_job.host, os.getpid(), "x", "", ""))
+    other = RunLease(tmp_path, stale_s=3600, owner=dataclasses.replace(me, job="x"))
     with pytest.raises(LeaseHeld):
         other.acquire()
 

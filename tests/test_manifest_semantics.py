@@ -48,7 +48,6 @@ trainer (`python`) that exits with a scripted sequence of codes (https://slurm.s
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import shutil
@@ -63,6 +62,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from deploy_stubs import BASH, run_xpk_script, stub
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -70,7 +70,6 @@ if str(REPO) not in sys.path:
 
 from scripts.deploy import render as R  # noqa: E402
 
-BASH = shutil.which("bash")
 needs_bash = pytest.mark.skipif(BASH is None, reason="bash not installed")
 
 IMAGE = "us-docker.pkg.dev/my-proj/trainer/trainer:v1"
@@ -640,39 +639,10 @@ def test_trainer_pods_get_the_stop_timeout_plus_10_s(target, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # xpk: the JobSet `xpk workload create-pathways` builds from the rendered command, under the same rules.
 # ------------------------------------------------------------------------------------------------
-def _stub(bin_dir: Path, name: str, body: str) -> None:
-    bin_dir.mkdir(exist_ok=True)
-    f = bin_dir / name
-    f.write_text("#!/usr/bin/env bash\n" + body)
-    f.chmod(0o755)
-
-
 def _xpk_flags(tmp_path: Path, p: R.DeployParams) -> tuple[dict[str, list[str]], list[str]]:
     """Run the rendered submit script against a stub xpk; its flags, and the renderer's warnings."""
     r = R.render("xpk", p)
-    script = tmp_path / "submit.sh"
-    script.write_text(r.text)
-    record = tmp_path / "xpk_argv.json"
-    _stub(
-        tmp_path / "bin",
-        "xpk",
-        f'python3 -c \'import json, sys; json.dump(sys.argv[1:], open("{record}", "w"))\' "$@"\n',
-    )
-    env = {
-        **os.environ,
-        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
-        "PROJECT": "p",
-        "ZONE": "z",
-        "CLUSTER": "c",
-    }
-    out = subprocess.run([BASH, str(script)], env=env, capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
-    args = json.loads(record.read_text())
-    assert args[:2] == ["workload", "create-pathways"]
-    flags: dict[str, list[str]] = {}
-    for a in args[2:]:
-        k, _, v = a.partition("=")
-        flags.setdefault(k, []).append(v)
+    flags = run_xpk_script(tmp_path, r.text, cluster=("p", "z", "c"))
     return flags, r.warnings
 
 
@@ -868,7 +838,7 @@ def _slurm_setup(tmp_path: Path, codes: list[int], tasks: int, trainer: str, env
     stubs.mkdir()
     bin_dir = tmp_path / "bin"
     for name, body in (("srun", SRUN), ("scontrol", SCONTROL), ("sleep", SLEEP), ("python", trainer)):
-        _stub(bin_dir, name, body)
+        stub(bin_dir, name, body)
     for task in range(tasks):
         (stubs / f"codes.{task}").write_text("".join(f"{c}\n" for c in codes))
     script = tmp_path / "job.sbatch"

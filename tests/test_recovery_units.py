@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import NANO_MODEL
 
 from trainer.config import load_config
 from trainer.config.fault_schedule import Fault
@@ -141,15 +142,7 @@ def test_a_retry_on_slices_seen_before_reuses_their_layout_and_builds_fresh_stat
     cfg = load_config(
         "base.yml",
         [
-            "model=qwen3-tiny",
-            "base_num_decoder_layers=1",
-            "base_emb_dim=32",
-            "base_num_query_heads=2",
-            "base_num_kv_heads=1",
-            "head_dim=16",
-            "base_mlp_dim=64",
-            "vocab_size=128",
-            "max_target_length=16",
+            *NANO_MODEL,
             "num_slices=2",
             "enable_checkpointing=false",
             f"base_output_directory={tmp_path}",

@@ -18,8 +18,6 @@ import json
 import logging
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 from etils import epath
 
 from trainer.checkpoint import compat
@@ -150,15 +148,11 @@ def abstract_state(cfg: RunConfig) -> dict:
     """The train state {"step", "params", "opt_state"} `cfg` builds, as shapes: no mesh."""
     from trainer import model as qwen3
     from trainer.runtime.optim import learning_rate_schedule, make_optimizer
+    from trainer.runtime.state import abstract_train_state
 
     schedule = learning_rate_schedule(cfg.optim, steps=cfg.train.steps, lr_scale=1.0)
     optimizer = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model), schedule=schedule)
-    params = qwen3.abstract_params(cfg.model)
-    return {
-        "step": jax.ShapeDtypeStruct((), jnp.int32),
-        "params": params,
-        "opt_state": jax.eval_shape(optimizer.init, params),
-    }
+    return abstract_train_state(cfg.model, optimizer)
 
 
 def describe_mismatch(cfg: RunConfig, saved: compat.SavedStep) -> str | None:

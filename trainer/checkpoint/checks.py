@@ -107,17 +107,18 @@ def check_params_match(ckpt, cfg, *, fix: str, flag: str = "--checkpoint") -> No
 
 
 def _stored_param_shapes(ckpt: epath.Path) -> dict[str, tuple[int, ...]] | None:
-    import orbax.checkpoint as ocp
+    """{'layers/mlp/down_proj': shape} of the stored params, read as the preflight reads a saved step
+    (`compat.stored_orbax_signature`: no array read, no JAX backend); None when it cannot be read."""
+    from trainer.checkpoint.compat import display, stored_orbax_signature
 
-    try:
-        with ocp.PyTreeCheckpointer() as checkpointer:
-            meta = checkpointer.metadata(ckpt / "state")
-        tree = getattr(meta, "item_metadata", meta)
-        tree = getattr(tree, "tree", tree)
-        return _shapes(tree["params"])
-    except Exception as e:  # noqa: BLE001 - an optional pre-check; the restore checks shapes too
-        log.debug("no param metadata in %s: %s", ckpt, e)
+    stored = stored_orbax_signature(ckpt)
+    if stored is None:  # an optional pre-check; the restore checks shapes too
         return None
+    return {
+        display(path).removeprefix("params/"): shape
+        for path, (shape, _) in stored.items()
+        if display(path).startswith("params/")
+    }
 
 
 def _shapes(tree) -> dict[str, tuple[int, ...]]:

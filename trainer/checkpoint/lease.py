@@ -95,7 +95,7 @@ class Owner:
         return cls(socket.gethostname(), pid, job_identity(env), _boot_id(), _start_ticks(pid))
 
     def describe(self) -> str:
-        return f"job {self.job or '(none)'} on host {self.host}, pid {self.pid}"
+        return _describe(dataclasses.asdict(self))
 
 
 def _alive_here(owner: dict) -> bool | None:

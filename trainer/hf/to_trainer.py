@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.hf.checkpoints import save_params
-from trainer.hf.load import open_hf, read_hf_params
+from trainer.hf.load import load_hf
 from trainer.hf.outputs import check_output
 from trainer.io.paths import resolve
 from trainer.io.staging import staged_dir
@@ -33,14 +33,13 @@ def hf_to_trainer(
     written aside; the output appears (or replaces the old one, with overwrite) only when complete."""
     hf_dir = resolve(hf_dir)
     output_dir = check_output(output_dir, overwrite=overwrite, flag="--output-dir", inputs=[hf_dir])
-    cfg, reader, plan = open_hf(
+    cfg, params = load_hf(
         hf_dir,
         dtype=dtype,
         weight_dtype=weight_dtype,
         scan_layers=scan_layers,
         moe_capacity_factor=moe_capacity_factor,
     )
-    params = read_hf_params(reader, plan, weight_dtype)
     with staged_dir(output_dir, overwrite=overwrite) as staging:
         save_params(staging, params)
         del params

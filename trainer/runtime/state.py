@@ -17,18 +17,26 @@ from trainer.config.schema import ModelConfig
 from trainer.parallel.rules import tree_shardings
 
 
+def abstract_train_state(model: ModelConfig, optimizer) -> dict:
+    """The train state {"step", "params", "opt_state"} as shapes and dtypes, on no mesh (no device touched:
+    the preflight compares it with a saved step before a multi-process job has joined)."""
+    params = qwen3.abstract_params(model)
+    return {
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+        "params": params,
+        "opt_state": jax.eval_shape(optimizer.init, params),
+    }
+
+
 def state_shardings(model: ModelConfig, rules: Sequence, mesh: Mesh, optimizer) -> tuple[Any, Any]:
     """(shardings, abstract state) of the train state on this mesh, from the logical axis rules."""
-    logical = qwen3.param_logical_axes(model)
-    abstract_params = qwen3.abstract_params(model)
-    param_sh = tree_shardings(logical, abstract_params, mesh, rules)
+    abstract = abstract_train_state(model, optimizer)
+    param_sh = tree_shardings(qwen3.param_logical_axes(model), abstract["params"], mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
-    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     opt_sh = optax.tree_map_params(
-        optimizer, lambda _, s: s, abstract_opt, param_sh, transform_non_params=lambda _: replicated
+        optimizer, lambda _, s: s, abstract["opt_state"], param_sh, transform_non_params=lambda _: replicated
     )
     shardings = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
-    abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract_params, "opt_state": abstract_opt}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     return shardings, abstract
 

@@ -9,9 +9,11 @@ cost tens of CPU-seconds each even for qwen3-tiny, so these use short sequences 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from trainer.config import load_config
@@ -35,6 +37,30 @@ def compile_cli(cwd, *args: str, timeout: int = 900) -> tuple[int, dict, str]:
     )
     report = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else {}
     return proc.returncode, report, proc.stderr
+
+
+def gradient_shard_bytes(cfg, mesh_shape: dict, *, itemsize: int = 2, lanes: int = 128) -> int:
+    """One chip's shard of every gradient in the reduce dtype (bfloat16), each shard's minor dimension
+    padded to whole lanes of the TPU tile, as the cross-slice transfer lays it out."""
+    from types import SimpleNamespace
+
+    from trainer.model import abstract_params, param_logical_axes
+    from trainer.parallel.rules import logical_to_spec
+
+    mesh = SimpleNamespace(shape=mesh_shape)
+    total = 0
+    for names, leaf in zip(
+        jax.tree.leaves(param_logical_axes(cfg.model), is_leaf=lambda x: isinstance(x, tuple)),
+        jax.tree.leaves(abstract_params(cfg.model)),
+    ):
+        spec = logical_to_spec(names, leaf.shape, mesh, cfg.mesh.logical_axis_rules)
+        shard = [
+            size // math.prod(mesh_shape[a] for a in ((e,) if isinstance(e, str) else e or ()))
+            for size, e in zip(leaf.shape, tuple(spec) + (None,) * (len(leaf.shape) - len(spec)))
+        ]
+        shard[-1] = -(-shard[-1] // lanes) * lanes
+        total += math.prod(shard) * itemsize
+    return total
 
 
 def analytic_argument_bytes(overrides: list[str], *, fsdp: int, rows_per_chip: int) -> int:
@@ -174,3 +200,29 @@ def test_mini_compiles_and_fits(tmp_path, topology, slices):
     assert mem["arguments"] == pytest.approx(mem["state_tiled"] + batch, rel=0.10)
     assert layout["collectives"]["ici"]["all-gather"]["count"] > 0
     assert ("dcn" in layout["collectives"]) == (slices == "2")
+
+
+def test_across_slices_only_the_gradient_shard_travels_and_no_logits_are_reduced(tmp_path):
+    """The guard on what the step sends where: slices are data-parallel replicas, so the DCN carries the
+    gradient reduction and nothing else (one gradient shard per chip per step, in the reduce dtype, as the
+    transfer lays it out: minor dimensions padded to the tile's 128 lanes), and the loss never reduces
+    float32 [tokens, vocab] logits over the ICI."""
+    model = ["model=qwen3-tiny", "max_target_length=384"]  # 768 tokens per chip: not a multiple of emb_dim
+    code, report, err = compile_cli(tmp_path, *model, "compile_topology=v5e-4", "compile_topology_num_slices=2")
+    assert code == 0, err[-3000:]
+    cfg = load_config("base.yml", model)
+    (layout,) = report["layouts"]
+    dcn = layout["collectives"]["dcn"]
+    assert set(dcn) <= {"all-reduce", "reduce-scatter"}, dcn
+    sent = sum(v["bytes"] for v in dcn.values())
+    assert (
+        0.95 * gradient_shard_bytes(cfg, layout["mesh"])
+        <= sent
+        <= 1.05 * gradient_shard_bytes(cfg, layout["mesh"])
+    )
+    vocab, emb = cfg.model.vocab_size, cfg.model.base_emb_dim
+    for c in layout["largest_collectives"]:
+        for array in c["shape"].split(", "):
+            dims = [int(d) for d in array.partition("[")[2].rstrip("]").split(",") if d]
+            if c["network"] == "ici" and c["kind"] == "all-reduce" and array.startswith("f32") and vocab in dims:
+                assert all(d in (vocab, emb) for d in dims), f"logits reduced over the ICI: {c}"

@@ -182,7 +182,10 @@ def _train(cfg, paths, checked, config_text: str) -> int:
                 f"target_eval_loss={cfg.eval.target_eval_loss} run_dir={paths.run_dir}"
             )
         else:
-            code, status, line = EXIT_OK, "finished", f"finished step={outcome.step} run_dir={paths.run_dir}"
+            trained = outcome.step - (checked.resume_step or 0)
+            resumed = "" if trained else f" (resumed at step {outcome.step}: nothing left to train; raise steps=)"
+            code, status = EXIT_OK, "finished"
+            line = f"finished step={outcome.step} trained={trained}{resumed} run_dir={paths.run_dir}"
         fields = {"step": outcome.step}
     except Preempted as e:
         log.warning("stopped by SIGTERM during %s; rerun the same command to resume", e.phase)

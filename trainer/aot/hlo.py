@@ -47,6 +47,7 @@ class Collective:
     buffer_bytes: int  # per chip, one execution
     group_size: int  # chips taking part (slices, for DCN)
     executions: int  # per step (loop trip counts multiplied)
+    shape: str = ""  # the arrays it moves, without layouts: "f32[2048,151936]"
 
     @property
     def traffic_bytes(self) -> float:
@@ -80,6 +81,27 @@ def array_bytes(shape: str) -> list[int]:
     return out
 
 
+def _shapes(shape: str) -> str:
+    """'(f32[2,3]{1,0:T(8,128)}, u32[])' -> 'f32[2,3], u32[]'."""
+    return ", ".join(f"{dtype}[{dims}]" for dtype, dims in _ARRAY.findall(shape) if dtype in _DTYPE_BYTES)
+
+
+def largest(found: list[Collective], n: int = 8) -> list[dict]:
+    """The `n` collectives that move the most bytes per step: what to look at first."""
+    ranked = sorted(found, key=lambda c: c.buffer_bytes * c.executions, reverse=True)[:n]
+    return [
+        {
+            "network": c.network,
+            "kind": c.kind,
+            "shape": c.shape,
+            "group_size": c.group_size,
+            "executions": c.executions,
+            "bytes": c.buffer_bytes * c.executions,
+        }
+        for c in ranked
+    ]
+
+
 def _group_size(line: str, default: int) -> int:
     m = _GROUPS_LIST.search(line)
     if m:
@@ -110,7 +132,7 @@ def _parse(text: str):
 
 
 def _trip_count(condition: list[str]) -> int:
-    consts = [int(c) for line in condition for c in re.findall(r"s32\[\][^=]*constant\((\d+)\)", line)]
+    consts = [int(c) for line in condition for c in re.findall(r"[su](?:32|64)\[\][^=]*constant\((\d+)\)", line)]
     return max(consts) if consts else 1
 
 
@@ -134,11 +156,12 @@ def collectives(text: str, *, devices_per_slice: int, num_slices: int) -> list[C
                     sizes = [max(sizes, default=0)]  # (operand, result, ...): the larger one
                 group = _group_size(line, devices_per_slice)
                 size = sum(sizes) * (group if kind == "reduce-scatter" else 1)
-                found.append(Collective(kind, "ici", size, group, times))
+                found.append(Collective(kind, "ici", size, group, times, _shapes(shape)))
             elif opcode == "send" and _MEGASCALE in line:
                 r = _RENDEZVOUS.search(line)
                 kind = r.group(1) if r and r.group(1) in KINDS else "all-reduce"
-                found.append(Collective(kind, "dcn", (array_bytes(shape) or [0])[0], num_slices, times))
+                moved = _shapes(shape).split(", ")[0]  # (data, u32[] context, token[])
+                found.append(Collective(kind, "dcn", (array_bytes(shape) or [0])[0], num_slices, times, moved))
             if opcode == "while":
                 body = re.search(r"body=%?([\w.\-]+)", line)
                 cond = re.search(r"condition=%?([\w.\-]+)", line)

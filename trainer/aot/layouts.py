@@ -49,6 +49,7 @@ class LayoutResult:
     # The eval step on the same mesh (eval_interval > 0), {} when eval is off: its compile time and
     # per-chip bytes while it runs next to the resident train state.
     eval: dict = dataclasses.field(default_factory=dict)
+    largest_collectives: list = dataclasses.field(default_factory=list)  # hlo.largest: per step and chip
 
     @property
     def fits(self) -> bool:
@@ -109,6 +110,7 @@ def compile_layout(spec: TrainSpec, slices: list[list], target: Target, *, label
         state_bytes=tree_nbytes(layout.abstract_state),
         attention=_attention_kernel(spec, target),
         eval=eval_report,
+        largest_collectives=hlo.largest(found),
     )
     log.info(
         "event=compiled layout=%s chips=%d seconds=%.1f total_bytes=%d fits=%s",

@@ -193,6 +193,12 @@ class OptimConfig:
     gradient_clipping_threshold: float = key(1.0, "Global-norm gradient clipping; 0 disables.", minimum=0.0)
     gradient_accumulation_steps: int = key(1, "Micro-steps accumulated per optimizer step.", minimum=1)
     z_loss_multiplier: float = key(0.0, "Weight of the z-loss (log(Z)^2) regulariser.", minimum=0.0)
+    data_reduce_dtype: str = key(
+        "bfloat16",
+        "Dtype in which the gradients of the data-parallel replicas (slices) are summed, once per step: the "
+        "only traffic across slices (the DCN). bfloat16 halves it; float32 sums exactly in float32.",
+        choices=("bfloat16", "float32"),
+    )
 
 
 @dataclass(frozen=True)

@@ -358,17 +358,14 @@ def splash_attention(
         return per_shard(q, k, v, seg)
     from jax.sharding import PartitionSpec as P
 
-    from trainer.parallel.rules import logical_to_spec
-
     q_names = ("activation_batch", None, "activation_heads", None)
     kv_names = ("activation_batch", None, "activation_kv_heads", None)
-    q_spec = logical_to_spec(q_names, q.shape, shard.mesh, shard.rules)
-    kv_spec = logical_to_spec(kv_names, k.shape, shard.mesh, shard.rules)
+    q_spec, kv_spec = shard.spec(q_names, q.shape), shard.spec(kv_names, k.shape)
     if q_spec[2] != kv_spec[2]:
         kv_spec = P(kv_spec[0], None, None, None)  # kv heads do not split like q heads: keep them whole
         q_spec = P(q_spec[0], None, None, None)
     seg_spec = P(q_spec[0], None)
     specs = (q_spec, kv_spec, kv_spec, seg_spec)
-    return jax.shard_map(per_shard, mesh=shard.mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(
+    return jax.shard_map(per_shard, mesh=shard.context_mesh(), in_specs=specs, out_specs=q_spec, check_vma=False)(
         q, k, v, seg
     )

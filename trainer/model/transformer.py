@@ -35,6 +35,7 @@ is the HF name minus "model." and ".weight", layer i being layers.{i} (or index 
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -217,7 +218,10 @@ def _stringify_keys(tree):
     return tree
 
 
+@functools.lru_cache(maxsize=32)
 def _abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model's structure, built once per config outside any mesh context (NNX would otherwise give
+    its abstract params shardings on the context's mesh, which inside a shard_map is the manual one)."""
     return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(params=0)))
 
 
@@ -245,6 +249,7 @@ def param_logical_axes(cfg: ModelConfig) -> Params:
 def bind(cfg: ModelConfig, params: Params) -> Transformer:
     """An NNX Transformer whose Params are the given arrays (trace-time only under jit)."""
     graphdef, state = nnx.split(_abstract_model(cfg))
+    state = jax.tree.map(lambda x: x, state)  # a fresh State: the cached model's is shared
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
 

@@ -21,13 +21,14 @@ def _rule_table(rules: Sequence) -> dict[str, tuple[str, ...]]:
 
 
 def logical_to_spec(
-    names: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Sequence
+    names: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Sequence, *, skip: Sequence[str] = ()
 ) -> PartitionSpec:
     """Map each dim's logical name to mesh axes.
 
     A dim takes its rule's mesh axes in order while their product still divides the dim size, skipping
     axes of size 1 and axes an earlier dim already uses; so a 2-way kv_heads dim on a 4-way tensor axis
-    is replicated instead of failing, and `batch` over (data, fsdp) uses whichever axes exist.
+    is replicated instead of failing, and `batch` over (data, fsdp) uses whichever axes exist. Axes in
+    `skip` (manual ones, inside a shard_map over them) are never picked.
     """
     table = _rule_table(rules)
     used: set[str] = set()
@@ -40,7 +41,7 @@ def logical_to_spec(
             raise KeyError(f"logical axis {name!r} has no entry in logical_axis_rules; add [{name!r}, [...]]")
         picked, product = [], 1
         for axis in table[name]:
-            if axis not in mesh.shape or axis in used or mesh.shape[axis] == 1:
+            if axis not in mesh.shape or axis in used or axis in skip or mesh.shape[axis] == 1:
                 continue
             if size % (product * mesh.shape[axis]):
                 continue

@@ -240,11 +240,6 @@ def _program(spec: TrainSpec, layout: SliceLayout, step: Step) -> _Program:
     """The train step takes the whole state and donates it, returning (state, metrics); the eval step
     takes only the params (with the train state's shardings) and returns its loss sums, replicated."""
     mesh = layout.mesh
-    micro_spec = NamedSharding(mesh, layout.batch_sharding.spec)
-
-    def constrain_micro(micro):
-        return {k: jax.lax.with_sharding_constraint(v, micro_spec) for k, v in micro.items()}
-
     shard = ActivationSharding(mesh, spec.mesh.logical_axis_rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     if step == "train":
@@ -253,7 +248,8 @@ def _program(spec: TrainSpec, layout: SliceLayout, step: Step) -> _Program:
             layout.optimizer,
             z_loss_multiplier=spec.optim.z_loss_multiplier,
             micro_steps=layout.batch.micro_steps,
-            constrain_micro=constrain_micro,
+            batch_spec=layout.batch_sharding.spec,
+            data_reduce_dtype=spec.optim.data_reduce_dtype,
             learning_rate=layout.lr_schedule,
             shard=shard,
         )
@@ -264,7 +260,10 @@ def _program(spec: TrainSpec, layout: SliceLayout, step: Step) -> _Program:
         if layout.eval_batch is None:
             raise ValueError("this layout has no eval batch (eval_interval <= 0)")
         fn = make_eval_step(
-            spec.model, micro_steps=layout.eval_batch.micro_steps, constrain_micro=constrain_micro, shard=shard
+            spec.model,
+            micro_steps=layout.eval_batch.micro_steps,
+            batch_spec=layout.batch_sharding.spec,
+            shard=shard,
         )
         params = layout.abstract_state["params"]
         return _Program(fn, layout.eval_batch, params, layout.shardings["params"], replicated, ())

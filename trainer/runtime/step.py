@@ -13,42 +13,71 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
 
 from trainer import model as qwen3
 from trainer.config.schema import ModelConfig
+from trainer.model.layers import BTD
 from trainer.parallel.activations import UNSHARDED, ActivationSharding
 
-# Logits are computed over at most this many tokens at once (rematerialised in the backward pass),
-# so the [tokens, vocab] float32 matrix never exists in full: 8192 x 151936 x 4 B ~ 5 GB at most,
-# and for a 32k vocab ~1 GB.
-LOSS_CHUNK_TOKENS = 8192
+BATCH = ("activation_batch",)
+DATA = "data"  # the mesh axis of data-parallel replicas (slices x ici_data_parallelism)
+LOGITS = ("activation_batch", "activation_length", "activation_vocab")
+
+# Logits are computed for at most this many tokens per device at once (rematerialised in the backward
+# pass): 512 x 151936 x 4 B ~ 311 MB of float32 logits per device at most, ~67 MB for a 32k vocab.
+LOSS_CHUNK_TOKENS = 512
 
 
-def _chunk_losses(params, cfg: ModelConfig, hidden, targets, mask):
-    logits = qwen3.logits_from_hidden(params, cfg, hidden)  # float32 [n, vocab]
+def _chunk_losses(params, cfg: ModelConfig, shard: ActivationSharding, hidden, targets, mask):
+    """(ce sum, z sum) of a [B, c, D] chunk; the logits stay sharded by batch rows like the hidden states."""
+    logits = shard(qwen3.logits_from_hidden(params, cfg, hidden), LOGITS)  # float32 [B, c, vocab]
     lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jnp.sum((lse - target_logit) * mask), jnp.sum(jnp.square(lse) * mask)
 
 
-def token_losses(params, cfg: ModelConfig, hidden, targets, mask):
+def output_params(params, cfg: ModelConfig, shard: ActivationSharding) -> dict:
+    """The output projection (the tied embedding or lm_head) in the compute dtype, gathered whole on each
+    device once per step (outside the loss's chunk loop).
+
+    Every device then computes its own rows' logits over the whole vocabulary (its tensor shard of it),
+    so no [tokens, vocab] partial sum is ever reduced across devices, as it is when the compiler splits
+    the contraction over the fsdp-sharded model dimension instead."""
+    dt = jnp.dtype(cfg.dtype)
+    if cfg.logits_via_embedding:
+        return {"embed_tokens": shard(params["embed_tokens"].astype(dt), ("vocab", None))}
+    return {"lm_head": shard(params["lm_head"].astype(dt), (None, "vocab"))}
+
+
+def _sequence_chunks(rows_per_device: int, length: int) -> int:
+    """Fewest chunks, dividing `length`, whose logits hold at most LOSS_CHUNK_TOKENS tokens per device."""
+    for n in range(1, length + 1):
+        if length % n == 0 and rows_per_device * (length // n) <= LOSS_CHUNK_TOKENS:
+            return n
+    return length
+
+
+def token_losses(params, cfg: ModelConfig, hidden, targets, mask, *, shard: ActivationSharding = UNSHARDED):
     """Sum over tokens of cross-entropy and of log(Z)^2, with the mask applied, in float32.
 
-    Long inputs are split into chunks of LOSS_CHUNK_TOKENS, each checkpointed so the backward pass
-    recomputes its logits instead of keeping them.
+    The sequence is cut into chunks (the batch rows stay where they are, so no device ever exchanges
+    activations or logits for the loss), each checkpointed so the backward pass recomputes its logits
+    instead of keeping them; a device holds at most LOSS_CHUNK_TOKENS tokens' logits at once.
     """
-    d = hidden.shape[-1]
-    h, t, m = hidden.reshape(-1, d), targets.reshape(-1), mask.reshape(-1).astype(jnp.float32)
-    n = h.shape[0]
-    if n <= LOSS_CHUNK_TOKENS:
-        return _chunk_losses(params, cfg, h, t, m)
-    chunks = -(-n // LOSS_CHUNK_TOKENS)
-    pad = chunks * LOSS_CHUNK_TOKENS - n
-    h = jnp.pad(h, ((0, pad), (0, 0))).reshape(chunks, LOSS_CHUNK_TOKENS, d)
-    t = jnp.pad(t, (0, pad)).reshape(chunks, LOSS_CHUNK_TOKENS)
-    m = jnp.pad(m, (0, pad)).reshape(chunks, LOSS_CHUNK_TOKENS)
-    fn = jax.checkpoint(partial(_chunk_losses, params, cfg))
-    ce, z = jax.lax.map(lambda xs: fn(*xs), (h, t, m))
+    b, t = targets.shape
+    m = mask.astype(jnp.float32)
+    chunks = _sequence_chunks(-(-b // shard.shards(BATCH, b)), t)
+    fn = jax.checkpoint(partial(_chunk_losses, params, cfg, shard))
+    if chunks == 1:
+        return fn(hidden, targets, m)
+    c = t // chunks
+
+    def one(i):
+        cut = partial(jax.lax.dynamic_slice_in_dim, start_index=i * c, slice_size=c, axis=1)
+        return fn(shard(cut(hidden), BTD), cut(targets), cut(m))
+
+    ce, z = jax.lax.map(one, jnp.arange(chunks))
     return jnp.sum(ce), jnp.sum(z)
 
 
@@ -60,7 +89,9 @@ def loss_sums(
     hidden, aux_loss = qwen3.forward(
         params, cfg, batch["inputs"], batch["positions"], batch["segment_ids"], shard=shard
     )
-    ce, z = token_losses(params, cfg, hidden, batch["targets"], batch["loss_mask"])
+    ce, z = token_losses(
+        output_params(params, cfg, shard), cfg, hidden, batch["targets"], batch["loss_mask"], shard=shard
+    )
     tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
     objective = ce + z_loss_multiplier * z
     return objective, {"ce_sum": ce, "z_sum": z, "tokens": tokens, "aux_loss": aux_loss}
@@ -70,30 +101,61 @@ def _split_micro(batch: dict, n: int) -> dict:
     return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
 
+def _replicas(shard: ActivationSharding) -> int:
+    return shard.mesh.shape.get(DATA, 1) if shard.mesh is not None else 1
+
+
+def per_replica(fn: Callable, shard: ActivationSharding, combine: Callable) -> Callable:
+    """`(params, batch) -> combine(fn(params, batch, shard))`, run per data-parallel replica.
+
+    With a data axis over several devices the body is a `shard_map` manual over that axis: each replica
+    sees its own rows of the batch and a replicated copy of the params, the compiler partitions the rest
+    of the mesh (fsdp, tensor, expert) inside it, and only what `combine` sends (its psums) crosses the
+    data axis, which spans the slices (the DCN). With one replica it is `fn` as is."""
+    if _replicas(shard) == 1:
+        return lambda params, batch: fn(params, batch, shard)
+    inner = shard.within((DATA,))
+    return jax.shard_map(
+        lambda params, batch: combine(fn(params, batch, inner)),
+        mesh=shard.mesh,
+        in_specs=(PartitionSpec(), PartitionSpec(DATA)),
+        out_specs=PartitionSpec(),
+        axis_names={DATA},
+        check_vma=False,  # the splash kernel's own shard_map inside does not track varying axes
+    )
+
+
 def make_train_step(
     cfg: ModelConfig,
     optimizer: optax.GradientTransformation,
     *,
     z_loss_multiplier: float,
     micro_steps: int,
-    constrain_micro: Callable[[dict], dict] = lambda b: b,
+    batch_spec: PartitionSpec | None = None,
     learning_rate: optax.Schedule | None = None,
     shard: ActivationSharding = UNSHARDED,
+    data_reduce_dtype: str = "float32",
 ):
     """Build `train_step(state, batch)`.
 
     The global batch is split into `micro_steps` equal parts run in a scan; gradients of the token-summed
     objective are accumulated and divided once by the total token count, so k micro-steps give the same
     update as one k-times larger batch. The MoE aux loss is averaged over micro-steps.
-    `constrain_micro` pins each micro-batch's sharding and `shard` the model's activations (the caller
-    knows the mesh).
+    `batch_spec` pins each micro-batch's sharding and `shard` the model's activations (the caller knows
+    the mesh).
+
+    With a data axis over several devices (slices are data-parallel replicas), each replica computes and
+    accumulates its gradients in a `shard_map` manual over the data axis, and they are summed across
+    replicas once per step, in `data_reduce_dtype`: nothing but that gradient reduction crosses the
+    data axis (the DCN between slices), whatever the compiler would choose.
     `learning_rate`, the optimizer's schedule, adds the rate this update used to the metrics: computed
     inside the compiled step, since evaluating an optax schedule eagerly on the host compiles each of
     its ~12 jnp ops on first use (~1 s in every new process).
     """
 
-    def micro_grads(params, micro):
-        micro = constrain_micro(micro)
+    def micro_grads(params, micro, shard):
+        if batch_spec is not None:
+            micro = {k: shard.pin(v, batch_spec) for k, v in micro.items()}
 
         def objective(p):
             total, parts = loss_sums(p, cfg, z_loss_multiplier, micro, shard=shard)
@@ -102,21 +164,35 @@ def make_train_step(
         (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return grads, parts
 
+    def summed_grads(params, batch, shard):
+        if micro_steps == 1:
+            return micro_grads(params, batch, shard)
+
+        def body(acc, micro):
+            g, p = micro_grads(params, micro, shard)
+            return jax.tree.map(jnp.add, acc, (g, p)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        scalar = jnp.zeros((), jnp.float32)
+        init = (zeros, {"ce_sum": scalar, "z_sum": scalar, "tokens": scalar, "aux_loss": scalar})
+        (grads, parts), _ = jax.lax.scan(body, init, _split_micro(batch, micro_steps))
+        return grads, dict(parts, aux_loss=parts["aux_loss"] / micro_steps)
+
+    replicas = _replicas(shard)
+    # XLA:CPU aborts on a bfloat16 all-reduce in a shard_map; CPU slices are emulated (no DCN).
+    cpu = shard.mesh is not None and shard.mesh.devices.flat[0].platform == "cpu"
+    reduce_dtype = jnp.dtype("float32" if cpu else data_reduce_dtype)
+
+    def sum_replicas(out):
+        grads, parts = out
+        grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(reduce_dtype), DATA).astype(g.dtype), grads)
+        return grads, jax.lax.psum(dict(parts, aux_loss=parts["aux_loss"] / replicas), DATA)
+
+    gradients = per_replica(summed_grads, shard, sum_replicas)
+
     def train_step(state: dict[str, Any], batch: dict) -> tuple[dict[str, Any], dict]:
         params = state["params"]
-        if micro_steps == 1:
-            grads, parts = micro_grads(params, batch)
-        else:
-
-            def body(acc, micro):
-                g, p = micro_grads(params, micro)
-                return jax.tree.map(jnp.add, acc, (g, p)), None
-
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            scalar = jnp.zeros((), jnp.float32)
-            init = (zeros, {"ce_sum": scalar, "z_sum": scalar, "tokens": scalar, "aux_loss": scalar})
-            (grads, parts), _ = jax.lax.scan(body, init, _split_micro(batch, micro_steps))
-            parts = dict(parts, aux_loss=parts["aux_loss"] / micro_steps)
+        grads, parts = gradients(params, batch)
         denom = jnp.maximum(parts["tokens"], 1.0)
         grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
         loss, grad_norm = parts["ce_sum"] / denom, optax.tree.norm(grads)
@@ -152,7 +228,7 @@ def make_eval_step(
     cfg: ModelConfig,
     *,
     micro_steps: int = 1,
-    constrain_micro: Callable[[dict], dict] = lambda b: b,
+    batch_spec: PartitionSpec | None = None,
     shard: ActivationSharding = UNSHARDED,
 ):
     """Build `eval_step(params, batch) -> {"ce_sum", "tokens"}`: the forward pass only (no gradient, no
@@ -163,19 +239,21 @@ def make_eval_step(
     every mesh (the same tokens at every evaluation), so a smaller mesh runs it in more parts.
     """
 
-    def sums(params, batch):
-        _, parts = loss_sums(params, cfg, 0.0, constrain_micro(batch), shard=shard)
+    def sums(params, batch, shard):
+        if batch_spec is not None:
+            batch = {k: shard.pin(v, batch_spec) for k, v in batch.items()}
+        _, parts = loss_sums(params, cfg, 0.0, batch, shard=shard)
         return {"ce_sum": parts["ce_sum"], "tokens": parts["tokens"]}
 
-    def eval_step(params, batch: dict) -> dict:
+    def summed(params, batch, shard):
         if micro_steps == 1:
-            return sums(params, batch)
+            return sums(params, batch, shard)
 
         def body(acc, micro):
-            return jax.tree.map(jnp.add, acc, sums(params, micro)), None
+            return jax.tree.map(jnp.add, acc, sums(params, micro, shard)), None
 
         zero = jnp.zeros((), jnp.float32)
         out, _ = jax.lax.scan(body, {"ce_sum": zero, "tokens": zero}, _split_micro(batch, micro_steps))
         return out
 
-    return eval_step
+    return per_replica(summed, shard, lambda out: jax.lax.psum(out, DATA))

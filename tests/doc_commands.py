@@ -10,6 +10,8 @@ Every command gets one kind:
 - cluster: needs a cloud or cluster (`gcloud`, `docker push`, `xpk`, `kubectl`, `sbatch`, ...): not run here;
   what they deploy is rendered by `python -m scripts.deploy.render`, which runs as a local command;
 - shell: `export`, `cd`, `mkdir`: run as part of the block.
+A training command documented to resume a finished run (and so train nothing) says so in its own comment,
+`# resumes ...`; every other one must train at least one step.
 A command whose own comment starts with `# cluster:` (e.g. the TPU-sized headline command) is a cluster
 command too.
 An unknown program fails the classification test, so a new kind of documented command needs a decision.
@@ -36,6 +38,7 @@ class Command:
     text: str  # the command as printed (continuations joined)
     kind: str  # setup | suite | local | cluster | shell
     expect_fail: str = ""  # text expected on stderr (or "exit N") when documented to fail
+    resumes: bool = False  # documented (`# resumes`) to resume a finished run: it may train no step
 
     @property
     def argv(self) -> list[str]:
@@ -107,7 +110,8 @@ def commands(doc: Path) -> list[Command]:
         i = 0
         while i < len(body):
             first, text = i, _strip_comment(body[i])
-            on_cluster = body[i][len(text) :].strip().startswith("# cluster:")
+            comment = body[i][len(text) :].strip()
+            on_cluster, resumes = comment.startswith("# cluster:"), comment.startswith("# resumes")
             while text.endswith("\\") and i + 1 < len(body):
                 i += 1
                 text = text[:-1].rstrip() + " " + _strip_comment(body[i]).strip()
@@ -120,7 +124,9 @@ def commands(doc: Path) -> list[Command]:
             for part in (p.strip() for p in text.split(" && ")):
                 if part:
                     out.append(
-                        Command(rel, start + first, part, "cluster" if on_cluster else kind_of(part), expect)
+                        Command(
+                            rel, start + first, part, "cluster" if on_cluster else kind_of(part), expect, resumes
+                        )
                     )
     return out
 

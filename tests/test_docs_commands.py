@@ -22,6 +22,7 @@ from doc_commands import REPO, all_commands, commands, docs
 
 MAX_STEPS = 20
 STATUS_OK = re.compile(r"^STATUS: (finished|preempted)\b", re.M)
+TRAINED = re.compile(r"^STATUS: finished step=\d+ trained=(\d+)", re.M)
 
 
 def test_every_documented_command_has_a_kind():
@@ -102,8 +103,12 @@ def _expectation_met(cmd, proc) -> str:
         return ""
     if proc.returncode != 0:
         return f"exit {proc.returncode}"
-    if cmd.argv[:3] == ["python", "-m", "trainer.train"] and not STATUS_OK.search(proc.stdout):
-        return "no 'STATUS: finished' line"
+    if cmd.argv[:3] == ["python", "-m", "trainer.train"]:
+        if not STATUS_OK.search(proc.stdout):
+            return "no 'STATUS: finished' line"
+        trained = TRAINED.search(proc.stdout)
+        if trained and int(trained.group(1)) == 0 and not cmd.resumes:
+            return "it trained no step: it resumed a finished run (give it its own run_name, or say `# resumes`)"
     return ""
 
 

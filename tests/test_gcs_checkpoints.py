@@ -177,17 +177,17 @@ def test_the_cli_checkpoints_to_gs_and_a_fresh_pod_resumes_from_the_bucket(gcs_s
     run_dir = f"gs://{bucket}/runs/gcs"
 
     first = _train(gcs_server, tmp_path, "pod-a", "steps=6", *args)
-    assert first.stdout.strip().splitlines()[-1] == f"STATUS: finished step=6 run_dir={run_dir}", first.stderr[
-        -3000:
-    ]
+    assert first.stdout.strip().splitlines()[-1] == f"STATUS: finished step=6 trained=6 run_dir={run_dir}", (
+        first.stderr[-3000:]
+    )
     assert "(new run;" in first.stdout
     assert _committed_in_bucket(gcs_server, bucket, "runs/gcs/checkpoints") == [3, 6]
 
     # Another node (an empty local mirror): the checkpoint and the logs come from the bucket.
     second = _train(gcs_server, tmp_path, "pod-b", "steps=9", *args)
-    assert second.stdout.strip().splitlines()[-1] == f"STATUS: finished step=9 run_dir={run_dir}", second.stderr[
-        -3000:
-    ]
+    assert second.stdout.strip().splitlines()[-1] == f"STATUS: finished step=9 trained=3 run_dir={run_dir}", (
+        second.stderr[-3000:]
+    )
     assert "(resuming from step 6;" in second.stdout
     assert _committed_in_bucket(gcs_server, bucket, "runs/gcs/checkpoints") == [3, 6, 9]
     names = gcs_server.names(bucket, "runs/gcs/")

@@ -45,14 +45,14 @@ def records(path: Path) -> list[dict]:
 
 def test_a_fresh_directory_trains_with_relative_defaults_and_the_same_command_resumes(tmp_path):
     first = train(tmp_path, "steps=3")
-    assert status(first) == f"STATUS: finished step=3 run_dir={tmp_path / 'runs' / 'qwen3-tiny-synthetic'}", (
-        first.stderr[-3000:]
-    )
+    assert (
+        status(first) == f"STATUS: finished step=3 trained=3 run_dir={tmp_path / 'runs' / 'qwen3-tiny-synthetic'}"
+    ), first.stderr[-3000:]
     run_dir = tmp_path / "runs" / "qwen3-tiny-synthetic"
     assert (run_dir / "checkpoints" / "3" / "commit_success.txt").exists()
     assert "(new run;" in first.stdout
     again = train(tmp_path, "steps=3")
-    assert status(again).startswith("STATUS: finished step=3"), again.stderr[-3000:]
+    assert status(again).startswith("STATUS: finished step=3 trained=0 (resumed at step 3"), again.stderr[-3000:]
     assert "(resuming from step 3;" in again.stdout
     assert [r["step"] for r in records(run_dir / "metrics.jsonl")] == [1, 2, 3], "the rerun trained again"
     longer = train(tmp_path, "steps=5")
@@ -113,13 +113,13 @@ def test_relative_data_and_tokenizer_paths_a_glob_over_a_prepared_directory_and_
     (tmp_path / "tok").mkdir()
     shutil.copy(REPO / "data" / "tokenizer" / "fc_sp8k.model", tmp_path / "tok")
     proc = train(tmp_path, "steps=2", *DATA, "grain_train_files=mydata/*", "tokenizer_path=tok/fc_sp8k.model")
-    assert status(proc) == f"STATUS: finished step=2 run_dir={tmp_path / 'runs' / 'qwen3-tiny-mydata'}", (
-        proc.stderr[-3000:]
-    )
+    assert (
+        status(proc) == f"STATUS: finished step=2 trained=2 run_dir={tmp_path / 'runs' / 'qwen3-tiny-mydata'}"
+    ), proc.stderr[-3000:]
     proc = train(tmp_path, "steps=3", *DATA, "grain_train_files=mydata", "tokenizer_path=tok/fc_sp8k.model")
-    assert status(proc) == f"STATUS: finished step=3 run_dir={tmp_path / 'runs' / 'qwen3-tiny-mydata'}", (
-        proc.stderr[-3000:]
-    )
+    assert (
+        status(proc) == f"STATUS: finished step=3 trained=1 run_dir={tmp_path / 'runs' / 'qwen3-tiny-mydata'}"
+    ), proc.stderr[-3000:]
 
 
 def test_data_that_matches_nothing_exits_2_and_leaves_no_run_directory(tmp_path):
@@ -150,9 +150,9 @@ def test_data_tokenizer_and_logs_on_an_object_store_and_a_restarted_pod_continue
         "enable_checkpointing=false",
     ]
     first = train(tmp_path, *args, env=_bucket_env(gcs_server, tmp_path, "pod-a"))
-    assert status(first) == f"STATUS: finished step=2 run_dir=gs://{bkt}/runs/qwen3-tiny-data", first.stderr[
-        -3000:
-    ]
+    assert status(first) == f"STATUS: finished step=2 trained=2 run_dir=gs://{bkt}/runs/qwen3-tiny-data", (
+        first.stderr[-3000:]
+    )
 
     def remote(name: str) -> list[dict]:
         return [json.loads(line) for line in gcs_server.read(bkt, f"runs/qwen3-tiny-data/{name}").splitlines()]

@@ -6,8 +6,10 @@ Runs `python -m trainer.compile ... --json` (libtpu, no TPU) once per row below 
 table per compiled layout: fits or not, per-chip memory (params + optimizer from the shardings; the
 compiler's total against HBM), collective bytes per step and chip (ICI, DCN) and the roofline MFU.
 Every row uses the presets' defaults (bf16 compute, float32 weights and Adam state, remat full,
-per_device_batch_size 2, sequence 2048). TRAINER_SMOKE=1 compiles one tiny row instead (a check that
-the script works, not a measurement).
+per_device_batch_size 2, sequence 2048). It writes the record benchmarks/records/compile_presets.json,
+from which docs/running_at_scale.md's table is rendered (benchmarks/compile_vs_maxtext.py compares the
+seed's job with MaxText's). TRAINER_SMOKE=1 compiles one tiny row instead (a check that the script works,
+not a measurement) and records nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from records import write_record  # noqa: E402
 
 GIB = 1 << 30
 # (name, trainer.compile arguments). The seed's job: qwen3-0.6b on 3 x v5e-16 with its checkpoint and
@@ -54,9 +60,14 @@ def compile_row(args: list[str]) -> tuple[int, dict, float]:
     return proc.returncode, json.loads(proc.stdout), time.perf_counter() - t0
 
 
-def _gib_sum(collectives: dict, network: str) -> str:
-    """Collective buffer bytes per step and chip on one network, in GiB."""
-    return f"{sum(v['bytes'] for v in collectives.get(network, {}).values()) / GIB:.2f}"
+def _gb_sum(collectives: dict, network: str) -> str:
+    """Collective buffer bytes per step and chip on one network, in GB (1e9 bytes)."""
+    return f"{sum(v['bytes'] for v in collectives.get(network, {}).values()) / 1e9:.3f}"
+
+
+def _largest_row(layout: dict) -> str:
+    c = layout["largest_collectives"][0] if layout.get("largest_collectives") else None
+    return "" if c is None else f"{c['network'].upper()} {c['kind']} `{c['shape']}` x{c['executions']}"
 
 
 def table_rows(name: str, report: dict) -> list[str]:
@@ -68,40 +79,50 @@ def table_rows(name: str, report: dict) -> list[str]:
         mfu = "n/a" if not e or e.get("mfu") is None else f"{100 * e['mfu']:.0f}%"
         rows.append(
             f"| {name} | {where} | {'yes' if m['fits'] else '**no**'} | {m['params'] / GIB:.2f} + "
-            f"{m['optimizer'] / GIB:.2f} | {m['total'] / GIB:.2f} / {m['hbm'] / GIB:.0f} | {_gib_sum(c, 'ici')} | "
-            f"{_gib_sum(c, 'dcn')} | {layout['global_batch_size']} x {layout['micro_steps']} | {mfu} |"
+            f"{m['optimizer'] / GIB:.2f} | {m['total'] / 1e6:,.0f} / {m['hbm'] / GIB:.0f} GiB | "
+            f"{_gb_sum(c, 'ici')} | {_gb_sum(c, 'dcn')} | {layout['global_batch_size']} x "
+            f"{layout['micro_steps']} | {e.get('bound_by', '')} | {mfu} | {_largest_row(layout)} |"
         )
     for a in report["alternatives"]:
         if a["fits"]:
             rows.append(
-                f"| | fits with {' '.join(a['overrides'])} | yes | | {a['total_bytes'] / GIB:.2f} | | | "
-                f"{a['global_batch_size']} | |"
+                f"| | fits with {' '.join(a['overrides'])} | yes | | {a['total_bytes'] / 1e6:,.0f} | | | "
+                f"{a['global_batch_size']} | | | |"
             )
     return rows
+
+
+HEADER = (
+    "| preset | target | fits | params + optimizer (GiB per chip) | compiler total per chip (MB) / HBM | "
+    "ICI (GB per step and chip) | DCN (GB per step and chip) | global batch x micro-steps | roofline bound by | "
+    "est. MFU ≤ | largest collective |\n|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", help="rows whose name contains one of these")
     p.add_argument("--json-out", help="also write every report here")
+    argv = sys.argv[1:]
     args = p.parse_args()
     rows = SMOKE_ROWS if os.environ.get("TRAINER_SMOKE") == "1" else ROWS
     if args.only:
         rows = [r for r in rows if any(o in r[0] for o in args.only)]
-    print(
-        "| preset | target | fits | params + optimizer GiB/chip | total / HBM GiB/chip | ICI GiB/step | "
-        "DCN GiB/step | global batch x micro-steps | est. MFU |\n|---|---|---|---|---|---|---|---|---|",
-        flush=True,
-    )
-    reports = []
+    print(HEADER, flush=True)
+    reports, lines = [], [HEADER]
     for name, row_args in rows:  # each row printed (and saved) as soon as it is compiled: rows take minutes
         code, report, seconds = compile_row(row_args)
         print(f"{name} {' '.join(row_args)}: exit {code} in {seconds:.0f} s", file=sys.stderr, flush=True)
         reports.append({"name": name, "args": row_args, "exit": code, "seconds": round(seconds), "report": report})
+        lines += table_rows(name, report)
         print("\n".join(table_rows(name, report)), flush=True)
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump(reports, f, indent=1)
+    if not args.only:
+        write_record(
+            "compile_presets", "compile_presets", argv, tables={"layouts": "\n".join(lines)}, figures=reports
+        )
 
 
 if __name__ == "__main__":

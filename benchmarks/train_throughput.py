@@ -1,11 +1,16 @@
 """Training throughput benchmark: tokens/s, step time, MFU, and process start to first step.
 
-    python benchmarks/train_throughput.py model=qwen3-tiny steps=30 [key=value ...] [--devices N]
+    python benchmarks/train_throughput.py model=qwen3-tiny steps=30 [key=value ...] [--devices N [N ...]]
+        [--global-batch B]
 
 Runs the real CLI in a subprocess (so start-up is measured as a user sees it), reads metrics.jsonl
 and reports medians over the steps after the first `--skip` (compile and warm-up). It also measures
 this machine's float32 matmul peak (a jitted 2048x2048 matmul) and reports MFU against it, since
-CPUs have no spec-sheet peak. TRAINER_SMOKE=1 runs it all at minimal sizes (see cli_runs).
+CPUs have no spec-sheet peak. Several `--devices` counts are measured one after the other in the same
+invocation, so they compare like with like; `--global-batch` keeps the global batch the same for each
+(per_device_batch_size = B / devices). It writes the record benchmarks/records/train_throughput-<model>.json
+(benchmarks/records.py), from which the README's table is rendered. TRAINER_SMOKE=1 runs it all at minimal
+sizes (see cli_runs) and records nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from cli_runs import (
     smoke_overrides,
     step_records,
 )
+from records import write_record  # noqa: E402
 
 
 def matmul_peak_gflops(n: int = 2048, repeats: int = 20) -> float:
@@ -72,44 +78,86 @@ def run_trainer(overrides: list[str], devices: int, workdir: Path) -> tuple[list
     return records, records[0]["time"] - t_start
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("overrides", nargs="*", default=["model=qwen3-tiny", "steps=30"])
-    p.add_argument("--devices", type=int, default=1, help="CPU devices (XLA host platform device count)")
-    p.add_argument("--skip", type=int, default=5, help="steps excluded from the medians (compile, warm-up)")
-    p.add_argument("--no-peak", action="store_true", help="skip the matmul peak measurement")
-    args = p.parse_args()
-    args.overrides = smoke_overrides(args.overrides, steps=4, **SMOKE_SHAPE)
-    args.skip = smoke_cap(args.skip, 1)
-    peak_n, peak_repeats = smoke_cap(2048, 256), smoke_cap(20, 5)
-    announce_smoke(f"4 steps, --skip 1, {SMOKE_SHAPE_TEXT}, a {peak_n}x{peak_n} matmul for the peak")
+def measure(overrides: list[str], devices: int, skip: int) -> dict:
+    """One configuration: a cold-cache start, then a warm-cache run whose steps after `skip` are measured."""
     with tempfile.TemporaryDirectory() as tmp:
         # Twice with a fresh compilation cache: the first start compiles (cold), the second reuses it.
         cache = [f"jax_cache_dir={tmp}/jax_cache"]
-        _, cold_first_step_s = run_trainer(args.overrides + cache, args.devices, Path(tmp) / "cold")
-        records, first_step_s = run_trainer(args.overrides + cache, args.devices, Path(tmp) / "warm")
-    steady = records[args.skip :] or records
-    step_time = statistics.median(r["step_time_s"] for r in steady)
-    tokens_s = statistics.median(r["tokens_per_s"] for r in steady)
-    tflops_dev = statistics.median(r["tflops_per_device"] for r in steady)
-    out = {
-        "overrides": args.overrides,
-        "devices": args.devices,
+        _, cold_first_step_s = run_trainer(overrides + cache, devices, Path(tmp) / "cold")
+        records, first_step_s = run_trainer(overrides + cache, devices, Path(tmp) / "warm")
+    steady = records[skip:] or records
+    return {
+        "overrides": overrides,
+        "devices": devices,
         "steps_measured": len(steady),
-        "median_step_time_s": round(step_time, 4),
-        "median_tokens_per_s": round(tokens_s, 1),
-        "model_gflops_per_device": round(tflops_dev * 1e3, 2),
+        "median_step_time_s": round(statistics.median(r["step_time_s"] for r in steady), 4),
+        "median_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in steady), 1),
+        "model_gflops_per_device": round(statistics.median(r["tflops_per_device"] for r in steady) * 1e3, 2),
         "process_start_to_first_step_s_cold_cache": round(cold_first_step_s, 2),
         "process_start_to_first_step_s_warm_cache": round(first_step_s, 2),
         "global_batch_size": records[-1]["global_batch_size"],
         "final_loss": round(records[-1]["loss"], 4),
     }
-    if not args.no_peak:
-        peak = matmul_peak_gflops(peak_n, peak_repeats)
-        out["matmul_peak_gflops"] = round(peak, 1)
-        # Virtual CPU devices share the same cores: compare the machine's total model FLOP/s to its peak.
-        out["mfu_vs_matmul_peak"] = round(tflops_dev * 1e3 * args.devices / peak, 3)
-    print(json.dumps(out, indent=2))
+
+
+def table(runs: list[dict], peak: float | None) -> str:
+    """Markdown: one column per device count."""
+
+    def row(name, cell):
+        return f"| {name} | " + " | ".join(cell(r) for r in runs) + " |"
+
+    lines = [
+        "| | " + " | ".join(f"{r['devices']} device{'s' if r['devices'] > 1 else ''}" for r in runs) + " |",
+        "|---|" + "---|" * len(runs),
+        row("global batch (sequences)", lambda r: str(r["global_batch_size"])),
+        row("median step time", lambda r: f"{r['median_step_time_s']:.3f} s"),
+        row("tokens/s", lambda r: f"{r['median_tokens_per_s']:,.0f}"),
+        row("model GFLOP/s per device", lambda r: f"{r['model_gflops_per_device']:.1f}"),
+        row(
+            "process start → first step (cold / warm compile cache)",
+            lambda r: (
+                f"{r['process_start_to_first_step_s_cold_cache']:.1f} s / "
+                f"{r['process_start_to_first_step_s_warm_cache']:.1f} s"
+            ),
+        ),
+    ]
+    if peak is not None:
+        lines.append(row("float32 matmul peak of the machine", lambda r: f"{peak:.1f} GFLOP/s"))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("overrides", nargs="*", default=["model=qwen3-tiny", "steps=30"])
+    p.add_argument("--devices", type=int, nargs="+", default=[1], help="CPU device counts, measured in turn")
+    p.add_argument("--global-batch", type=int, help="keep this global batch: per_device_batch_size = B / devices")
+    p.add_argument("--skip", type=int, default=5, help="steps excluded from the medians (compile, warm-up)")
+    p.add_argument("--no-peak", action="store_true", help="skip the matmul peak measurement")
+    argv = sys.argv[1:]
+    args = p.parse_args()
+    args.overrides = smoke_overrides(args.overrides, steps=4, **SMOKE_SHAPE)
+    args.skip = smoke_cap(args.skip, 1)
+    peak_n, peak_repeats = smoke_cap(2048, 256), smoke_cap(20, 5)
+    announce_smoke(f"4 steps, --skip 1, {SMOKE_SHAPE_TEXT}, a {peak_n}x{peak_n} matmul for the peak")
+    runs = []
+    for devices in args.devices:
+        overrides = list(args.overrides)
+        if args.global_batch:
+            if args.global_batch % devices:
+                sys.exit(f"--global-batch {args.global_batch} does not split over {devices} devices")
+            overrides.append(f"per_device_batch_size={args.global_batch // devices}")
+        runs.append(measure(overrides, devices, args.skip))
+    peak = None if args.no_peak else matmul_peak_gflops(peak_n, peak_repeats)
+    for r in runs:
+        if peak is not None:
+            # Virtual CPU devices share the same cores: compare the machine's total model FLOP/s to its peak.
+            r["matmul_peak_gflops"] = round(peak, 1)
+            r["mfu_vs_matmul_peak"] = round(r["model_gflops_per_device"] * r["devices"] / peak, 3)
+    print(json.dumps(runs if len(runs) > 1 else runs[0], indent=2))
+    model = next((o.split("=", 1)[1] for o in reversed(args.overrides) if o.startswith("model=")), "qwen3-tiny")
+    write_record(
+        f"train_throughput-{model}", "train_throughput", argv, tables={"steps": table(runs, peak)}, figures=runs
+    )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ Every command gets one kind:
 - local: runs on this machine: `python ...` (the trainer's modules, scripts, benchmarks);
 - cluster: needs a cloud or cluster (`gcloud`, `docker push`, `xpk`, `kubectl`, `sbatch`, ...): not run here;
   what they deploy is rendered by `python -m scripts.deploy.render`, which runs as a local command;
-- shell: `export`, `cd`, `mkdir`: run as part of the block.
+- shell: `export`, `cd`, `mkdir`: run as part of the block;
+- external: needs software this project does not install (its own comment starts with `# needs:`, e.g.
+  the MaxText comparison): not run here.
 A training command documented to resume a finished run (and so train nothing) says so in its own comment,
 `# resumes ...`; every other one must train at least one step.
 A command whose own comment starts with `# cluster:` (e.g. the TPU-sized headline command) is a cluster
@@ -36,7 +38,7 @@ class Command:
     doc: str  # README.md, docs/x.md
     line: int  # 1-based line of the command in the doc
     text: str  # the command as printed (continuations joined)
-    kind: str  # setup | suite | local | cluster | shell
+    kind: str  # setup | suite | local | cluster | shell | external
     expect_fail: str = ""  # text expected on stderr (or "exit N") when documented to fail
     resumes: bool = False  # documented (`# resumes`) to resume a finished run: it may train no step
 
@@ -112,6 +114,7 @@ def commands(doc: Path) -> list[Command]:
             first, text = i, _strip_comment(body[i])
             comment = body[i][len(text) :].strip()
             on_cluster, resumes = comment.startswith("# cluster:"), comment.startswith("# resumes")
+            external = comment.startswith("# needs:")
             while text.endswith("\\") and i + 1 < len(body):
                 i += 1
                 text = text[:-1].rstrip() + " " + _strip_comment(body[i]).strip()
@@ -125,7 +128,12 @@ def commands(doc: Path) -> list[Command]:
                 if part:
                     out.append(
                         Command(
-                            rel, start + first, part, "cluster" if on_cluster else kind_of(part), expect, resumes
+                            rel,
+                            start + first,
+                            part,
+                            "cluster" if on_cluster else "external" if external else kind_of(part),
+                            expect,
+                            resumes,
                         )
                     )
     return out

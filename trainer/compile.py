@@ -183,6 +183,16 @@ def format_report(report: dict) -> str:
             f"{_gib(m['arguments'])}, temporaries {_gib(m['temporaries'])}, total {_gib(m['total'])} "
             f"= {100 * m['fraction_of_hbm']:.1f}% of HBM: {'fits' if m['fits'] else 'DOES NOT FIT'}"
         )
+        net = {n: sum(v["bytes"] for v in r["collectives"].get(n, {}).values()) for n in ("ici", "dcn")}
+        lines.append(
+            f"  per chip and step: memory {m['total'] / 1e6:,.0f} MB, ICI {net['ici'] / 1e9:.2f} GB, "
+            f"DCN {net['dcn'] / 1e6:,.0f} MB (collective buffers)"
+        )
+        for c in r.get("largest_collectives", [])[:3]:
+            lines.append(
+                f"  largest: {c['network'].upper()} {c['kind']} {c['shape']} x{c['executions']} "
+                f"({c['bytes'] / 1e6:,.0f} MB per step)"
+            )
         if not r["collectives"]:
             lines.append("  collectives per step: none")
         for net, kinds in sorted(r["collectives"].items(), key=lambda kv: kv[0] != "ici"):

@@ -1,0 +1,102 @@
+"""Benchmark records: every figure the docs quote, kept with the command, commit and machine that measured it.
+
+A benchmark ends with `write_record(record_id, benchmark, argv, tables=..., figures=...)`, which writes
+`benchmarks/records/<record_id>.json`: the command as run, the commit (refused when the modules it
+measures have uncommitted changes: the figure must name the code it measured), the machine, the date,
+the measured figures and markdown tables of them, and a digest of the modules the benchmark measures
+(`MEASURES`). `python -m scripts.figures` renders the tables into README.md and docs/; the figures test
+fails when a documented table has no record, differs from its record, or its record's digest no longer
+matches the modules (the code changed since it was measured). Smoke runs (TRAINER_SMOKE=1) record nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDS = REPO / "benchmarks" / "records"
+
+# What each benchmark measures: a change to any of these files makes its records stale.
+_STEP = ["trainer/runtime", "trainer/model", "trainer/parallel", "trainer/config/schema.py", "configs"]
+MEASURES = {
+    "train_throughput": [*_STEP, "trainer/data/synthetic.py", "trainer/run.py", "benchmarks/train_throughput.py"],
+    "compile_presets": [*_STEP, "trainer/aot", "trainer/compile.py", "benchmarks/compile_presets.py"],
+    "compile_vs_maxtext": [*_STEP, "trainer/aot", "trainer/compile.py", "benchmarks/compile_vs_maxtext.py"],
+}
+
+
+def _files(paths: list[str]) -> list[Path]:
+    out = []
+    for rel in paths:
+        p = REPO / rel
+        out += sorted(f for f in p.rglob("*") if f.suffix in (".py", ".yml")) if p.is_dir() else [p]
+    return out
+
+
+def digest(benchmark: str) -> str:
+    """sha256 over the measured modules' paths and contents."""
+    h = hashlib.sha256()
+    for f in _files(MEASURES[benchmark]):
+        h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _machine() -> dict:
+    import jax
+
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(pages / (1 << 30)),
+        "platform": platform.platform(terse=True),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+    }
+
+
+def write_record(
+    record_id: str, benchmark: str, argv: list[str], *, tables: dict[str, str], figures
+) -> Path | None:
+    """Write benchmarks/records/<record_id>.json; nothing in smoke mode. Returns the path written."""
+    if os.environ.get("TRAINER_SMOKE", "") not in ("", "0"):
+        print("smoke run: no record written", file=sys.stderr)
+        return None
+    dirty = _git("status", "--porcelain", "--", *MEASURES[benchmark])
+    if dirty:
+        raise SystemExit(
+            f"not recording {record_id}: the modules it measures have uncommitted changes:\n{dirty}\n"
+            "commit them first, so the record names the code it measured"
+        )
+    record = {
+        "record": record_id,
+        "benchmark": benchmark,
+        "command": shlex.join(["python", f"benchmarks/{benchmark}.py", *argv]),
+        "commit": _git("rev-parse", "HEAD"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+        "machine": _machine(),
+        "modules": MEASURES[benchmark],
+        "digest": digest(benchmark),
+        "tables": tables,
+        "figures": figures,
+    }
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    path = RECORDS / f"{record_id}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"record written: {path.relative_to(REPO)}", file=sys.stderr)
+    return path
+
+
+def load(record_id: str) -> dict:
+    return json.loads((RECORDS / f"{record_id}.json").read_text())

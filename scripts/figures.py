@@ -1,0 +1,83 @@
+"""Render the tables of measured figures in README.md and docs/*.md from the benchmarks' records.
+
+    python -m scripts.figures            # rewrite every figures block from benchmarks/records/
+    python -m scripts.figures --check    # exit 1, naming each block, when a doc differs from its record
+
+A block in a document is
+
+    <!-- figures: RECORD_ID TABLE -->
+    (rendered: the record's table, then the commit, date, machine and command that measured it)
+    <!-- /figures -->
+
+and nothing between the markers is typed by hand. Records are written by the benchmarks
+(benchmarks/records.py); whether a record is still current is the figures test's business.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"(<!-- figures: (\S+) (\S+) -->\n)(.*?)(<!-- /figures -->)", re.S)
+
+
+def records_module():
+    """benchmarks/records.py (the benchmarks import it by path: benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("benchmark_records", REPO / "benchmarks" / "records.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def documents() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def blocks(text: str) -> list[tuple[str, str, str]]:
+    """(record id, table name, current content) of every figures block in `text`."""
+    return [(m.group(2), m.group(3), m.group(4)) for m in BLOCK.finditer(text)]
+
+
+def render_block(record: dict, table: str) -> str:
+    """The block's content: the table, then who measured it where."""
+    if table not in record["tables"]:
+        raise KeyError(f"record {record['record']} has no table {table!r} (it has {sorted(record['tables'])})")
+    m = record["machine"]
+    machine = f"{m['cpus']} CPUs, {m['memory_gib']} GiB, {m['platform']}, Python {m['python']}, JAX {m['jax']}"
+    return (
+        f"{record['tables'][table].rstrip()}\n\n"
+        f"<sub>Measured at commit `{record['commit'][:10]}` on {record['date']} ({machine}) by "
+        f"`{record['command']}`.</sub>\n"
+    )
+
+
+def render(text: str, load) -> str:
+    """`text` with every figures block re-rendered from `load(record_id)`."""
+    return BLOCK.sub(lambda m: m.group(1) + render_block(load(m.group(2)), m.group(3)) + m.group(5), text)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m scripts.figures", description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 when a block is out of date")
+    args = p.parse_args(argv)
+    load = records_module().load
+    stale = []
+    for doc in documents():
+        text = doc.read_text()
+        new = render(text, load)
+        if new == text:
+            continue
+        stale.append(str(doc.relative_to(REPO)))
+        if not args.check:
+            doc.write_text(new)
+    for name in stale:
+        print(f"{name}: {'out of date' if args.check else 'rendered'}")
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

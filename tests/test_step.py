@@ -106,3 +106,59 @@ def test_keep_global_uses_more_micro_steps_on_fewer_slices_and_scale_shrinks_bat
     assert scaled.global_batch_size == 4 and scaled.lr_scale == pytest.approx(2 / 3)
     odd = plan(devices_per_slice=4, active_slices=1, batch_shards=4)
     assert odd.global_batch_size == 24 and odd.rows_per_micro % 4 == 0
+
+
+def _mesh(data: int, fsdp: int):
+    from jax.sharding import Mesh
+
+    return Mesh(
+        np.array(jax.devices()[: data * fsdp]).reshape(data, fsdp, 1, 1), ("data", "fsdp", "tensor", "expert")
+    )
+
+
+def _replicated_step(cfg, micro_steps, batch):
+    """One step on a data=2 x fsdp=2 mesh: gradients per replica in a shard_map over the data axis."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from trainer.parallel.activations import ActivationSharding
+
+    mesh = _mesh(2, 2)
+    opt, state = fresh_state_on_one_device(cfg)
+    rows = P(("data", "fsdp"))
+    step = make_train_step(
+        cfg.model,
+        opt,
+        z_loss_multiplier=cfg.optim.z_loss_multiplier,
+        micro_steps=micro_steps,
+        batch_spec=rows,
+        shard=ActivationSharding(mesh, cfg.mesh.logical_axis_rules),
+        data_reduce_dtype="float32",
+    )
+    placed = jax.device_put(batch, NamedSharding(mesh, rows))
+    return jax.device_get(jax.jit(step)(jax.device_put(state, NamedSharding(mesh, P())), placed))
+
+
+@pytest.mark.parametrize("micro_steps", [1, 2])
+def test_gradients_summed_across_the_data_axis_equal_the_one_device_step(micro_steps):
+    """Each replica's gradients and loss sums, combined across the data axis once per step, give the step
+    one device takes on the whole batch."""
+    cfg = micro_config("z_loss_multiplier=1e-4")
+    batch = synthetic_batch(cfg, rows=8)
+    one, m_one = _one_step(cfg, micro_steps, batch)
+    four, m_four = _replicated_step(cfg, micro_steps, batch)
+    for key in ("loss", "z_loss", "grad_norm", "tokens"):
+        assert float(m_four[key]) == pytest.approx(float(m_one[key]), rel=1e-5), key
+    for a, b in zip(jax.tree.leaves(four["params"]), jax.tree.leaves(one["params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_moe_balance_loss_is_the_mean_over_data_parallel_replicas():
+    """Like micro-steps, each replica balances its own tokens: the aux loss is the replicas' mean."""
+    cfg = micro_config(
+        "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "load_balance_loss_weight=0.01"
+    )
+    batch = synthetic_batch(cfg, rows=8)
+    halves = [_one_step(cfg, 1, {k: v[i : i + 4] for k, v in batch.items()})[1]["aux_loss"] for i in (0, 4)]
+    _, m_four = _replicated_step(cfg, 1, batch)
+    assert float(m_four["aux_loss"]) == pytest.approx(float(np.mean(halves)), rel=1e-5)

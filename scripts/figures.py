@@ -55,9 +55,20 @@ def render_block(record: dict, table: str) -> str:
     )
 
 
-def render(text: str, load) -> str:
-    """`text` with every figures block re-rendered from `load(record_id)`."""
-    return BLOCK.sub(lambda m: m.group(1) + render_block(load(m.group(2)), m.group(3)) + m.group(5), text)
+def render(text: str, load, problems: list[str] | None = None) -> str:
+    """`text` with every figures block re-rendered from `load(record_id)`. A block whose record or table is
+    missing is left as it is and described in `problems` (raised when no list is given)."""
+
+    def one(m: re.Match) -> str:
+        try:
+            return m.group(1) + render_block(load(m.group(2)), m.group(3)) + m.group(5)
+        except (FileNotFoundError, KeyError) as e:
+            if problems is None:
+                raise
+            problems.append(f"figures {m.group(2)} {m.group(3)}: {e}")
+            return m.group(0)
+
+    return BLOCK.sub(one, text)
 
 
 def main(argv=None) -> int:
@@ -65,10 +76,12 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 when a block is out of date")
     args = p.parse_args(argv)
     load = records_module().load
-    stale = []
+    stale, problems = [], []
     for doc in documents():
         text = doc.read_text()
-        new = render(text, load)
+        found: list[str] = []
+        new = render(text, load, found)
+        problems += [f"{doc.relative_to(REPO)}: {p} (run the benchmark that records it)" for p in found]
         if new == text:
             continue
         stale.append(str(doc.relative_to(REPO)))
@@ -76,7 +89,9 @@ def main(argv=None) -> int:
             doc.write_text(new)
     for name in stale:
         print(f"{name}: {'out of date' if args.check else 'rendered'}")
-    return 1 if args.check and stale else 0
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return 1 if problems or (args.check and stale) else 0
 
 
 if __name__ == "__main__":

@@ -71,6 +71,21 @@ def test_logical_rules_skip_axes_that_do_not_divide_the_dim():
     )
 
 
+def test_inside_a_region_manual_over_data_the_specs_leave_the_data_axis_to_the_shard_map():
+    """Per replica (a shard_map manual over `data`), a batch of 2 rows on data=2 x fsdp=2 is split by fsdp
+    alone: the data axis is never picked, so the fsdp split still has to divide the replica's rows."""
+    cfg = micro_config("num_slices=2")
+    mesh = build_mesh(cfg.mesh, group_into_slices(jax.devices()[:4], 2))
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 1, "expert": 1}
+    whole = ActivationSharding(mesh, cfg.mesh.logical_axis_rules)
+    inner = whole.within(("data",))
+    assert whole.spec(("activation_batch", None), (4, 16)) == PartitionSpec(("data", "fsdp"), None)
+    assert inner.spec(("activation_batch", None), (2, 16)) == PartitionSpec("fsdp", None)
+    assert inner.shards(("activation_batch",), 2) == 2 and whole.shards(("activation_batch",), 4) == 4
+    assert inner.local(PartitionSpec(("data", "fsdp"), None)) == PartitionSpec("fsdp", None)
+    assert inner.local(PartitionSpec("data")) == PartitionSpec(None)
+
+
 def test_unknown_logical_axis_names_the_missing_rule():
     cfg = micro_config()
     mesh = build_mesh(cfg.mesh, [jax.devices()[:1]])

@@ -256,4 +256,9 @@ def make_eval_step(
         out, _ = jax.lax.scan(body, {"ce_sum": zero, "tokens": zero}, _split_micro(batch, micro_steps))
         return out
 
-    return per_replica(summed, shard, lambda out: jax.lax.psum(out, DATA))
+    replicated = per_replica(summed, shard, lambda out: jax.lax.psum(out, DATA))
+
+    def eval_step(params, batch: dict) -> dict:
+        return replicated(params, batch)
+
+    return eval_step

@@ -45,13 +45,13 @@ def _dumped_step(dump: Path) -> str:
     return path.read_text()
 
 
-def _run(argv: list[str], env: dict, cwd: Path) -> str:
-    """stdout and stderr of a command that must succeed."""
+def _run(argv: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    """A command that must succeed (its stderr's tail and exit code stop the benchmark otherwise)."""
     proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"{' '.join(argv[:4])} ... exited {proc.returncode}")
-    return proc.stdout + proc.stderr
+    return proc
 
 
 def _job(batch: int) -> list[str]:
@@ -73,8 +73,8 @@ def maxtext(python: str, work: Path, batch: int) -> dict:
         "model_name=qwen3-0.6b",
         *_job(batch),
     ]
-    out = _run(argv, env, work)
-    stats = {k: int(v) for k, v in (kv.split("=") for kv in _memory_fields(out))}
+    proc = _run(argv, env, work)
+    stats = {k: int(v) for k, v in (kv.split("=") for kv in _memory_fields(proc.stdout + proc.stderr))}
     return {
         "memory": stats["argument_size_in_bytes"] + stats["temp_size_in_bytes"],
         "hlo": _dumped_step(work / "dump"),
@@ -92,7 +92,7 @@ def trainer(python: str, work: Path, batch: int) -> dict:
     env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={work / 'dump'}")
     argv = [python, "-m", "trainer.compile", "base.yml", "model=qwen3-0.6b", f"compile_topology={TOPOLOGY}"]
     argv += [f"compile_topology_num_slices={SLICES}", *_job(batch), "--json"]
-    report = json.loads(_json(argv, env))
+    report = json.loads(_run(argv, env, REPO).stdout)
     (layout,) = report["layouts"]
     m = layout["memory"]
     return {
@@ -100,14 +100,6 @@ def trainer(python: str, work: Path, batch: int) -> dict:
         "hlo": _dumped_step(work / "dump"),
         "versions": _versions(python),
     }
-
-
-def _json(argv: list[str], env: dict) -> str:
-    proc = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"trainer.compile exited {proc.returncode}")
-    return proc.stdout
 
 
 def figures(side: dict) -> dict:

@@ -8,6 +8,7 @@ Commands that need a cluster are not run; the artefacts they deploy come from
 `python -m scripts.deploy.render`, which runs here, and tests/test_deploy.py validates them.
 """
 
+import dataclasses
 import os
 import re
 import shlex
@@ -29,6 +30,8 @@ def test_every_documented_command_has_a_kind():
     found = all_commands()  # raises on an unclassified program
     assert {c.kind for c in found} >= {"setup", "suite", "local"}
     assert any(c.doc == "README.md" and c.text == "python -m pytest -n 2" for c in found)
+    # `# needs:` keeps the MaxText comparison (it needs a MaxText install) out of the docs tier.
+    assert [c.kind for c in found if "compile_vs_maxtext" in c.text] == ["external"]
 
 
 def test_the_readme_setup_commands_are_the_ones_ci_runs():
@@ -107,9 +110,29 @@ def _expectation_met(cmd, proc) -> str:
         if not STATUS_OK.search(proc.stdout):
             return "no 'STATUS: finished' line"
         trained = TRAINED.search(proc.stdout)
+        finished = proc.stdout.count("STATUS: finished")
+        if finished and not trained:
+            return "its 'STATUS: finished' line does not say how many steps it trained (trained=N)"
         if trained and int(trained.group(1)) == 0 and not cmd.resumes:
             return "it trained no step: it resumed a finished run (give it its own run_name, or say `# resumes`)"
     return ""
+
+
+def test_a_documented_training_command_that_trains_nothing_fails_unless_it_says_it_resumes():
+    from types import SimpleNamespace
+
+    from doc_commands import Command
+
+    def proc(line):
+        return SimpleNamespace(returncode=0, stdout=f"metrics\n{line}\n", stderr="")
+
+    train = Command("README.md", 1, "python -m trainer.train base.yml steps=30", "local")
+    resumed = "STATUS: finished step=50 trained=0 (resumed at step 50: nothing left to train) run_dir=runs/x"
+    assert "trained no step" in _expectation_met(train, proc(resumed))
+    assert _expectation_met(dataclasses.replace(train, resumes=True), proc(resumed)) == ""
+    assert _expectation_met(train, proc("STATUS: finished step=30 trained=30 run_dir=runs/x")) == ""
+    assert "trained=N" in _expectation_met(train, proc("STATUS: finished step=30 run_dir=runs/x"))
+    assert _expectation_met(train, proc("STATUS: preempted step=12: checkpoint saved")) == ""
 
 
 def _docs_with_local_commands() -> list[str]:

@@ -1,5 +1,7 @@
 """The train step: accumulation equals a bigger batch, determinism, loss masking, LR schedule."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,8 +118,9 @@ def _mesh(data: int, fsdp: int):
     )
 
 
-def _replicated_step(cfg, micro_steps, batch):
-    """One step on a data=2 x fsdp=2 mesh: gradients per replica in a shard_map over the data axis."""
+def _replicated_step(cfg, micro_steps, batch, compiled_text: list | None = None):
+    """One step on a data=2 x fsdp=2 mesh: gradients per replica in a shard_map over the data axis. The
+    lowered and compiled programs' texts are appended to `compiled_text` when given."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -136,7 +139,11 @@ def _replicated_step(cfg, micro_steps, batch):
         data_reduce_dtype="float32",
     )
     placed = jax.device_put(batch, NamedSharding(mesh, rows))
-    return jax.device_get(jax.jit(step)(jax.device_put(state, NamedSharding(mesh, P())), placed))
+    lowered = jax.jit(step).lower(jax.device_put(state, NamedSharding(mesh, P())), placed)
+    compiled = lowered.compile()
+    if compiled_text is not None:
+        compiled_text += [lowered.as_text(), compiled.as_text()]
+    return jax.device_get(compiled(jax.device_put(state, NamedSharding(mesh, P())), placed))
 
 
 @pytest.mark.parametrize("micro_steps", [1, 2])
@@ -146,7 +153,14 @@ def test_gradients_summed_across_the_data_axis_equal_the_one_device_step(micro_s
     cfg = micro_config("z_loss_multiplier=1e-4")
     batch = synthetic_batch(cfg, rows=8)
     one, m_one = _one_step(cfg, micro_steps, batch)
-    four, m_four = _replicated_step(cfg, micro_steps, batch)
+    texts: list[str] = []
+    four, m_four = _replicated_step(cfg, micro_steps, batch, texts)
+    lowered, compiled = texts
+    # The replicas are a region manual over `data`, and all that crosses the data axis (device groups
+    # {0,2} and {1,3} of the 2 x 2 mesh) is the all-reduce of the sums.
+    assert 'manual_axes={"data"}' in lowered
+    across = [line for line in compiled.splitlines() if "replica_groups={{0,2},{1,3}}" in line]
+    assert across and all(re.search(r"\ball-reduce(-start)?\(", line) for line in across), across
     for key in ("loss", "z_loss", "grad_norm", "tokens"):
         assert float(m_four[key]) == pytest.approx(float(m_one[key]), rel=1e-5), key
     for a, b in zip(jax.tree.leaves(four["params"]), jax.tree.leaves(one["params"])):

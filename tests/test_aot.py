@@ -73,6 +73,23 @@ def test_collectives_are_counted_per_step_with_loop_trips_sizes_and_network():
     }
 
 
+@pytest.mark.parametrize(
+    "groups",
+    [
+        "{{0,2},{1,3}}",  # explicit
+        "[2,2]<=[2,2]T(1,0)",  # iota, transposed
+        "mesh['data'=2,'fsdp'=2,'tensor'=1] {'data'}",  # named mesh axes (newer XLA on CPU)
+    ],
+)
+def test_replica_groups_read_the_same_from_every_form_xla_prints(groups):
+    line = f"  %ar = f32[64]{{0}} all-reduce(%a), channel_id=1, replica_groups={groups}, to_apply=%add"
+    assert hlo.replica_groups(line) == [[0, 2], [1, 3]]
+    found = hlo.collectives(
+        f"HloModule m\n\nENTRY %main () -> f32[64] {{\n{line}\n}}\n", devices_per_slice=4, num_slices=1
+    )
+    assert [c.group_size for c in found] == [2]
+
+
 def test_a_module_without_collectives_has_none():
     text = "HloModule m\n\nENTRY %main (x: f32[8]) -> f32[8] {\n  ROOT %x = f32[8]{0} parameter(0)\n}\n"
     assert hlo.summarize(hlo.collectives(text, devices_per_slice=1, num_slices=1)) == {}

@@ -21,6 +21,8 @@ import math
 import re
 from collections import defaultdict
 
+import numpy as np
+
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _OPCODES = {k: k for k in KINDS} | {f"{k}-start": k for k in KINDS} | {"ragged-all-to-all": "all-to-all"}
 _DTYPE_BYTES = {
@@ -34,7 +36,8 @@ _CALLEES = re.compile(
     r"\b(?:calls|to_apply|body|condition|called_computations|branch_computations)=\{?([^}\s,]+(?:,\s*%?[\w.\-]+)*)"
 )
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{")
 _MEGASCALE = '_xla_host_transfer_handler_name="xla_megascale_runtime"'
 _RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([a-z\-]+)')
@@ -102,13 +105,38 @@ def largest(found: list[Collective], n: int = 8) -> list[dict]:
     ]
 
 
-def _group_size(line: str, default: int) -> int:
+def replica_groups(line: str) -> list[list[int]] | None:
+    """The device groups of a collective, from any of the forms XLA prints: explicit (`{{0,2},{1,3}}`),
+    iota (`[2,2]<=[2,2]T(1,0)`), or named mesh axes (`mesh['data'=2,'fsdp'=2] {'data'}`, newer XLA on
+    CPU: devices numbered row-major over the mesh, a group varies the named axes). None when absent."""
     m = _GROUPS_LIST.search(line)
     if m:
-        return max(len([x for x in g.split(",") if x]) for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
     m = _GROUPS_IOTA.search(line)
     if m:
-        return int(m.group(2))
+        n_groups, size = int(m.group(1)), int(m.group(2))
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+        return ids.reshape(n_groups, size).tolist()
+    m = _GROUPS_MESH.search(line)
+    if m:
+        axes = [(name.strip("' "), int(n)) for name, n in (a.split("=") for a in m.group(1).split(","))]
+        chosen = {a.strip("' ") for a in m.group(2).split(",") if a.strip()}
+        ids = np.arange(math.prod(n for _, n in axes)).reshape([n for _, n in axes])
+        order = [i for i, (a, _) in enumerate(axes) if a not in chosen] + [
+            i for i, (a, _) in enumerate(axes) if a in chosen
+        ]
+        size = math.prod(n for a, n in axes if a in chosen)
+        return ids.transpose(order).reshape(-1, size).tolist()
+    return None
+
+
+def _group_size(line: str, default: int) -> int:
+    groups = replica_groups(line)
+    if groups:
+        return max(len(g) for g in groups)
     return 2 if _PAIRS.search(line) else default
 
 

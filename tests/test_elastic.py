@@ -5,7 +5,9 @@ pause-and-resume, which replays the same steps on the same mesh with the same ex
 same data order (the last batch fingerprint recorded for every step).
 """
 
+import re
 import subprocess
+import sys
 import time
 
 import pytest
@@ -58,12 +60,18 @@ def test_pause_and_resume_recovers_in_process_with_identical_params_and_data(bas
     assert len(attempts) == 2 and attempts[1]["source"] == "snapshot:6" and attempts[1]["slices"] == [0, 1, 2]
     assert attempts[1]["steps_rewound"] == 0  # failed while running step 7: step 6 was the last completed
     assert "first_step_after_recovery" in _names(evs) and "compile_cached" in _names(evs)
+    # Snapshots stay on the devices' hosts (pinned_host), one replica per slice; slice 1's went with it,
+    # and the state came back from the two that survived, with nothing converted to numpy on the way.
+    taken = [e for e in evs if e["event"] == "snapshot_taken"]
+    assert taken and all(e["memory"] == "pinned_host" and e["host_bytes"] == 0 for e in taken)
+    restored = [e for e in evs if e["event"] == "snapshot_restored"]
+    assert [(e["step"], e["replicas"], e["host_bytes"]) for e in restored] == [(6, 2, 0)]
     assert_same_data_order(run, baseline, STEPS)
     assert_same_params(run, baseline)
 
 
 def test_recovery_without_a_snapshot_rewinds_to_the_newest_committed_checkpoint(baseline, tmp_path):
-    proc = run_cli(tmp_path, "ck", *COMMON, "fault_schedule=step=7,slice=2,down_s=0.5")
+    proc = run_cli(tmp_path, "ck", *COMMON, "snapshot_period=0", "fault_schedule=step=7,slice=2,down_s=0.5")
     assert proc.returncode == 0, proc.stderr[-3000:]
     attempts = [e for e in events(tmp_path / "ck") if e["event"] == "attempt_start"]
     assert attempts[1]["source"] == "checkpoint:4" and attempts[1]["steps_rewound"] == 2
@@ -282,3 +290,43 @@ def test_a_non_slice_error_is_not_retried(tmp_path):
     with pytest.raises(ValueError, match="a bug"):
         sup.run()
     assert len(calls) == 1
+
+
+def test_the_default_elastic_command_plans_its_snapshots_and_a_failure_rewinds_a_few_steps(tmp_path):
+    """No period keys: snapshot_period is auto. After a warm-up the trainer plans the period from its own
+    measured costs; a slice lost at step 30 rewinds to the newest snapshot; `python -m trainer.plan` on
+    the run, given the costs the trainer weighed, recommends the same periods."""
+    proc = run_cli(
+        tmp_path,
+        "auto",
+        "steps=40",
+        "num_slices=2",
+        "elastic_enabled=true",
+        "elastic_poll_interval_seconds=0.05",
+        "fault_schedule=step=30,slice=1,down_s=0.5",
+        devices=2,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "auto"
+    evs = events(run)
+    planned = [e for e in evs if e["event"] == "periods_planned"]
+    assert planned and planned[0]["step"] < 30 and planned[0]["rate"] == "expected"
+    before = [e for e in planned if e["step"] < 30][-1]
+    attempts = [e for e in evs if e["event"] == "attempt_start"]
+    assert attempts[1]["source"].startswith("snapshot:")
+    # Rewound to the newest snapshot: fewer steps than the period (this micro model's 5 ms steps make a
+    # snapshot cost more than a step, so its period is long; the default model's is checked in the soak
+    # tier, test_the_default_elastic_command_loses_at_most_five_steps_to_a_slice_lost_at_step_30).
+    assert attempts[1]["steps_rewound"] < before["snapshot_period"]
+    assert any(e["rate"] == "observed" for e in planned), "after the failure it plans for the observed rate"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in before["costs"].items()]
+    cli = subprocess.run(
+        [sys.executable, "-m", "trainer.plan", str(run), "--keep", "checkpoint", "--steps", "40",
+         f"--mtbf-per-slice={before['mtbf_per_slice_s']}s", f"--plot={tmp_path / 'plan.png'}", *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    row = re.search(r"snapshot_period +(\d+) +(\d+)", cli.stdout)
+    assert row and int(row.group(1)) == before["recommended"]["snapshot_period"], cli.stdout
+    auto = re.search(r"auto snapshot_period .*: pause_resume (\d+)", cli.stdout)
+    assert auto and int(auto.group(1)) == before["snapshot_period"], cli.stdout

@@ -69,7 +69,14 @@ LAYERS = [
     # 6: recovery across attempts, and the planner that models it
     (
         "recovery",
-        ["trainer.elastic", "trainer.elastic.*", "trainer.plan", "trainer.plan.model", "trainer.plan.costs"],
+        [
+            "trainer.elastic",
+            "trainer.elastic.*",
+            "trainer.plan",
+            "trainer.plan.model",
+            "trainer.plan.costs",
+            "trainer.plan.auto",
+        ],
     ),
     # 7: the composition root and the checks before it
     ("composition", ["trainer.run", "trainer.preflight"]),

@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from trainer.checkpoint import NoCheckpoints
 from trainer.data.batch import BATCH_KEYS
 from trainer.elastic.boundary import RecoveryStats, StepBoundary
+from trainer.plan.auto import FixedPeriods
 from trainer.runtime.attempt import Attempt
 from trainer.runtime.layout import BatchLayout
 from trainer.runtime.loop import FINISHED, PREEMPTED, ROLLBACK, SCALE_UP, train_loop
@@ -190,7 +191,7 @@ def test_the_boundary_snapshots_on_its_period_ends_downtime_once_and_reports_ret
         events=events,
         profiler=profiler,
         snapshots=snapshots,
-        snapshot_period=2,
+        periods=FixedPeriods(snapshot=2),
         returning=lambda: next(answers),
         wall_time=lambda: 103.5,
     )
@@ -203,11 +204,17 @@ def test_the_boundary_snapshots_on_its_period_ends_downtime_once_and_reports_ret
     assert stats.downtime_s == 3.5 and stats.failed_at is None
 
 
-def _snapshots_taken(steps: int, **periods) -> list:
+def _snapshots_taken(steps: int, *, snapshot_period: int, local_checkpoint_period: int, **kw) -> list:
     """What a boundary with these periods asks of the snapshots over steps 1..steps."""
     snapshots = _Snapshots()
     boundary = StepBoundary(
-        active=[0], stats=RecoveryStats(), events=_Events(), profiler=_Profiler(), snapshots=snapshots, **periods
+        active=[0],
+        stats=RecoveryStats(),
+        events=_Events(),
+        profiler=_Profiler(),
+        snapshots=snapshots,
+        periods=FixedPeriods(snapshot_period, local_checkpoint_period),
+        **kw,
     )
     for s in range(1, steps + 1):
         boundary.after_step(s, jnp.int32(s), lambda s=s: {"yielded": s})

@@ -140,6 +140,7 @@ def format_summary(s) -> str:
         )
     lines += _restores(s.restores)
     lines += _slow_steps(s.slow_steps)
+    lines += _periods(s.periods)
     lines += _recorded_differences(s)
     for k, t in enumerate(s.timelines, 1):
         lines.append(f"  recovery {k} (attempt {t['attempt'] - 1} -> {t['attempt']}):")
@@ -177,6 +178,22 @@ def _slow_steps(events: list[dict], shown: int = 5) -> list[str]:
         lines.append(
             f"    step {e['step']:<8} {e['step_time_s']:.3f} s = {ratio:.1f}x median {e['median_s']:.3f} s, "
             f"slowest process {'n/a' if process is None else process}"
+        )
+    return lines
+
+
+def _periods(events: list[dict]) -> list[str]:
+    """The periods `auto` chose over the run (periods_planned events), with what each plan weighed."""
+    if not events:
+        return []
+    lines = ["  auto periods (trainer.plan.auto)"]
+    for e in events:
+        rate = f"MTBF/slice {e['mtbf_per_slice_s']:.3g} s ({e['rate']}, {e['failures']} failures)"
+        lines.append(
+            f"    from step {e['step']:<8} snapshot_period={e['snapshot_period']} "
+            f"local_checkpoint_period={e['local_checkpoint_period']}  model's: "
+            f"{e['recommended'].get('snapshot_period')}/{e['recommended'].get('local_checkpoint_period')}; "
+            f"step {e['costs']['step_s']:.3f} s, snapshot {e['costs']['snapshot_save_s']:.3f} s; {rate}"
         )
     return lines
 

@@ -24,7 +24,7 @@ from trainer.checkpoint.storage_faults import StorageFaults
 from trainer.config.errors import ConfigError
 from trainer.config.fault_schedule import parse_fault_schedule, parse_process_faults
 from trainer.config.loader import to_flat_dict
-from trainer.config.schema import RunConfig
+from trainer.config.schema import AUTO, RunConfig
 from trainer.distributed import DistributedSettings, coordination_client, initialize, leave, resolve_settings
 from trainer.distributed.communicators import (
     forget_rendezvous,
@@ -38,6 +38,7 @@ from trainer.elastic.cluster import Cluster, FixedCluster
 from trainer.elastic.faults import FaultInjector, Outages
 from trainer.elastic.local_cluster import LocalCluster
 from trainer.elastic.membership import Membership
+from trainer.elastic.pinned_snapshots import PinnedSnapshots
 from trainer.elastic.process_cluster import ProcessCluster
 from trainer.elastic.process_faults import ProcessFaultInjector
 from trainer.elastic.snapshot import HostSnapshots
@@ -48,6 +49,7 @@ from trainer.observe.rundir import RunPaths
 from trainer.observe.sinks import JsonlSink, LogSink, ProgressSink, RecordedSteps, Sinks, TensorBoardSink
 from trainer.observe.slowsteps import CoordinationHostTimes, HostTimes, SlowStepMonitor
 from trainer.parallel.mesh import build_mesh, group_into_slices
+from trainer.plan.auto import AutoPeriods, FixedPeriods
 from trainer.runtime.attempt import AttemptBuilder
 from trainer.runtime.layout import train_spec
 from trainer.runtime.loop import Outcome, train_loop
@@ -157,11 +159,9 @@ def build_supervisor(
         run_loop=run_loop,
         events=events,
         profiler=StepProfiler(cfg.observe, paths.local / "profile", events),
-        snapshots=HostSnapshots(
-            events, store=local_store(cfg, paths, events, recorded), copy_delay=copy_delay(cfg)
-        ),
+        snapshots=snapshot_store(cfg, paths, events, recorded),
         sync=paths.sync,
-        local_checkpoint_period=cfg.checkpoint.local_checkpoint_period if paths.local_checkpoints else 0,
+        periods=save_periods(cfg, slices, paths, events),
         wait_for_local_write=cfg.checkpoint.local_checkpoint_wait_for_write,
         previous_last_step=last_recorded_step(paths.local / "metrics.jsonl"),
     )
@@ -210,6 +210,52 @@ def build_cluster(
         injector=injector,
         single_controller=single_controller,
     )
+
+
+def save_periods(cfg: RunConfig, slices: list[list], paths: RunPaths, events) -> FixedPeriods | AutoPeriods:
+    """The snapshot and local-tier periods: the numbers given, or planned from this run's own measured
+    costs (`trainer.plan.auto`) where they are `auto`."""
+    e, c = cfg.elastic, cfg.checkpoint
+    local = c.local_checkpoint_period if paths.local_checkpoints else 0
+    if AUTO not in (e.snapshot_period, local):
+        return FixedPeriods(e.snapshot_period, local)
+    if not e.elastic_enabled:
+        mode = "full_restart"
+    elif e.elastic_min_slice_count in (-1, len(slices)):
+        mode = "pause_resume"
+    else:
+        mode = "replica_resize"
+
+    def measure():
+        from trainer.observe.runlog import load_run
+        from trainer.plan.costs import measure as measure_run
+
+        costs, facts = measure_run(load_run(paths.local))
+        return costs, facts.failures
+
+    return AutoPeriods(
+        snapshot=e.snapshot_period,
+        local=local,
+        checkpoint=c.checkpoint_period,
+        steps=cfg.train.steps,
+        slices=len(slices),
+        devices_per_slice=len(slices[0]),
+        mode=mode,
+        mtbf_per_chip_s=e.expected_mtbf_per_chip_hours * 3600.0,
+        max_overhead=e.auto_snapshot_max_overhead,
+        events=events,
+        measure=measure,
+    )
+
+
+def snapshot_store(cfg: RunConfig, paths: RunPaths, events, recorded: RecordedSteps | None = None):
+    """One controller (Pathways, one local process): snapshots pinned on the devices' hosts, never
+    through the controller. Several processes: each keeps its own devices' blocks in its own RAM (its
+    JAX client, and so any device buffer, is rebuilt when the formation changes)."""
+    store = local_store(cfg, paths, events, recorded)
+    if jax.process_count() == 1:
+        return PinnedSnapshots(events, store=store)
+    return HostSnapshots(events, store=store, copy_delay=copy_delay(cfg))
 
 
 def copy_delay(cfg: RunConfig):

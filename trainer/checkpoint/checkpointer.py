@@ -48,7 +48,7 @@ from trainer.checkpoint.fence import FencedWrite, SaveFence, fenced_path_class
 from trainer.checkpoint.storage_faults import StorageFaults
 from trainer.config.schema import CheckpointConfig
 from trainer.errors import TransientError, UserInputError
-from trainer.observe import catalogue
+from trainer.observe import catalogue, procio
 from trainer.runtime.state import tree_nbytes
 
 log = logging.getLogger(__name__)
@@ -520,7 +520,7 @@ class Checkpointer:
 
     def _restore_step(self, step: int, abstract_state) -> RestoredStep:
         self._emit(catalogue.CHECKPOINT_RESTORE_START, step=step)
-        started = self._clock()
+        started, read_before = self._clock(), procio.read_bytes()
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
         items = {
             STATE: ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args),
@@ -530,7 +530,11 @@ class Checkpointer:
         out = self._manager.restore(step, args=ocp.args.Composite(**items))
         state = jax.block_until_ready(out[STATE])  # read errors surface here, inside the fallback
         seconds, nbytes = self._clock() - started, tree_nbytes(state)
-        self._emit(catalogue.CHECKPOINT_RESTORE_DONE, step=step, seconds=round(seconds, 4), bytes=nbytes)
+        read_after = procio.read_bytes()
+        read = None if read_before is None or read_after is None else read_after - read_before
+        self._emit(
+            catalogue.CHECKPOINT_RESTORE_DONE, step=step, seconds=round(seconds, 4), bytes=nbytes, read_bytes=read
+        )
         return RestoredStep(step, state, out[DATA], out[METADATA], nbytes, seconds)
 
     # ---- the in-flight save -------------------------------------------------------------------------

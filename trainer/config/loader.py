@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from trainer.config.errors import ConfigError
-from trainer.config.schema import RunConfig, flat_fields, section_classes
+from trainer.config.schema import AUTO, RunConfig, flat_fields, section_classes
 from trainer.config.validate import validate
 from trainer.config.values import coerce, from_text
 
@@ -105,6 +105,8 @@ def _typed(key: str, value: Any, source: str, *, text: bool) -> Any:
     if key not in flat_fields():
         raise _unknown_key(key, source)
     kind = _kind(key)
+    if isinstance(value, str) and value.strip().lower() == "auto" and flat_fields()[key][1].metadata.get("auto"):
+        return AUTO
     return from_text(key, value, kind) if text else coerce(key, value, kind)
 
 

@@ -95,10 +95,11 @@ def _run_problems(cfg: RunConfig) -> list[str]:
             f"local_checkpoint_directory={c.local_checkpoint_directory!r} must be node-local storage (a path "
             "on this machine: local SSD or RAM disk); the persistent tier goes to base_output_directory"
         )
-    if bool(c.local_checkpoint_directory) != (c.local_checkpoint_period > 0):
+    if bool(c.local_checkpoint_directory) != (c.local_checkpoint_period != 0):
         problems.append(
-            "the local checkpoint tier needs both local_checkpoint_directory and local_checkpoint_period > 0 "
-            f"(got {c.local_checkpoint_directory!r} and {c.local_checkpoint_period}); set both, or neither"
+            "the local checkpoint tier needs both local_checkpoint_directory and local_checkpoint_period "
+            f"(> 0 or auto; got {c.local_checkpoint_directory!r} and {c.local_checkpoint_period}); set both, "
+            "or neither"
         )
     if cfg.data.dataset_type == "arrayrecord":
         from trainer.data.mixture import parse_mixture

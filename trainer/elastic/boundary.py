@@ -5,9 +5,10 @@ One `StepBoundary` per attempt, built by the supervisor from explicit parts; the
 order, after step N has been dispatched:
 1. the profiler window;
 2. the recovery timeline: the first step completed after a failure ends its downtime;
-3. a host-RAM snapshot every `snapshot_period` steps (taken asynchronously), and every
-   `local_checkpoint_period` steps one that is also written to the local checkpoint tier (with
-   `wait_for_local_write`, waited for one step later, so a lost process loses at most the period);
+3. a host snapshot every `periods.snapshot` steps (taken asynchronously), and every `periods.local`
+   steps one that is also written to the local checkpoint tier (with `wait_for_local_write`, waited for
+   one step later, so a lost process loses at most the period); `auto` periods are planned here
+   (`trainer.plan.auto`);
 4. fault injection (local virtual slices): faults due before step N+1 fire here;
 5. returning slices: the membership round (several processes, every step) or a health check of the
    inactive slices (at most every poll interval); any found are returned, for the supervisor to act on.
@@ -46,8 +47,7 @@ class StepBoundary:
         events,
         profiler,
         snapshots,
-        snapshot_period: int,
-        local_checkpoint_period: int = 0,
+        periods,
         wait_for_local_write: bool = False,
         injector=None,
         returning: Callable[[], list[int]] = list,
@@ -58,8 +58,7 @@ class StepBoundary:
         self.events = events
         self.profiler = profiler
         self.snapshots = snapshots
-        self.snapshot_period = snapshot_period
-        self.local_checkpoint_period = local_checkpoint_period
+        self.periods = periods  # .snapshot and .local, read every step (trainer.plan.auto.AutoPeriods)
         self.wait_for_local_write = wait_for_local_write
         self._writing: int | None = None  # the step whose local write may still be running
         self.injector = injector
@@ -72,7 +71,7 @@ class StepBoundary:
     def before_stop(self, step: int, state, data_state: dict) -> None:
         """A stop at `step`: with the local tier on, write the state there first (synchronously; the
         fastest save), before the loop's persistent checkpoint."""
-        if self.local_checkpoint_period:
+        if self.periods.local:
             self.snapshots.take(step, state, data_state, block=True, persist=True)
 
     def after_step(self, step: int, state, data_state: Callable[[], dict]) -> list[int]:
@@ -97,9 +96,11 @@ class StepBoundary:
             # lost process never trains more than local_checkpoint_period steps again.
             self.snapshots.wait_for_copy()
             self._writing = None
-        persist = bool(self.local_checkpoint_period) and step % self.local_checkpoint_period == 0
-        if persist or (self.snapshot_period and step % self.snapshot_period == 0):
+        self.periods.after_step(step)
+        persist = self.periods.due("local", step)
+        if persist or self.periods.due("snapshot", step):
             self.snapshots.take(step, state, data_state(), persist=persist)
+            self.periods.saved(step, persisted=persist)
             self._writing = step if persist and self.wait_for_local_write else None
         if self.injector is not None:
             self.injector.at_step_boundary(step + 1, in_flight=state)

@@ -4,8 +4,9 @@ Slice health is pathwaysutils' (`wait_for_slices` with a checker from `trainer.e
 its own on Pathways, one that also knows the injected outages on virtual slices); a `JaxRuntimeError` is a
 slice-down event when pathwaysutils classifies it so. On local virtual slices the `FaultInjector` fires
 scheduled faults and `trainer.chaos` requests at step boundaries and fails a step that runs on a down
-slice with Pathways' error; `ReturnPoller` notices slices that are healthy again. Snapshots are this
-process's host-RAM snapshots.
+slice with Pathways' error; `ReturnPoller` notices slices that are healthy again. Snapshots are pinned
+host copies on the devices' hosts (`trainer.elastic.pinned_snapshots`); a virtual slice's loss takes the
+snapshot replicas it held, as a real slice's does.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class LocalCluster:
         self.injector = injector
         self.single_controller = single_controller
         self.checker = make_checker(self.slice_to_devices, outages, single_controller=single_controller)
+        self._snapshots = None  # the attempt's snapshots: a virtual slice's loss takes its replicas
 
     @property
     def num_slices(self) -> int:
@@ -67,13 +69,21 @@ class LocalCluster:
     def slice_down_cause(self, err: Exception) -> str | None:
         if isinstance(err, ProcessFailureError):
             return "peer_lost"
-        return "slice_down" if pw_elastic.is_error_due_to_slice_down(err, log_traceback=False) else None
+        if not pw_elastic.is_error_due_to_slice_down(err, log_traceback=False):
+            return None
+        lose = getattr(self._snapshots, "lose", None)  # pinned snapshots (trainer.elastic.pinned_snapshots)
+        if self.outages is not None and lose is not None:
+            # On Pathways a lost slice's host memory goes with it; a virtual slice's must go too.
+            down = self.outages.down(self.slice_to_devices)
+            lose([d for i in down for d in self.slice_to_devices[i]])
+        return "slice_down"
 
     def fail(self, err: BaseException) -> None:
         pass  # nobody else to tell: the error ends this process, which is the whole job
 
     def attempt_parts(self, active: list[int], snapshots: HostSnapshots) -> AttemptParts:
         injector = self.injector
+        self._snapshots = snapshots
         guard = None if injector is None else (lambda fn: injector.guard(fn, active))
         return AttemptParts(snapshots=snapshots, wrap_step=guard)
 

@@ -143,35 +143,62 @@ class HostSnapshots:
                 log.warning("snapshot of step %d failed: %s", step, e)
                 return
             nbytes = held_nbytes(host)
-            with self._lock:
-                self.latest = Snapshot(step, host, data_state, nbytes)
-            self.events.emit(
-                catalogue.SNAPSHOT_TAKEN,
-                step=step,
-                bytes=nbytes,
-                seconds=round(time.perf_counter() - t0, 4),
-                blocking=block,
-            )
+            self._publish(Snapshot(step, host, data_state, nbytes), t0, block, memory="numpy", host_bytes=nbytes)
             if persist and any(isinstance(leaf, Blocks) for leaf in jax.tree.leaves(host)):
                 log.warning("local checkpoint of step %d skipped: this process holds part of the state", step)
             elif persist:
-                try:
-                    self.store.write(step, host, data_state, started=t0)
-                except OSError as e:  # a full or failing local disk costs the tier, not the run
-                    log.warning("local checkpoint of step %d failed: %s", step, e)
-                    self.events.emit(catalogue.LOCAL_CHECKPOINT_SAVE_FAILED, step=step, error=str(e))
+                self._write_local_copy(step, host, data_state, started=t0)
 
         if persist:
             self.events.emit(catalogue.LOCAL_CHECKPOINT_SAVE_START, step=step)
+        self._complete(step, to_host, block=block, persist=persist, started=t0)
+
+    def _complete(self, step: int, finish: Callable[[], None], *, block: bool, persist: bool, started: float):
+        """Run `finish` (the copy's completion) now when `block`, else on the snapshot thread."""
         if block:
-            to_host()
+            finish()
         else:
-            self._thread = threading.Thread(target=to_host, name=f"snapshot-{step}", daemon=True)
+            self._thread = threading.Thread(target=finish, name=f"snapshot-{step}", daemon=True)
             self._thread.start()
         if persist:
             self.events.emit(
-                catalogue.LOCAL_CHECKPOINT_SAVE_BLOCKED, step=step, seconds=round(time.perf_counter() - t0, 4)
+                catalogue.LOCAL_CHECKPOINT_SAVE_BLOCKED,
+                step=step,
+                seconds=round(time.perf_counter() - started, 4),
             )
+
+    def _publish(self, snap: Snapshot, started: float, block: bool, **where) -> None:
+        """`snap` is complete: it becomes the newest, and `snapshot_taken` says where it went."""
+        with self._lock:
+            self.latest = snap
+        self.events.emit(
+            catalogue.SNAPSHOT_TAKEN,
+            step=snap.step,
+            bytes=snap.nbytes,
+            seconds=round(time.perf_counter() - started, 4),
+            blocking=block,
+            **where,
+        )
+
+    def _restored(self, snap: Snapshot, started: float, **where) -> None:
+        self.events.emit(
+            catalogue.SNAPSHOT_RESTORED,
+            step=snap.step,
+            bytes=snap.nbytes,
+            seconds=round(time.perf_counter() - started, 4),
+            origin=snap.origin,
+            **where,
+        )
+
+    def _write_local_copy(self, step: int, host, data_state: dict, *, started: float | None = None) -> bool:
+        """Write a host copy to the local tier; a full or failing local disk costs the tier, not the run."""
+        try:
+            self.store.write(step, host, data_state, started=started)
+        except OSError as e:
+            log.warning("local checkpoint of step %d failed: %s", step, e)
+            self.events.emit(catalogue.LOCAL_CHECKPOINT_SAVE_FAILED, step=step, error=str(e))
+            return False
+        return True
 
     def persist_latest(self) -> int | None:
         """Write the newest complete snapshot to the local tier when it is newer than every local step
@@ -274,11 +301,5 @@ class HostSnapshots:
             for leaf, a in zip(leaves, jax.tree.leaves(abstract_state))
         ]
         state = jax.block_until_ready(jax.tree.unflatten(treedef, arrays))
-        self.events.emit(
-            catalogue.SNAPSHOT_RESTORED,
-            step=snap.step,
-            bytes=snap.nbytes,
-            seconds=round(time.perf_counter() - t0, 4),
-            origin=snap.origin,
-        )
+        self._restored(snap, t0)
         return state, snap.data_state

@@ -63,6 +63,7 @@ from trainer.elastic.errors import ElasticGiveUp, SlicesUnavailable
 from trainer.elastic.retry_budget import RetryBudget
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.observe import catalogue
+from trainer.plan.auto import FixedPeriods
 from trainer.runtime.attempt import Attempt
 from trainer.runtime.loop import ROLLBACK, SCALE_UP, Outcome
 from trainer.runtime.preemption import Preempted, phase
@@ -79,7 +80,7 @@ class Supervisor:
     run_loop   (attempt, boundary=...) -> Outcome (`runtime.loop.train_loop` with the run's sinks and policy)
     snapshots  this process's host-RAM snapshots (`trainer.elastic.snapshot.HostSnapshots`)
     sync       copies the run's logs to their final place (`RunPaths.sync`), after every attempt
-    local_checkpoint_period  every this many steps the snapshot is also written to the local tier
+    periods    the snapshot and local-tier periods (`trainer.plan.auto`: numbers, or planned when `auto`)
     previous_last_step  the last step an earlier process of this run recorded (a restart after the
                process was lost): the first attempt counts the steps it rewinds behind it as lost
     """
@@ -95,7 +96,7 @@ class Supervisor:
         profiler,
         snapshots: HostSnapshots,
         sync: Callable[[], None] = lambda: None,
-        local_checkpoint_period: int = 0,
+        periods=None,
         wait_for_local_write: bool = False,
         previous_last_step: int | None = None,
     ):
@@ -107,7 +108,7 @@ class Supervisor:
         self.profiler = profiler
         self.snapshots = snapshots
         self.sync = sync
-        self.local_checkpoint_period = local_checkpoint_period
+        self.periods = periods or FixedPeriods(max(0, elastic.snapshot_period))
         self.wait_for_local_write = wait_for_local_write
         self.previous_last_step = previous_last_step
         self.total = cluster.num_slices
@@ -247,6 +248,7 @@ class Supervisor:
             )
             self.cluster.at_step_boundary(attempt.start_step + 1)  # faults due before the first step
             self.snapshots.attempt_started()
+            self.periods.attempt_started(attempt.start_step)
             try:
                 outcome = self.run_loop(attempt, boundary=self._boundary(active))
                 if outcome.kind == SCALE_UP:
@@ -267,8 +269,7 @@ class Supervisor:
             events=self.events,
             profiler=self.profiler,
             snapshots=self.snapshots,
-            snapshot_period=self.elastic.snapshot_period,
-            local_checkpoint_period=self.local_checkpoint_period,
+            periods=self.periods,
             wait_for_local_write=self.wait_for_local_write,
             injector=self.cluster,  # its at_step_boundary: fault injection on local virtual slices
             returning=self.cluster.returning(active),

@@ -124,7 +124,12 @@ CHECKPOINT_SAVE_FENCED = Event(
     "a save was refused at its commit: an earlier attempt's, or the run's lease was lost",
 )
 CHECKPOINT_RESTORE_START = Event("checkpoint_restore_start", "step", "a restore of this committed step started")
-CHECKPOINT_RESTORE_DONE = Event("checkpoint_restore_done", "step seconds bytes", "this step was restored")
+CHECKPOINT_RESTORE_DONE = Event(
+    "checkpoint_restore_done",
+    "step seconds bytes read_bytes",
+    "this step was restored: `bytes` of state (one replica), `read_bytes` this process read meanwhile "
+    "(/proc/self/io rchar; null where unknown)",
+)
 CHECKPOINT_RESTORE_FAILED = Event(
     "checkpoint_restore_failed",
     "step error transient attempt",
@@ -150,13 +155,16 @@ SNAPSHOT_STARTED = Event(
 )
 SNAPSHOT_TAKEN = Event(
     "snapshot_taken",
-    "step bytes seconds blocking",
-    "the train state of this step was copied to host memory (`blocking`: the loop waited for it)",
+    "step bytes seconds blocking memory host_bytes replicas?",
+    "the train state of this step was copied to host memory (`blocking`: the loop waited for it; `memory`: "
+    "pinned_host, each device's shard in its own host's memory, or numpy, in this process; `host_bytes`: "
+    "what this process converted to numpy for it; `replicas`: the copies along the data axis)",
 )
 SNAPSHOT_RESTORED = Event(
     "snapshot_restored",
-    "step bytes seconds origin",
-    "the attempt's state was put back from the host snapshot (`origin`: snapshot or local)",
+    "step bytes seconds origin memory? replicas? host_bytes?",
+    "the attempt's state was put back from the host snapshot (`origin`: snapshot or local; pinned_host "
+    "`memory`: from the surviving `replicas`, `host_bytes` converted to numpy on the way)",
 )
 SNAPSHOT_SHARED = Event(
     "snapshot_shared",
@@ -167,6 +175,13 @@ SNAPSHOT_SKIPPED = Event(
     "snapshot_skipped",
     "step reason",
     "no slice's processes all hold the newest snapshot: it is not used (`reason`)",
+)
+PERIODS_PLANNED = Event(
+    "periods_planned",
+    "step snapshot_period local_checkpoint_period recommended mode mtbf_per_slice_s rate failures costs",
+    "the auto periods were planned (trainer.plan.auto): the periods now used, the model's `recommended` ones, the "
+    "recovery `mode`, the failure rate it planned for (`rate`: expected, the config's, or observed) and the "
+    "measured `costs` it weighed",
 )
 LOCAL_CHECKPOINT_SAVE_START = Event(
     "local_checkpoint_save_start", "step", "a local-tier write of this step's host snapshot started"

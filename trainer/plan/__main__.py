@@ -21,12 +21,15 @@ import math
 import os
 import sys
 
+from trainer.config.schema import ElasticConfig
 from trainer.elastic.retry_budget import RetryBudget
 from trainer.errors import UserInputError, tool_main
 from trainer.plan import model
+from trainer.plan.auto import measurable_tiers, snapshot_floor
 from trainer.plan.model import MODES, TIERS, Costs, Failures, Periods
 
 PROG = "python -m trainer.plan"
+_AUTO_OVERHEAD = ElasticConfig.auto_snapshot_max_overhead
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 COST_FLAGS = [f.name for f in dataclasses.fields(Costs)]
 KEYS = {"checkpoint": "checkpoint_period", "local": "local_checkpoint_period", "snapshot": "snapshot_period"}
@@ -83,6 +86,20 @@ def _parse_args(argv):
     for tier in TIERS:
         c.add_argument(f"--{tier}-gibps", type=float, metavar="GIB_S", help=f"{tier} bandwidth, GiB/s")
     c.add_argument(
+        "--auto-snapshot-max-overhead",
+        type=float,
+        default=_AUTO_OVERHEAD,
+        metavar="SHARE",
+        help="the trainer's auto_snapshot_max_overhead: prints the snapshot period auto chooses "
+        f"(default {_AUTO_OVERHEAD:g}, the trainer's)",
+    )
+    c.add_argument(
+        "--keep",
+        default="",
+        help="tiers whose period stays as the run (or its flag) has it while the others are recommended, "
+        "comma-separated: what a run with some periods given and the others auto plans",
+    )
+    c.add_argument(
         "--tiers",
         default="checkpoint,local,snapshot",
         help="the save tiers the trainer may use, comma-separated (default checkpoint,local,snapshot; each "
@@ -138,14 +155,13 @@ def plan(args) -> int:
         raise UserInputError(f"--process-kill-share {args.process_kill_share}: must be in [0, 1]")
     steps = args.steps or (facts.steps if facts else 100_000)
     # A tier whose costs are all unknown (zero) is not recommended: it would look free.
-    known = {
-        t
-        for t in TIERS
-        if t == "checkpoint" or any(getattr(costs, f"{t}_{c}_s") for c in ("save", "write", "restore"))
-    }
-    available = tuple(t for t in args.tiers.split(",") if t.strip() and (t not in TIERS or t in known))
-    if "checkpoint" not in available or set(available) - set(TIERS):
+    listed = tuple(t.strip() for t in args.tiers.split(",") if t.strip())
+    if "checkpoint" not in listed or set(listed) - set(TIERS):
         raise UserInputError(f"--tiers {args.tiers}: list some of {','.join(TIERS)}, checkpoint included")
+    available = measurable_tiers(costs, listed)
+    keep = tuple(t.strip() for t in args.keep.split(",") if t.strip())
+    if set(keep) - set(TIERS):
+        raise UserInputError(f"--keep {args.keep}: list some of {','.join(TIERS)}")
     failures = Failures(slices, mtbf, args.process_kill_share)
     plot_path = args.plot or (os.path.join(args.run_dir, "plan.png") if args.run_dir else "plan.png")
     _check_writable(plot_path)
@@ -158,16 +174,16 @@ def plan(args) -> int:
     if args.elastic_max_retries < 0 or args.elastic_retry_window_steps < 1:
         raise UserInputError("--elastic-max-retries must be >= 0 and --elastic-retry-window-steps >= 1")
     budget = RetryBudget(args.elastic_max_retries, args.elastic_retry_window_steps)
-    recommended = {
-        m: model.recommend(costs, failures, steps, m, available=available, budget=budget) for m in MODES
-    }
     given = [getattr(args, KEYS[t]) for t in TIERS]
+    run = (facts.snapshot_period, facts.local_checkpoint_period, facts.checkpoint_period) if facts else (0, 0, 0)
+    snap, local_p, ckpt = (v if v is not None else r for v, r in zip(given, run, strict=True))
+    current = Periods(ckpt or steps, local_p, snap)
+    fixed = {t: current.of(t) for t in keep}
+    recommended = {
+        m: model.recommend(costs, failures, steps, m, available=available, budget=budget, fixed=fixed)
+        for m in MODES
+    }
     if facts or any(v is not None for v in given):
-        run = (
-            (facts.snapshot_period, facts.local_checkpoint_period, facts.checkpoint_period) if facts else (0, 0, 0)
-        )
-        snap, local_p, ckpt = (v if v is not None else r for v, r in zip(given, run, strict=True))
-        current = Periods(ckpt or steps, local_p, snap)
         modes = MODES
         if facts:
             modes = ("pause_resume" if facts.min_slices in (-1, facts.slices) else "replica_resize",)
@@ -182,6 +198,13 @@ def plan(args) -> int:
             measured = f"goodput {facts.goodput:.1%}, {facts.failures} failures, wall {_dur(facts.wall_s)}"
             print(f"  (measured: {measured})")
     print(_table(recommended, costs, failures, steps, args.monte_carlo, budget))
+    floor = snapshot_floor(costs, args.auto_snapshot_max_overhead)
+    if "snapshot" in available and "snapshot" not in keep and floor is not None:
+        chosen = [min(recommended[m][0].snapshot or steps, floor) for m in MODES if m != "full_restart"]
+        print(
+            f"auto snapshot_period (auto_snapshot_max_overhead={args.auto_snapshot_max_overhead:g}: at least "
+            f"every {floor} steps): " + ", ".join(f"{m} {p}" for m, p in zip(MODES, chosen, strict=False))
+        )
     _plot(plot_path, costs, failures, per_slice, steps, available, args.max_chips)
     print(f"plot written to {plot_path}")
     return 0

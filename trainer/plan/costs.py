@@ -158,6 +158,15 @@ def _restore(restores: list[dict], source: str, fallback: list[dict]) -> float:
     return _mean(seconds)
 
 
+def _period(cfg: dict, events: list[dict], key: str) -> int:
+    """A period from config.yml; an `auto` one (-1) is what the run last planned (0 before any plan)."""
+    value = int(cfg.get(key, 0))
+    if value >= 0:
+        return value
+    planned = [e[key] for e in events if e["event"] == catalogue.PERIODS_PLANNED]
+    return int(planned[-1]) if planned else 0
+
+
 def _facts(run, goodput: dict, failures: int) -> RunFacts:
     config_path = run.path / "config.yml"
     cfg = yaml.safe_load(config_path.read_text()) if config_path.exists() else {}
@@ -169,8 +178,8 @@ def _facts(run, goodput: dict, failures: int) -> RunFacts:
         slices=slices,
         devices_per_slice=max(1, devices // slices),
         checkpoint_period=int(cfg.get("checkpoint_period", 10_000)),
-        local_checkpoint_period=int(cfg.get("local_checkpoint_period", 0)),
-        snapshot_period=int(cfg.get("snapshot_period", 0)),
+        local_checkpoint_period=_period(cfg, run.events, "local_checkpoint_period"),
+        snapshot_period=_period(cfg, run.events, "snapshot_period"),
         min_slices=int(cfg.get("elastic_min_slice_count", -1)),
         failures=failures,
         wall_s=goodput["wall_s"],

@@ -443,14 +443,17 @@ def recommend(
     *,
     available: tuple[str, ...] = ("checkpoint",),
     budget: RetryBudget = DEFAULT_BUDGET,
+    fixed: dict[str, int] | None = None,
 ) -> tuple[Periods, Outcome]:
     """The periods that minimise the expected wall time (coordinate search over a geometric grid, started
     from each tier's Young/Daly interval), and their outcome.
 
     Only the failures the model knows are weighed: with host snapshots covering every slice failure and
     no process kills, the persistent tier's best period is the whole run (its final save alone). Give a
-    `process_kill_share` for the failures that need it."""
-    tiers = tiers_used(mode, available)
+    `process_kill_share` for the failures that need it. `fixed`: tiers whose period is given (the user's
+    number), kept as they are while the others are searched."""
+    fixed = fixed or {}
+    tiers = tuple(t for t in tiers_used(mode, available) if t not in fixed)
     grid = sorted({max(1, round(steps ** (i / 48))) for i in range(49)})
     rate = failures.rate_s
 
@@ -459,7 +462,7 @@ def recommend(
         return max(1, round(young_daly_steps(blocked, 1 / rate, costs.step_s))) if rate > 0 else steps
 
     start = {t: min(young_daly(t), steps) for t in tiers}
-    periods = Periods(**{t: start.get(t, 0) for t in TIERS})
+    periods = Periods(**{t: start.get(t, fixed.get(t, 0)) for t in TIERS})
 
     def wall(p):
         return expected(costs, failures, p, steps, mode).wall_s
@@ -475,6 +478,6 @@ def recommend(
                     periods, best, improved = candidate, w, True
         if not improved:
             break
-    if periods.local >= steps:  # not worth saving locally at all
+    if periods.local >= steps and "local" not in fixed:  # not worth saving locally at all
         periods = dataclasses.replace(periods, local=0)
     return periods, expected(costs, failures, periods, steps, mode, budget)

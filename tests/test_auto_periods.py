@@ -1,0 +1,135 @@
+"""`auto` save periods: planned from the run's measured costs by trainer.plan's model, with the snapshot
+floor; the step boundary takes a planned tier's saves a period after the previous one."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from trainer.config import ConfigError, load_config
+from trainer.config.schema import AUTO
+from trainer.plan import model
+from trainer.plan.auto import WARMUP_STEPS, AutoPeriods, FixedPeriods, plan, snapshot_floor
+
+COSTS = model.Costs(step_s=0.5, snapshot_save_s=0.1, snapshot_write_s=0.6, checkpoint_save_s=2.0)
+
+
+class Events:
+    def __init__(self):
+        self.records = []
+
+    def emit(self, event, **fields):
+        self.records.append({"event": str(event), **fields})
+
+
+def test_auto_is_the_elastic_default_and_parses_from_text():
+    assert load_config("base.yml").elastic.snapshot_period == AUTO
+    cfg = load_config("base.yml", ["local_checkpoint_period=auto", "local_checkpoint_directory=/tmp/x"])
+    assert cfg.checkpoint.local_checkpoint_period == AUTO
+    assert load_config("base.yml", ["snapshot_period=7"]).elastic.snapshot_period == 7
+    with pytest.raises(ConfigError, match="checkpoint_period"):
+        load_config("base.yml", ["checkpoint_period=auto"])  # the persistent tier's period is a number
+
+
+def test_the_snapshot_floor_bounds_the_overhead_and_waits_for_the_previous_copy():
+    # 0.1 s per snapshot at 5% of a 0.5 s step: every 4 steps; the 0.6 s copy needs 2 steps.
+    assert snapshot_floor(COSTS, 0.05) == 4
+    assert snapshot_floor(dataclasses.replace(COSTS, snapshot_write_s=2.6), 0.05) == 6
+    assert snapshot_floor(dataclasses.replace(COSTS, snapshot_save_s=0.0, snapshot_write_s=0.0), 0.05) == 1
+    assert snapshot_floor(COSTS, 0.0) is None
+
+
+def test_a_plan_is_the_models_recommendation_with_the_floor_and_keeps_given_periods():
+    kwargs = dict(slices=2, steps=10_000, mode="pause_resume", enabled=("snapshot", "checkpoint"))
+    rare = plan(COSTS, mtbf_per_slice_s=1e8, fixed={"checkpoint": 500}, max_overhead=0.05, **kwargs)
+    periods, _ = model.recommend(
+        COSTS, model.Failures(2, 1e8), 10_000, "pause_resume", available=("snapshot", "checkpoint"),
+        fixed={"checkpoint": 500},
+    )  # fmt: skip
+    assert rare.recommended["snapshot"] == periods.snapshot > 4
+    assert rare.periods["snapshot"] == 4 and rare.periods["checkpoint"] == 500  # floor; given kept
+    off = plan(COSTS, mtbf_per_slice_s=1e8, fixed={"checkpoint": 500}, max_overhead=0.0, **kwargs)
+    assert off.periods["snapshot"] == periods.snapshot
+    # A failure every 10 s: the model's own period is shorter than the floor, and it wins.
+    often = plan(COSTS, mtbf_per_slice_s=20.0, fixed={"checkpoint": 500}, max_overhead=0.05, **kwargs)
+    assert often.periods["snapshot"] == often.recommended["snapshot"] < 4
+
+
+def _auto(measure, events, **kw):
+    args = dict(
+        snapshot=AUTO,
+        local=0,
+        checkpoint=10_000,
+        steps=1000,
+        slices=2,
+        devices_per_slice=4,
+        mode="pause_resume",
+        mtbf_per_chip_s=50_000 * 3600.0,
+        max_overhead=0.05,
+        events=events,
+        measure=measure,
+        clock=lambda: clock[0],
+    )
+    clock = [0.0]
+    args.update(kw)
+    return AutoPeriods(**args), clock
+
+
+def _run(periods, steps):
+    """Steps through a boundary's calls; returns the steps that saved."""
+    saved = []
+    for step in steps:
+        periods.after_step(step)
+        if periods.due("snapshot", step):
+            saved.append(step)
+            periods.saved(step, persisted=False)
+    return saved
+
+
+def test_warm_up_snapshots_every_other_step_then_plans_and_reschedules_from_the_last_save():
+    events = Events()
+    failures = [0]
+    periods, clock = _auto(lambda: (COSTS, failures[0]), events)
+    periods.attempt_started(0)
+    # Step 8 plans first: the new period (4) counts from the save at step 6.
+    assert _run(periods, range(1, WARMUP_STEPS + 1)) == [2, 4, 6]
+    planned = [e for e in events.records if e["event"] == "periods_planned"]
+    assert len(planned) == 1 and planned[0]["step"] == WARMUP_STEPS and planned[0]["rate"] == "expected"
+    assert planned[0]["snapshot_period"] == 4  # the floor: the model alone would wait far longer
+    assert planned[0]["mtbf_per_slice_s"] == pytest.approx(50_000 * 3600 / 4)
+    assert _run(periods, range(9, 17)) == [10, 14]
+    # A failure: the next attempt restores step 14 and plans after its warm-up at the observed rate.
+    failures[0], clock[0] = 1, 10.0
+    periods.attempt_started(14)
+    assert _run(periods, range(15, 15 + WARMUP_STEPS)) == [18, 22]
+    observed = [e for e in events.records if e["event"] == "periods_planned"][-1]
+    assert observed["rate"] == "observed" and observed["mtbf_per_slice_s"] == pytest.approx(20.0)
+    assert observed["step"] == 14 + WARMUP_STEPS and observed["snapshot_period"] < 4
+
+
+def test_given_periods_are_never_planned_and_a_full_restart_run_takes_no_snapshots():
+    events = Events()
+    periods, _ = _auto(lambda: (COSTS, 0), events, snapshot=3)
+    periods.attempt_started(0)
+    assert _run(periods, range(1, 20)) == [3, 6, 9, 12, 15, 18] and not events.records
+    restart, _ = _auto(lambda: (COSTS, 0), events, mode="full_restart")
+    restart.attempt_started(0)
+    assert _run(restart, range(1, 20)) == [] and not events.records
+
+
+def test_a_failing_measurement_keeps_the_current_periods():
+    def broken():
+        raise OSError("metrics.jsonl vanished")
+
+    periods, _ = _auto(broken, Events())
+    periods.attempt_started(0)
+    assert _run(periods, range(1, 13)) == [2, 4, 6, 8, 10, 12]
+
+
+def test_fixed_periods_save_at_multiples():
+    fixed = FixedPeriods(snapshot=5, local=10)
+    assert [s for s in range(1, 21) if fixed.due("snapshot", s)] == [5, 10, 15, 20]
+    assert [s for s in range(1, 21) if fixed.due("local", s)] == [10, 20]
+    assert math.isclose(snapshot_floor(COSTS, 1.0), 2)

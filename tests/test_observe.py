@@ -91,6 +91,14 @@ def test_remote_run_directory_mirrors_logs_and_sends_checkpoints_to_the_store(tm
     assert (tmp_path / "store" / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert (tmp_path / "store" / "tensorboard" / "events.out").read_bytes() == b"tb"
     assert not (tmp_path / "store" / "chaos").exists()
+    # Only what changed goes up again, and a sync asked for too soon after the last sends nothing: a run
+    # that recovers hundreds of times does not upload its whole logs at every recovery.
+    with (mirror.local / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2}\n')
+    assert mirror.sync(min_interval_s=3600) == 0
+    assert mirror.sync() == len('{"step": 1}\n{"step": 2}\n')  # metrics only, not the TensorBoard file
+    assert (tmp_path / "store" / "metrics.jsonl").read_text().count("step") == 2
+    assert mirror.sync() == 0
 
 
 def test_local_run_directory_is_used_as_is(tmp_path):

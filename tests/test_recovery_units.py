@@ -138,7 +138,10 @@ def test_the_local_tier_wins_when_it_is_the_newest(snapshot, local, checkpoint, 
     assert got == source
 
 
-def test_a_retry_on_slices_seen_before_reuses_their_layout_and_builds_fresh_state(tmp_path):
+def test_a_retry_on_slices_seen_before_reuses_their_layout_and_builds_fresh_state(tmp_path, monkeypatch):
+    from trainer.runtime import attempt as attempt_module
+    from trainer.runtime.attempt import slice_set_key
+
     cfg = load_config(
         "base.yml",
         [
@@ -162,6 +165,13 @@ def test_a_retry_on_slices_seen_before_reuses_their_layout_and_builds_fresh_stat
     other = build(slices[:1])  # another slice set: its own mesh and executable
     other.close()
     assert other.mesh.size == 2 and log.count("compile_done") == 2 and len(build.layouts) == 2
+    # The cache is bounded, least recently used out first: with room for two, a third slice set evicts
+    # the full set (used before `other`), and the full set compiles again when it comes back.
+    monkeypatch.setattr(attempt_module, "MAX_LAYOUTS", 2)
+    build(slices[1:]).close()
+    assert list(build.layouts) == [slice_set_key(slices[:1]), slice_set_key(slices[1:])]
+    build(slices).close()
+    assert log.count("compile_done") == 4
 
 
 def test_a_snapshot_copies_each_distinct_shard_once_and_reassembles_the_global_arrays():

@@ -58,6 +58,8 @@ from trainer.runtime.preemption import StopSignal
 
 log = logging.getLogger(__name__)
 
+LOG_SYNC_INTERVAL_S = 30.0  # a remote run's logs go up after an attempt at most this often (and at the end)
+
 
 def make_sinks(
     cfg: RunConfig,
@@ -160,7 +162,7 @@ def build_supervisor(
         events=events,
         profiler=StepProfiler(cfg.observe, paths.local / "profile", events),
         snapshots=snapshot_store(cfg, paths, events, recorded),
-        sync=paths.sync,
+        sync=partial(paths.sync, min_interval_s=LOG_SYNC_INTERVAL_S),
         periods=save_periods(cfg, slices, paths, events),
         wait_for_local_write=cfg.checkpoint.local_checkpoint_wait_for_write,
         previous_last_step=last_recorded_step(paths.local / "metrics.jsonl"),

@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -75,6 +76,8 @@ class RunPaths:
     checkpoints: epath.Path  # <run dir>/checkpoints, local or remote
     remote: epath.Path | None  # the run directory when it is on an object store
     local_checkpoints: epath.Path | None = None  # <local_checkpoint_directory>/<run name>: the local tier
+    # path -> (size, mtime_ns) at its last upload, and when the last sync ran ("", (time, 0))
+    _uploaded: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def run_dir(self) -> str:
@@ -100,18 +103,36 @@ class RunPaths:
             except Exception as e:  # noqa: BLE001 - a failed download must not end training
                 log.warning("could not continue %s from the bucket: %s", src, e)
 
-    def sync(self) -> None:
-        """Copy the local logs to the remote run directory (no-op for a local run)."""
+    def sync(self, min_interval_s: float = 0.0) -> int:
+        """Copy the local logs that changed since their last upload to the remote run directory (no-op for
+        a local run); with `min_interval_s`, nothing when the previous sync was more recent (a run that
+        recovers hundreds of times would otherwise upload its growing logs at every recovery). Returns
+        the bytes uploaded."""
         if self.remote is None:
-            return
+            return 0
+        now = time.monotonic()
+        last = self._uploaded.get("", (None, 0))[0]
+        if min_interval_s and last is not None and now - last < min_interval_s:
+            return 0
+        self._uploaded[""] = (now, 0)
+        sent = 0
         try:
             for src in self.local.rglob("*"):
-                if src.is_file() and "chaos" not in src.parts:
-                    dst = self.remote / src.relative_to(self.local).as_posix()
-                    dst.parent.mkdir(parents=True, exist_ok=True)
-                    dst.write_bytes(src.read_bytes())
+                if not src.is_file() or "chaos" in src.parts:
+                    continue
+                stat = src.stat()
+                key, version = str(src), (stat.st_size, stat.st_mtime_ns)
+                if self._uploaded.get(key) == version:
+                    continue
+                dst = self.remote / src.relative_to(self.local).as_posix()
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                data = src.read_bytes()
+                dst.write_bytes(data)
+                self._uploaded[key] = version
+                sent += len(data)
         except Exception as e:  # losing a log upload must not end training
             log.warning("could not sync run logs to %s: %s", self.remote, e)
+        return sent
 
 
 def run_paths(base_output_directory: str, run_name: str, *, local_checkpoint_directory: str = "") -> RunPaths:

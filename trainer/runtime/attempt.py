@@ -72,6 +72,10 @@ def slice_set_key(slices: list[list]) -> tuple:
     return tuple(tuple(d.id for d in s) for s in slices)
 
 
+# Slice sets whose compiled layout is kept: the full set, the survivor sets a run meets, room to spare.
+MAX_LAYOUTS = 8
+
+
 class AttemptBuilder:
     """Builds the attempts of one run; keeps each slice set's `SliceLayout` (compiled step) across them."""
 
@@ -83,7 +87,7 @@ class AttemptBuilder:
         self.events = events
         self.fence = fence or SaveFence()
         self.storage_faults = storage_faults
-        self.layouts: dict[tuple, SliceLayout] = {}
+        self.layouts: dict[tuple, SliceLayout] = {}  # most recently used last, at most MAX_LAYOUTS
 
     def forget_compiled(self) -> None:
         """Drop every slice set's layout: the devices they were compiled for are gone (a fresh client)."""
@@ -152,12 +156,15 @@ class AttemptBuilder:
         """The slice set's layout with its compiled steps: the cached one (`compile_cached`), else `layout`
         compiled now and kept (`compile_done`)."""
         if key in self.layouts:
+            self.layouts[key] = self.layouts.pop(key)  # most recently used
             self.events.emit(
                 catalogue.COMPILE_CACHED, devices=layout.mesh.size, micro_steps=layout.batch.micro_steps
             )
             return layout
         with phase("compile"):
             layout = self.layouts[key] = layout.compiled(self.spec)
+        while len(self.layouts) > MAX_LAYOUTS:  # many distinct survivor sets: drop the least recently used
+            del self.layouts[next(iter(self.layouts))]
         self.events.emit(
             catalogue.COMPILE_DONE,
             seconds=round(layout.compile_s, 3),

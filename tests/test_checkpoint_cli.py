@@ -136,6 +136,17 @@ def test_sigterm_finishes_the_step_saves_and_exits_42_then_resumes(baseline, tmp
     _assert_same_run(tmp_path / "t", baseline)
 
 
+def test_a_restore_onto_three_slices_reads_one_replica_from_storage(tmp_path):
+    """Saved on one slice, restored onto three (the state replicated across them): the process reads
+    the checkpoint once, not once per slice (checkpoint_restore_done's read_bytes, from /proc/self/io)."""
+    saved = run_cli(tmp_path, "r", "steps=2", "checkpoint_period=2", "num_slices=1", devices=1)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    resumed = run_cli(tmp_path, "r", "steps=3", "checkpoint_period=2", "num_slices=3", devices=3)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    done = [e for e in events(tmp_path / "r") if e["event"] == "checkpoint_restore_done"][-1]
+    assert done["step"] == 2 and 0 < done["read_bytes"] <= 1.3 * done["bytes"], done
+
+
 def test_resume_onto_another_mesh_continues_the_same_run(tmp_path):
     # Global batch 4 throughout: 1 device x 4 (reference), saved on fsdp=4 x 1 (4 devices) at step 6,
     # resumed on data=2 x 2 (2 devices). Same math on another layout: reductions run in another order.

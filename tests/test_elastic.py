@@ -96,6 +96,10 @@ def test_replica_resize_keeps_the_global_batch_and_scales_back_up_without_losing
     assert len(attempts) == 3 and attempts[2]["slices"] == [0, 1, 2], "must grow back when slice 2 returns"
     assert {a["global_batch_size"] for a in attempts} == {6}, "keep_global: same global batch on 2 slices"
     assert attempts[2]["steps_rewound"] == 0, "scale-up snapshots first, so growing back loses no step"
+    # The survivor sets were compiled in the background after the first attempt started: the resize
+    # found its executable (waiting for it if still compiling), nothing compiled on the failure's path.
+    names = [e["event"] for e in events(run)]
+    assert names.count("compile_done") == 1 and names.count("compile_ahead") >= 1, names
     recs = final_by_step(metrics(run))
     assert any(r["devices"] == 2 for r in recs.values())
     assert_same_data_order(run, baseline, STEPS)

@@ -174,6 +174,23 @@ def test_a_retry_on_slices_seen_before_reuses_their_layout_and_builds_fresh_stat
     assert log.count("compile_done") == 4
 
 
+def test_survivor_layouts_compiled_ahead_serve_the_first_resize_from_the_cache(tmp_path):
+    cfg = load_config("base.yml", [*NANO_MODEL, "num_slices=2", "enable_checkpointing=false"])
+    slices = group_into_slices(jax.devices()[:4], 2)
+    log = []
+    build = AttemptBuilder(train_spec(cfg), checkpoint_dir=tmp_path / "ckpt", events=_Events(log))
+    build(slices).close()
+    done = build.compile_ahead([slices[:1], slices[1:]])
+    resized = build(slices[1:])  # may come while the background compile runs: it waits, never compiles twice
+    resized.close()
+    done.result(timeout=600)
+    assert log.count("compile_ahead") == 2 and log.count("compile_done") == 1
+    assert log.count("compile_cached") == 1 and resized.mesh.size == 2
+    build(slices[:1]).close()
+    assert log.count("compile_cached") == 2
+    build.close()
+
+
 def test_a_snapshot_copies_each_distinct_shard_once_and_reassembles_the_global_arrays():
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P

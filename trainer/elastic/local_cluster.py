@@ -30,6 +30,8 @@ class LocalCluster:
     virtual slices), `injector` the `FaultInjector` (None on Pathways); `timeout_s` bounds a wait for
     slices, `poll_s` spaces the health checks (while waiting, and of inactive slices between steps)."""
 
+    compiles_ahead = True  # one controller keeps its devices across attempts: survivor executables stay valid
+
     def __init__(
         self,
         slices: list[list],

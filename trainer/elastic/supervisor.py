@@ -51,6 +51,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from itertools import combinations
 
 import jax
 from jax.experimental.multihost_utils import ProcessFailureError
@@ -64,7 +65,7 @@ from trainer.elastic.retry_budget import RetryBudget
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.observe import catalogue
 from trainer.plan.auto import FixedPeriods
-from trainer.runtime.attempt import Attempt
+from trainer.runtime.attempt import MAX_LAYOUTS, Attempt
 from trainer.runtime.loop import ROLLBACK, SCALE_UP, Outcome
 from trainer.runtime.preemption import Preempted, phase
 
@@ -128,6 +129,9 @@ class Supervisor:
             self.cluster.propose_stop(self.stats.last_step)  # several processes: the others stop too
             raise
         finally:
+            close = getattr(self.attempts, "close", None)
+            if close is not None:
+                close()
             self.cluster.close()
 
     def _run(self) -> Outcome:
@@ -212,6 +216,8 @@ class Supervisor:
         with phase("building_attempt"):
             parts = self.cluster.attempt_parts(active, self.snapshots)
             attempt = self.attempts(self.cluster.devices(active), **parts.kwargs())
+        if number == 1:
+            self._compile_ahead(active)
         with contextlib.closing(attempt):
             rewound = max(0, self.stats.last_step - attempt.start_step) if number > 1 else 0
             if number == 1 and self.previous_last_step is not None:
@@ -261,6 +267,22 @@ class Supervisor:
                 self.snapshots.attempt_ended()
                 self.profiler.close()
                 self.sync()
+
+    def _compile_ahead(self, active: list[int]) -> None:
+        """Replica-resize: compile the steps for every set of survivors the run may continue on, in the
+        background, so the first resize finds its executable (one controller only: its devices, and so
+        executables compiled for them, outlive attempts)."""
+        ahead = getattr(self.attempts, "compile_ahead", None)
+        if not (self.elastic.elastic_enabled and ahead and getattr(self.cluster, "compiles_ahead", False)):
+            return
+        sets = [list(c) for k in range(max(1, self.min_slices), len(active)) for c in combinations(active, k)]
+        if not sets:
+            return
+        if len(sets) >= MAX_LAYOUTS:
+            log.info("not compiling ahead: %d survivor sets exceed the layout cache (%d)", len(sets), MAX_LAYOUTS)
+            return
+        log.info("compiling ahead for %d survivor sets: %s", len(sets), sets)
+        ahead([self.cluster.devices(s) for s in sets])
 
     def _boundary(self, active: list[int]) -> StepBoundary:
         return StepBoundary(

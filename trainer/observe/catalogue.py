@@ -80,6 +80,11 @@ COMPILE_DONE = Event(
     "seconds eval_seconds devices micro_steps",
     "the train (and eval) step compiled for this attempt's set of devices",
 )
+COMPILE_AHEAD = Event(
+    "compile_ahead",
+    "devices micro_steps seconds",
+    "the train and eval steps of a slice set the run may resize onto were compiled in the background",
+)
 COMPILE_CACHED = Event(
     "compile_cached",
     "devices micro_steps",

@@ -9,9 +9,11 @@ set, the `SliceLayout` of `trainer.runtime.layout` (mesh, shardings, compiled st
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -88,10 +90,60 @@ class AttemptBuilder:
         self.fence = fence or SaveFence()
         self.storage_faults = storage_faults
         self.layouts: dict[tuple, SliceLayout] = {}  # most recently used last, at most MAX_LAYOUTS
+        self._lock = threading.Lock()  # layouts: the attempt's thread and the compile-ahead thread
+        self._ahead: dict[tuple, concurrent.futures.Future] = {}  # slice sets compiling in the background
+        self._ahead_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def forget_compiled(self) -> None:
         """Drop every slice set's layout: the devices they were compiled for are gone (a fresh client)."""
-        self.layouts.clear()
+        with self._lock:
+            self.layouts.clear()
+
+    def compile_ahead(self, slice_sets: list[list[list]]) -> concurrent.futures.Future:
+        """Compile the train and eval steps of each slice set in the background, one after the other, so
+        the first attempt on one (a replica-resize onto survivors) finds its executable; an attempt that
+        needs one still compiling waits for it. Each is a `compile_ahead` event. Returns a future that is
+        done when all are."""
+        if self._ahead_pool is None:
+            self._ahead_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-ahead")
+        futures = []
+        for slices in slice_sets:
+            key = slice_set_key(slices)
+            with self._lock:
+                if key in self.layouts or key in self._ahead:
+                    continue
+                self._ahead[key] = future = self._ahead_pool.submit(self._compile_one, key, slices)
+            futures.append(future)
+        return self._ahead_pool.submit(concurrent.futures.wait, futures)
+
+    def _compile_one(self, key: tuple, slices: list[list]) -> None:
+        started, layout = time.perf_counter(), None
+        try:
+            layout = slice_layout(self.spec, slices).compiled(self.spec)
+        except Exception as e:  # a layout that does not compile fails its own attempt later, not this run
+            log.warning("compiling ahead for slices of %d devices failed: %s", sum(map(len, slices)), e)
+        with self._lock:  # in the cache before it leaves the in-progress map: never in neither
+            if layout is not None:
+                self.layouts.setdefault(key, layout)
+                self._evict()
+            self._ahead.pop(key, None)
+        if layout is None:
+            return
+        self.events.emit(
+            catalogue.COMPILE_AHEAD,
+            devices=layout.mesh.size,
+            micro_steps=layout.batch.micro_steps,
+            seconds=round(time.perf_counter() - started, 3),
+        )
+
+    def _evict(self) -> None:
+        while len(self.layouts) > MAX_LAYOUTS:  # many distinct slice sets: drop the least recently used
+            del self.layouts[next(iter(self.layouts))]
+
+    def close(self) -> None:
+        """Stop compiling ahead (a compile in progress finishes; none queued starts)."""
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown(wait=False, cancel_futures=True)
 
     def __call__(
         self,
@@ -112,7 +164,9 @@ class AttemptBuilder:
         stack = contextlib.ExitStack()
         try:
             key = slice_set_key(slices)
-            layout = self.layouts.get(key) or slice_layout(self.spec, slices)
+            with self._lock:
+                layout = self.layouts.get(key)
+            layout = layout or slice_layout(self.spec, slices)
             # Data first: a bad dataset or tokenizer must stop the run before any compile or device work.
             iterator, eval_iterator = self._iterators(layout, stack)
             layout = self._compiled(key, layout)
@@ -155,16 +209,25 @@ class AttemptBuilder:
     def _compiled(self, key: tuple, layout: SliceLayout) -> SliceLayout:
         """The slice set's layout with its compiled steps: the cached one (`compile_cached`), else `layout`
         compiled now and kept (`compile_done`)."""
-        if key in self.layouts:
-            self.layouts[key] = self.layouts.pop(key)  # most recently used
+        with self._lock:
+            ahead = self._ahead.get(key)
+        if ahead is not None:
+            with phase("compile"):
+                ahead.result()  # compiling in the background right now: wait for it, do not compile twice
+        with self._lock:
+            cached = self.layouts.pop(key, None)
+            if cached is not None:
+                self.layouts[key] = cached  # most recently used
+        if cached is not None:
             self.events.emit(
-                catalogue.COMPILE_CACHED, devices=layout.mesh.size, micro_steps=layout.batch.micro_steps
+                catalogue.COMPILE_CACHED, devices=cached.mesh.size, micro_steps=cached.batch.micro_steps
             )
-            return layout
+            return cached
         with phase("compile"):
-            layout = self.layouts[key] = layout.compiled(self.spec)
-        while len(self.layouts) > MAX_LAYOUTS:  # many distinct survivor sets: drop the least recently used
-            del self.layouts[next(iter(self.layouts))]
+            layout = layout.compiled(self.spec)
+        with self._lock:
+            self.layouts[key] = layout
+            self._evict()
         self.events.emit(
             catalogue.COMPILE_DONE,
             seconds=round(layout.compile_s, 3),

@@ -133,3 +133,24 @@ def test_fixed_periods_save_at_multiples():
     assert [s for s in range(1, 21) if fixed.due("snapshot", s)] == [5, 10, 15, 20]
     assert [s for s in range(1, 21) if fixed.due("local", s)] == [10, 20]
     assert math.isclose(snapshot_floor(COSTS, 1.0), 2)
+
+
+def test_several_processes_take_numbers_only(monkeypatch, tmp_path):
+    """Each process would plan from its own costs, but every process must snapshot the same steps."""
+    import jax
+
+    from trainer.observe.rundir import run_paths
+    from trainer.run import save_periods
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    slices = [[object()], [object()]]
+    cfg = load_config("base.yml", ["elastic_enabled=true", "num_slices=2"])
+    paths = run_paths(str(tmp_path), "r")
+    assert save_periods(cfg, slices, paths, Events()) == FixedPeriods(0, 0)
+    local = load_config(
+        "base.yml", ["local_checkpoint_directory=/tmp/node", "local_checkpoint_period=auto", "snapshot_period=2"]
+    )
+    with pytest.raises(ConfigError, match="local_checkpoint_period=auto needs one controller"):
+        save_periods(
+            local, slices, run_paths(str(tmp_path), "r", local_checkpoint_directory="/tmp/node"), Events()
+        )

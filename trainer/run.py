@@ -219,6 +219,16 @@ def save_periods(cfg: RunConfig, slices: list[list], paths: RunPaths, events) ->
     costs (`trainer.plan.auto`) where they are `auto`."""
     e, c = cfg.elastic, cfg.checkpoint
     local = c.local_checkpoint_period if paths.local_checkpoints else 0
+    if AUTO in (e.snapshot_period, local) and jax.process_count() > 1:
+        # Each process would measure its own costs and could plan its own period, and the processes'
+        # snapshots must be of the same steps: with several processes periods are numbers.
+        if local == AUTO:
+            raise ConfigError(
+                "local_checkpoint_period=auto needs one controller; with several processes give a number "
+                "(every process saves the same steps)"
+            )
+        log.info("snapshot_period=auto with %d processes: no snapshots (give a number)", jax.process_count())
+        return FixedPeriods(0, local)
     if AUTO not in (e.snapshot_period, local):
         return FixedPeriods(e.snapshot_period, local)
     if not e.elastic_enabled:

@@ -29,8 +29,10 @@ def test_auto_is_the_elastic_default_and_parses_from_text():
     cfg = load_config("base.yml", ["local_checkpoint_period=auto", "local_checkpoint_directory=/tmp/x"])
     assert cfg.checkpoint.local_checkpoint_period == AUTO
     assert load_config("base.yml", ["snapshot_period=7"]).elastic.snapshot_period == 7
-    with pytest.raises(ConfigError, match="checkpoint_period"):
-        load_config("base.yml", ["checkpoint_period=auto"])  # the persistent tier's period is a number
+    assert load_config("base.yml").checkpoint.checkpoint_period == AUTO
+    assert load_config("base.yml", ["checkpoint_period=500"]).checkpoint.checkpoint_period == 500
+    with pytest.raises(ConfigError, match="checkpoint_period=0"):
+        load_config("base.yml", ["checkpoint_period=0"])
 
 
 def test_the_snapshot_floor_bounds_the_overhead_and_waits_for_the_previous_copy():
@@ -109,6 +111,57 @@ def test_warm_up_snapshots_every_other_step_then_plans_and_reschedules_from_the_
     assert observed["step"] == 14 + WARMUP_STEPS and observed["snapshot_period"] < 4
 
 
+def _checkpoints(periods, steps):
+    """Steps through the loop's and the boundary's calls; returns the steps the persistent tier saved."""
+    saved = []
+    for step in steps:
+        if periods.checkpoint_due(step):
+            saved.append(step)
+        periods.after_step(step)
+    return saved
+
+
+def test_the_persistent_tier_saves_once_in_the_warm_up_then_at_its_planned_period():
+    """checkpoint_period=auto: one save in the warm-up measures its cost; the plan weighs it against the
+    share of failures that take the process down (the others are recovered from snapshots)."""
+    events = Events()
+    periods, _ = _auto(lambda: (COSTS, 0), events, checkpoint=AUTO, steps=100_000, process_kill_share=0.1)
+    periods.attempt_started(0)
+    assert _checkpoints(periods, range(1, WARMUP_STEPS + 1)) == [WARMUP_STEPS // 2]
+    planned = [e for e in events.records if e["event"] == "periods_planned"][-1]
+    expected, _ = model.recommend(
+        COSTS, model.Failures(2, 50_000 * 3600 / 4, 0.1), 100_000, "pause_resume",
+        available=("snapshot", "checkpoint"),
+    )  # fmt: skip
+    period = planned["checkpoint_period"]
+    assert period == expected.checkpoint == planned["recommended"]["checkpoint_period"]
+    assert WARMUP_STEPS < period < 100_000 and planned["process_kill_share"] == 0.1
+    # The next saves count from the warm-up's.
+    saved = _checkpoints(periods, range(WARMUP_STEPS + 1, 4 + 2 * period + 1))
+    assert saved == [4 + period, 4 + 2 * period]
+    # Rarer process kills: a longer period.
+    rare, _ = _auto(lambda: (COSTS, 0), Events(), checkpoint=AUTO, steps=100_000, process_kill_share=0.01)
+    rare.attempt_started(0)
+    _checkpoints(rare, range(1, WARMUP_STEPS + 1))
+    assert rare.current["checkpoint"] > period
+
+
+def test_an_unmeasured_save_keeps_the_unplanned_period_and_the_next_attempt_measures_again():
+    unmeasured = dataclasses.replace(COSTS, checkpoint_save_s=0.0)
+    costs = [unmeasured]
+    events = Events()
+    periods, _ = _auto(lambda: (costs[0], 0), events, checkpoint=AUTO, steps=100_000, process_kill_share=0.1)
+    periods.attempt_started(0)
+    assert _checkpoints(periods, range(1, 20)) == [4]
+    assert periods.current["checkpoint"] == 10_000 and periods.current["snapshot"] < 10_000
+    periods.attempt_started(19)  # after a failure: the warm-up saves again, and this time it is measured
+    costs[0] = COSTS
+    assert _checkpoints(periods, range(20, 20 + WARMUP_STEPS)) == [23]
+    planned = [e for e in events.records if e["event"] == "periods_planned"][-1]
+    assert periods.checkpoint_measured and planned["step"] == 19 + WARMUP_STEPS
+    assert periods.current["checkpoint"] == planned["recommended"]["checkpoint_period"] != 10_000
+
+
 def test_given_periods_are_never_planned_and_a_full_restart_run_takes_no_snapshots():
     events = Events()
     periods, _ = _auto(lambda: (COSTS, 0), events, snapshot=3)
@@ -146,7 +199,8 @@ def test_several_processes_take_numbers_only(monkeypatch, tmp_path):
     slices = [[object()], [object()]]
     cfg = load_config("base.yml", ["elastic_enabled=true", "num_slices=2"])
     paths = run_paths(str(tmp_path), "r")
-    assert save_periods(cfg, slices, paths, Events()) == FixedPeriods(0, 0)
+    fixed = save_periods(cfg, slices, paths, Events())
+    assert fixed == FixedPeriods(0, 0) and fixed.checkpoint_due is None  # checkpoint_period=auto: 10,000
     local = load_config(
         "base.yml", ["local_checkpoint_directory=/tmp/node", "local_checkpoint_period=auto", "snapshot_period=2"]
     )
@@ -154,3 +208,22 @@ def test_several_processes_take_numbers_only(monkeypatch, tmp_path):
         save_periods(
             local, slices, run_paths(str(tmp_path), "r", local_checkpoint_directory="/tmp/node"), Events()
         )
+
+
+def test_the_live_measurement_reads_the_runs_start_and_recent_past_only(tmp_path):
+    """Planning after thousands of recoveries must not re-read (and hold) the whole run log."""
+    import json
+
+    from trainer.observe.runlog import load_run
+    from trainer.plan.costs import measure
+
+    events = [{"event": "start", "time": 0.0}, {"event": "attempt_start", "time": 1.0, "start_step": 0}]
+    events += [{"event": "snapshot_taken", "time": 1.0 + s, "step": s, "seconds": 0.01} for s in range(1, 5000)]
+    rows = [{"step": s, "time": 1.0 + s, "step_time_s": 0.5, "loss": 1.0} for s in range(1, 5000)]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = load_run(tmp_path, window_bytes=20_000)
+    assert run.events[0]["event"] == "start" and run.events[-1] == events[-1]
+    assert len(run.events) < 1000 and run.records[-1]["step"] == 4999 and len(run.records) < 1000
+    costs, _ = measure(run)
+    assert costs.step_s == pytest.approx(0.5)

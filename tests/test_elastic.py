@@ -297,9 +297,10 @@ def test_a_non_slice_error_is_not_retried(tmp_path):
 
 
 def test_the_default_elastic_command_plans_its_snapshots_and_a_failure_rewinds_a_few_steps(tmp_path):
-    """No period keys: snapshot_period is auto. After a warm-up the trainer plans the period from its own
-    measured costs; a slice lost at step 30 rewinds to the newest snapshot; `python -m trainer.plan` on
-    the run, given the costs the trainer weighed, recommends the same periods."""
+    """No period keys: snapshot_period and checkpoint_period are auto. After a warm-up (one checkpoint
+    save, snapshots every other step) the trainer plans the periods from its own measured costs; a slice
+    lost at step 30 rewinds to the newest snapshot; `python -m trainer.plan` on the run, given the costs
+    the trainer weighed, recommends the same periods."""
     proc = run_cli(
         tmp_path,
         "auto",
@@ -315,22 +316,27 @@ def test_the_default_elastic_command_plans_its_snapshots_and_a_failure_rewinds_a
     evs = events(run)
     planned = [e for e in evs if e["event"] == "periods_planned"]
     assert planned and planned[0]["step"] < 30 and planned[0]["rate"] == "expected"
+    saves = [e["step"] for e in evs if e["event"] == "checkpoint_save_start"]
+    assert saves[0] == 4 and planned[0]["costs"]["checkpoint_save_s"] > 0, (saves, planned[0])
+    assert all(s == 40 or s - 4 >= planned[0]["checkpoint_period"] for s in saves[1:]), saves
     before = [e for e in planned if e["step"] < 30][-1]
     attempts = [e for e in evs if e["event"] == "attempt_start"]
     assert attempts[1]["source"].startswith("snapshot:")
-    # Rewound to the newest snapshot: fewer steps than the period (this micro model's 5 ms steps make a
-    # snapshot cost more than a step, so its period is long; the default model's is checked in the soak
-    # tier, test_the_default_elastic_command_loses_at_most_five_steps_to_a_slice_lost_at_step_30).
-    assert attempts[1]["steps_rewound"] < before["snapshot_period"]
+    # Rewound to the newest snapshot: fewer steps than the longest recent period (this micro model's 5 ms
+    # steps make a snapshot cost more than a step, so its period is long; the default model's is checked in
+    # the soak tier, test_the_default_elastic_command_loses_at_most_five_steps_to_a_slice_lost_at_step_30).
+    assert attempts[1]["steps_rewound"] < max(e["snapshot_period"] for e in planned if e["step"] < 30)
     assert any(e["rate"] == "observed" for e in planned), "after the failure it plans for the observed rate"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in before["costs"].items()]
     cli = subprocess.run(
-        [sys.executable, "-m", "trainer.plan", str(run), "--keep", "checkpoint", "--steps", "40",
-         f"--mtbf-per-slice={before['mtbf_per_slice_s']}s", f"--plot={tmp_path / 'plan.png'}", *flags],
+        [sys.executable, "-m", "trainer.plan", str(run), "--steps", "40",
+         f"--mtbf-per-slice={before['mtbf_per_slice_s']}s", f"--process-kill-share={before['process_kill_share']}",
+         f"--plot={tmp_path / 'plan.png'}", *flags],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr
-    row = re.search(r"snapshot_period +(\d+) +(\d+)", cli.stdout)
-    assert row and int(row.group(1)) == before["recommended"]["snapshot_period"], cli.stdout
+    for key in ("snapshot_period", "checkpoint_period"):
+        row = re.search(rf"(?<![_a-z]){key} +(\d+) +(\d+)", cli.stdout)
+        assert row and int(row.group(1)) == before["recommended"][key], (key, cli.stdout)
     auto = re.search(r"auto snapshot_period .*: pause_resume (\d+)", cli.stdout)
     assert auto and int(auto.group(1)) == before["snapshot_period"], cli.stdout

@@ -8,7 +8,7 @@ import sys
 import pytest
 from cli_harness import cli_env, command
 
-from trainer.io.jsonl import open_append, parse_lines, read_jsonl, repair_tail
+from trainer.io.jsonl import LineCounter, open_append, parse_lines, read_jsonl, read_jsonl_ends, repair_tail
 
 RECORDS = [
     {"step": 1, "loss": 2.5, "note": "é"},
@@ -43,6 +43,30 @@ def test_repair_leaves_a_clean_file_alone(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_bytes(_text())
     assert repair_tail(path) == 0 and path.read_bytes() == _text()
+
+
+def test_reading_the_ends_of_a_long_log_keeps_whole_lines_of_its_start_and_its_recent_past(tmp_path):
+    path = tmp_path / "events.jsonl"
+    rows = [{"event": "e", "i": i, "pad": "x" * (i % 7)} for i in range(2000)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ends = read_jsonl_ends(path, head_bytes=1000, tail_bytes=3000)
+    head = [r for r in ends if r["i"] < 1000]
+    tail = [r for r in ends if r["i"] >= 1000]
+    assert head == rows[: len(head)] and tail == rows[-len(tail) :]  # whole records, in order, none twice
+    assert 10 < len(head) < 40 and 50 < len(tail) < 150
+    assert read_jsonl_ends(path, head_bytes=1 << 20, tail_bytes=1) == rows  # small enough: the whole file
+    assert read_jsonl_ends(tmp_path / "missing.jsonl", head_bytes=10, tail_bytes=10) == []
+
+
+def test_a_line_counter_reads_only_what_was_appended_and_waits_for_a_line_being_written(tmp_path):
+    path = tmp_path / "events.jsonl"
+    count = LineCounter(path, lambda r: r.get("event") == "down")
+    assert count() == 0  # no file yet
+    path.write_text('{"event": "down"}\n{"event": "up"}\n{"event": "do')
+    assert count() == 1
+    with open(path, "a") as f:
+        f.write('wn"}\n{"event": "down"}\n')
+    assert count() == 3 and count.offset == path.stat().st_size
 
 
 @pytest.mark.slow

@@ -189,11 +189,14 @@ def _periods(events: list[dict]) -> list[str]:
     lines = ["  auto periods (trainer.plan.auto)"]
     for e in events:
         rate = f"MTBF/slice {e['mtbf_per_slice_s']:.3g} s ({e['rate']}, {e['failures']} failures)"
+        keys = ("snapshot_period", "local_checkpoint_period", "checkpoint_period")
+        model_s = "/".join(str(e["recommended"].get(k)) for k in keys)
         lines.append(
             f"    from step {e['step']:<8} snapshot_period={e['snapshot_period']} "
-            f"local_checkpoint_period={e['local_checkpoint_period']}  model's: "
-            f"{e['recommended'].get('snapshot_period')}/{e['recommended'].get('local_checkpoint_period')}; "
-            f"step {e['costs']['step_s']:.3f} s, snapshot {e['costs']['snapshot_save_s']:.3f} s; {rate}"
+            f"local_checkpoint_period={e['local_checkpoint_period']} "
+            f"checkpoint_period={e.get('checkpoint_period', '-')}  model's: {model_s}; "
+            f"step {e['costs']['step_s']:.3f} s, snapshot {e['costs']['snapshot_save_s']:.3f} s, "
+            f"checkpoint {e['costs'].get('checkpoint_save_s', 0.0):.3f} s; {rate}"
         )
     return lines
 

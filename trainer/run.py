@@ -18,6 +18,7 @@ from typing import TextIO
 
 import jax
 
+from trainer.checkpoint.checkpointer import UNPLANNED_CHECKPOINT_PERIOD
 from trainer.checkpoint.fence import SaveFence
 from trainer.checkpoint.local_store import LocalStore
 from trainer.checkpoint.storage_faults import StorageFaults
@@ -43,7 +44,9 @@ from trainer.elastic.process_cluster import ProcessCluster
 from trainer.elastic.process_faults import ProcessFaultInjector
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.elastic.supervisor import Supervisor
+from trainer.io.jsonl import LineCounter
 from trainer.io.paths import resolve
+from trainer.observe import catalogue
 from trainer.observe.profiler import StepProfiler
 from trainer.observe.rundir import RunPaths
 from trainer.observe.sinks import JsonlSink, LogSink, ProgressSink, RecordedSteps, Sinks, TensorBoardSink
@@ -58,6 +61,8 @@ from trainer.runtime.preemption import StopSignal
 
 log = logging.getLogger(__name__)
 
+# The auto periods measure the run from the first and the last this many bytes of its logs.
+MEASURE_WINDOW_BYTES = 1 << 18
 LOG_SYNC_INTERVAL_S = 30.0  # a remote run's logs go up after an attempt at most this often (and at the end)
 
 
@@ -138,6 +143,7 @@ def build_supervisor(
         membership=membership,
         heartbeat_dead_after_s=heartbeat_dead_after_s,
     )
+    periods = save_periods(cfg, slices, paths, events)
     run_loop = partial(
         train_loop,
         steps=cfg.train.steps,
@@ -157,13 +163,14 @@ def build_supervisor(
             events=events,
             fence=fence or SaveFence(),
             storage_faults=StorageFaults.from_schedule(cfg.elastic.fault_schedule),
+            checkpoint_due=periods.checkpoint_due,
         ),
         run_loop=run_loop,
         events=events,
         profiler=StepProfiler(cfg.observe, paths.local / "profile", events),
         snapshots=snapshot_store(cfg, paths, events, recorded),
         sync=partial(paths.sync, min_interval_s=LOG_SYNC_INTERVAL_S),
-        periods=save_periods(cfg, slices, paths, events),
+        periods=periods,
         wait_for_local_write=cfg.checkpoint.local_checkpoint_wait_for_write,
         previous_last_step=last_recorded_step(paths.local / "metrics.jsonl"),
     )
@@ -219,6 +226,12 @@ def save_periods(cfg: RunConfig, slices: list[list], paths: RunPaths, events) ->
     costs (`trainer.plan.auto`) where they are `auto`."""
     e, c = cfg.elastic, cfg.checkpoint
     local = c.local_checkpoint_period if paths.local_checkpoints else 0
+    checkpoint = c.checkpoint_period
+    if checkpoint == AUTO and not (e.elastic_enabled and c.enable_checkpointing and jax.process_count() == 1):
+        # Not planned: the checkpointer's fixed default (several processes: they must save the same steps).
+        checkpoint = UNPLANNED_CHECKPOINT_PERIOD
+        if e.elastic_enabled and jax.process_count() > 1:
+            log.info("checkpoint_period=auto with %d processes: every %d steps", jax.process_count(), checkpoint)
     if AUTO in (e.snapshot_period, local) and jax.process_count() > 1:
         # Each process would measure its own costs and could plan its own period, and the processes'
         # snapshots must be of the same steps: with several processes periods are numbers.
@@ -229,7 +242,7 @@ def save_periods(cfg: RunConfig, slices: list[list], paths: RunPaths, events) ->
             )
         log.info("snapshot_period=auto with %d processes: no snapshots (give a number)", jax.process_count())
         return FixedPeriods(0, local)
-    if AUTO not in (e.snapshot_period, local):
+    if AUTO not in (e.snapshot_period, local, checkpoint):
         return FixedPeriods(e.snapshot_period, local)
     if not e.elastic_enabled:
         mode = "full_restart"
@@ -238,22 +251,27 @@ def save_periods(cfg: RunConfig, slices: list[list], paths: RunPaths, events) ->
     else:
         mode = "replica_resize"
 
+    # Failures of the whole run (earlier processes' too), counted as events.jsonl grows; the costs come
+    # from the run's start and its recent past only, so planning stays cheap after thousands of recoveries.
+    failures = LineCounter(paths.local / "events.jsonl", lambda e: e.get("event") == catalogue.SLICE_DOWN_DETECTED)
+
     def measure():
         from trainer.observe.runlog import load_run
         from trainer.plan.costs import measure as measure_run
 
-        costs, facts = measure_run(load_run(paths.local))
-        return costs, facts.failures
+        costs, _ = measure_run(load_run(paths.local, window_bytes=MEASURE_WINDOW_BYTES))
+        return costs, failures()
 
     return AutoPeriods(
         snapshot=e.snapshot_period,
         local=local,
-        checkpoint=c.checkpoint_period,
+        checkpoint=checkpoint,
         steps=cfg.train.steps,
         slices=len(slices),
         devices_per_slice=len(slices[0]),
         mode=mode,
         mtbf_per_chip_s=e.expected_mtbf_per_chip_hours * 3600.0,
+        process_kill_share=e.expected_process_kill_share,
         max_overhead=e.auto_snapshot_max_overhead,
         events=events,
         measure=measure,

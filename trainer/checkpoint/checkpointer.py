@@ -116,6 +116,7 @@ def open_checkpointer(
     barrier_sync_fn: Callable | None = None,
     fence: SaveFence | None = None,
     storage_faults: StorageFaults | None = None,
+    due: Callable[[int], bool] | None = None,
 ):
     """The run's checkpoints: a `Checkpointer`, or `NoCheckpoints` under enable_checkpointing=false
     (the one place that setting is read)."""
@@ -129,7 +130,18 @@ def open_checkpointer(
         barrier_sync_fn=barrier_sync_fn,
         fence=fence,
         storage_faults=storage_faults,
+        due=due,
     )
+
+
+# checkpoint_period=auto where nobody plans it (elastic off, several processes, tools): the default period.
+UNPLANNED_CHECKPOINT_PERIOD = 10_000
+
+
+def every(period: int) -> Callable[[int], bool]:
+    """Due at the steps divisible by `period` (auto, -1: by UNPLANNED_CHECKPOINT_PERIOD)."""
+    period = period if period > 0 else UNPLANNED_CHECKPOINT_PERIOD
+    return lambda step: step % period == 0
 
 
 class NoCheckpoints:
@@ -174,15 +186,19 @@ class Checkpointer:
         fence: SaveFence | None = None,
         storage_faults: StorageFaults | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        due: Callable[[int], bool] | None = None,
     ):
         """`barrier_sync_fn`: Orbax's barriers between processes (trainer.distributed.heartbeat.Barrier,
         which ends with ProcessFailureError when a peer dies); None: the coordination service's.
         `fence`: the process's save fence (one per process; this checkpointer advances it, so saves of
-        earlier checkpointers can no longer commit). `storage_faults`: injected storage failures."""
+        earlier checkpointers can no longer commit). `storage_faults`: injected storage failures.
+        `due(step)`: whether a periodic save falls on `step` (a planned period: trainer.plan.auto);
+        default every checkpoint_period steps."""
         self._manager = None  # first, so that close() works on a half-built object
         self._barrier = barrier_sync_fn
         self.directory = epath.Path(directory)
         self._cfg = cfg
+        self._due = due or every(cfg.checkpoint_period)
         self._on_event = on_event
         self._clock = clock
         self._sleep = sleep
@@ -287,7 +303,7 @@ class Checkpointer:
     # ---- saving -----------------------------------------------------------------------------------
 
     def should_save(self, step: int, *, final: bool) -> bool:
-        """Whether to save after `step` optimizer steps: every checkpoint_period steps and at the final
+        """Whether to save after `step` optimizer steps: when the period is due (`due`) and at the final
         step; in continuous mode whenever no save is still being written. Call it every step: it is
         also where a finished async save is noticed."""
         self._poll()
@@ -297,7 +313,7 @@ class Checkpointer:
             return True
         if self._cfg.enable_continuous_checkpointing:
             return self._inflight is None
-        return step % self._cfg.checkpoint_period == 0
+        return self._due(step)
 
     def save(self, step: int, state, data_state: dict, metadata: dict, *, force: bool = False) -> bool:
         """Start saving `state` (a pytree of jax.Arrays), `data_state` and `metadata` (JSON-able) as `step`.

@@ -210,7 +210,15 @@ class CheckpointConfig:
     """Orbax checkpoints under <run dir>/checkpoints."""
 
     enable_checkpointing: bool = key(True, "Save checkpoints.")
-    checkpoint_period: int = key(10_000, "Save every this many steps (and at the final step).", minimum=1)
+    checkpoint_period: int = key(
+        AUTO,
+        "Save every this many steps (and at the final step). auto (-1): with elastic_enabled, planned from the "
+        "run's measured step and save costs and the failure rate, like snapshot_period (a save in the warm-up "
+        "measures its cost; event periods_planned); without elastic_enabled, or with several processes, "
+        "10000.",
+        minimum=-1,
+        auto=True,
+    )
     async_checkpointing: bool = key(True, "Write checkpoints in the background while training continues.")
     max_num_checkpoints_to_keep: int = key(
         3,
@@ -333,6 +341,14 @@ class ElasticConfig:
         "from Llama 3's 54-day pretraining: 419 unexpected interruptions on 16,384 GPUs (~50,700 GPU-hours "
         "each).",
         minimum=1e-6,
+    )
+    expected_process_kill_share: float = key(
+        0.1,
+        "auto checkpoint_period: the share of failures assumed to take the trainer process down (its host or "
+        "the controller) rather than a slice it recovers from in the process; those restart from the local or "
+        "persistent tier, so they set how often the persistent tier saves.",
+        minimum=0.0,
+        maximum=1.0,
     )
     auto_snapshot_max_overhead: float = key(
         0.1,

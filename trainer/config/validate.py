@@ -95,6 +95,11 @@ def _run_problems(cfg: RunConfig) -> list[str]:
             f"local_checkpoint_directory={c.local_checkpoint_directory!r} must be node-local storage (a path "
             "on this machine: local SSD or RAM disk); the persistent tier goes to base_output_directory"
         )
+    if c.checkpoint_period == 0:
+        problems.append(
+            "checkpoint_period=0: give a period >= 1 or auto (the final step is always saved; "
+            "enable_checkpointing=false saves nothing)"
+        )
     if bool(c.local_checkpoint_directory) != (c.local_checkpoint_period != 0):
         problems.append(
             "the local checkpoint tier needs both local_checkpoint_directory and local_checkpoint_period "

@@ -46,6 +46,50 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return parse_lines(p.read_bytes().decode("utf-8", errors="replace"), source=str(path))
 
 
+def read_jsonl_ends(path: str | os.PathLike, *, head_bytes: int, tail_bytes: int) -> list[dict[str, Any]]:
+    """The records of a local JSONL file's first `head_bytes` and last `tail_bytes` (whole lines only, each
+    record once; the whole file when it is no bigger): memory and time bounded however long the run."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size <= head_bytes + tail_bytes:
+            f.seek(0)
+            return parse_lines(f.read().decode("utf-8", errors="replace"), source=str(path))
+        f.seek(0)
+        head = f.read(head_bytes)
+        head = head[: head.rfind(b"\n") + 1]  # whole lines
+        f.seek(size - tail_bytes)
+        tail = f.read(tail_bytes)
+        tail = tail[tail.find(b"\n") + 1 :]  # from the first whole line
+    return parse_lines((head + tail).decode("utf-8", errors="replace"), source=str(path))
+
+
+class LineCounter:
+    """Counts the records of a growing local JSONL file that `match`, reading only what was appended since
+    the previous call (constant memory; time proportional to the new lines)."""
+
+    def __init__(self, path: str | os.PathLike, match):
+        self.path = Path(path)
+        self.match = match
+        self.offset = 0
+        self.count = 0
+
+    def __call__(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                new = f.read()
+        except FileNotFoundError:
+            return self.count
+        whole = new[: new.rfind(b"\n") + 1]  # a line still being written is read next time
+        self.offset += len(whole)
+        for record in parse_lines(whole.decode("utf-8", errors="replace"), source=str(self.path)):
+            self.count += bool(self.match(record))
+        return self.count
+
+
 def repair_tail(path: str | os.PathLike) -> int:
     """Cut a torn last line (no trailing newline, not valid JSON) off a local file; returns bytes cut.
 

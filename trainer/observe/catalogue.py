@@ -183,10 +183,11 @@ SNAPSHOT_SKIPPED = Event(
 )
 PERIODS_PLANNED = Event(
     "periods_planned",
-    "step snapshot_period local_checkpoint_period recommended mode mtbf_per_slice_s rate failures costs",
+    "step snapshot_period local_checkpoint_period checkpoint_period recommended mode mtbf_per_slice_s "
+    "process_kill_share rate failures costs",
     "the auto periods were planned (trainer.plan.auto): the periods now used, the model's `recommended` ones, the "
-    "recovery `mode`, the failure rate it planned for (`rate`: expected, the config's, or observed) and the "
-    "measured `costs` it weighed",
+    "recovery `mode`, the failure rate it planned for (`rate`: expected, the config's, or observed), the share of "
+    "failures taken to kill the process, and the measured `costs` it weighed",
 )
 LOCAL_CHECKPOINT_SAVE_START = Event(
     "local_checkpoint_save_start", "step", "a local-tier write of this step's host snapshot started"

@@ -18,12 +18,13 @@ import dataclasses
 import math
 import os
 import statistics
+from functools import partial
 from typing import Any
 
 from etils import epath
 
 from trainer.errors import UserInputError
-from trainer.io.jsonl import read_jsonl
+from trainer.io.jsonl import read_jsonl, read_jsonl_ends
 from trainer.io.paths import resolve
 from trainer.observe import catalogue
 from trainer.observe.goodput import account
@@ -78,8 +79,12 @@ class RunLog:
         return finish[-1].get("status", "finished") if finish else "in progress"
 
 
-def load_run(run_dir: str | os.PathLike) -> RunLog:
-    """The run at `run_dir` (relative to the working directory, ~, or gs://)."""
+def load_run(run_dir: str | os.PathLike, *, window_bytes: int | None = None) -> RunLog:
+    """The run at `run_dir` (relative to the working directory, ~, or gs://).
+
+    `window_bytes` (a local directory): read only the first `window_bytes` and the last `window_bytes` of
+    each file, the run's start and its recent past, so a trainer measuring itself while it runs spends
+    bounded memory and time however long the run has been going."""
     run_dir = resolve(run_dir)
     expected = "expected a run directory <base_output_directory>/<run_name>/ written by python -m trainer.train"
     if not run_dir.is_dir():
@@ -87,14 +92,14 @@ def load_run(run_dir: str | os.PathLike) -> RunLog:
     missing = [n for n in (METRICS_FILE, EVENTS_FILE) if not (run_dir / n).is_file()]
     if missing:
         raise MissingRunFiles(f"{run_dir} has no {' or '.join(missing)}; {expected}")
+    if window_bytes is None:
+        read = read_jsonl
+    else:
+        read = partial(read_jsonl_ends, head_bytes=window_bytes, tail_bytes=window_bytes)
     events = [
-        e
-        for e in read_jsonl(run_dir / EVENTS_FILE)
-        if isinstance(e.get("event"), str) and _is_number(e.get("time"))
+        e for e in read(run_dir / EVENTS_FILE) if isinstance(e.get("event"), str) and _is_number(e.get("time"))
     ]
-    rows = [
-        r for r in read_jsonl(run_dir / METRICS_FILE) if _is_number(r.get("step")) and _is_number(r.get("time"))
-    ]
+    rows = [r for r in read(run_dir / METRICS_FILE) if _is_number(r.get("step")) and _is_number(r.get("time"))]
     records, evaluated = step_rows(rows), eval_rows(rows)
     if not events and not records:
         raise MissingRunFiles(f"{run_dir}: {METRICS_FILE} and {EVENTS_FILE} are both empty; nothing to report yet")

@@ -7,10 +7,15 @@ then its observed rate (failures per second of training wall time, per slice).
 
 When it plans:
 - after a warm-up of `WARMUP_STEPS` steps of the first attempt, during which an auto snapshot tier takes
-  a snapshot every other step and an auto local tier saves twice (so both kinds of steps are measured);
+  a snapshot every other step, an auto local tier saves twice and an auto persistent tier once (so each
+  kind of step is measured);
 - again after the warm-up of every attempt that follows a failure (the observed rate changed);
 - again at steps 2x, 4x, ... the first planning step (costs drift: a bigger eval, a slower disk).
 Each plan is logged as `periods_planned` (a handful per run: the plans are spaced geometrically).
+
+The persistent tier (`checkpoint_period=auto`) is planned once its save has been measured (until then
+the unplanned default period holds); the failures it is weighed against are the share
+`expected_process_kill_share` that take the process down: the others are recovered in the process.
 
 The snapshot tier has one more rule (`auto_snapshot_max_overhead`): at rare failure rates the model's
 optimum is hundreds of steps apart, yet a pinned-host snapshot costs little. As long as snapshots cost at
@@ -33,7 +38,8 @@ from trainer.plan import model
 log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 8
-KEYS = {"snapshot": "snapshot_period", "local": "local_checkpoint_period"}
+KEYS = {"snapshot": "snapshot_period", "local": "local_checkpoint_period", "checkpoint": "checkpoint_period"}
+UNPLANNED_CHECKPOINT_PERIOD = 10_000  # = trainer.checkpoint.checkpointer's
 
 
 def measurable_tiers(costs: model.Costs, enabled: tuple[str, ...]) -> tuple[str, ...]:
@@ -77,12 +83,12 @@ def plan(
     fixed: dict[str, int],
     max_overhead: float,
     rate_source: str = "expected",
+    process_kill_share: float = 0.0,
 ) -> Plan:
     """The periods for `enabled` tiers (the ones in `fixed` keep the user's number)."""
     available = measurable_tiers(costs, enabled)
-    periods, _ = model.recommend(
-        costs, model.Failures(slices, mtbf_per_slice_s), steps, mode, available=available, fixed=fixed
-    )
+    failures = model.Failures(slices, mtbf_per_slice_s, process_kill_share)
+    periods, _ = model.recommend(costs, failures, steps, mode, available=available, fixed=fixed)
     recommended = {t: periods.of(t) for t in model.TIERS}
     chosen = dict(recommended)
     floor = snapshot_floor(costs, max_overhead)
@@ -112,6 +118,8 @@ class FixedPeriods:
     def saved(self, step: int, *, persisted: bool) -> None:
         pass
 
+    checkpoint_due = None  # the checkpointer's own period
+
 
 class AutoPeriods:
     """The snapshot and local-tier periods the step boundary reads every step; `auto` ones are planned.
@@ -133,16 +141,23 @@ class AutoPeriods:
         events,
         measure: Callable[[], tuple[model.Costs, int]],
         clock: Callable[[], float] = time.time,
+        process_kill_share: float = 0.0,
     ):
-        self.auto = {t for t, v in (("snapshot", snapshot), ("local", local)) if v == AUTO}
+        self.auto = {
+            t for t, v in (("snapshot", snapshot), ("local", local), ("checkpoint", checkpoint)) if v == AUTO
+        }
         if mode == "full_restart":  # snapshots live in the process: only in-process recovery uses them
             snapshot = 0 if snapshot == AUTO else snapshot
             self.auto.discard("snapshot")
         self.enabled = tuple(
             t for t, v in (("snapshot", snapshot), ("local", local), ("checkpoint", checkpoint)) if v
         )
-        self.fixed = {t: v for t, v in (("snapshot", snapshot), ("local", local)) if v and t not in self.auto}
-        self.fixed["checkpoint"] = checkpoint
+        self.fixed = {
+            t: v
+            for t, v in (("snapshot", snapshot), ("local", local), ("checkpoint", checkpoint))
+            if v and t not in self.auto
+        }
+        self.process_kill_share = process_kill_share
         self.steps = steps
         self.slices = slices
         self.prior_mtbf_per_slice_s = mtbf_per_chip_s / max(1, devices_per_slice)
@@ -151,11 +166,14 @@ class AutoPeriods:
         self.events = events
         self.measure = measure
         self.clock = clock
-        # During the warm-up: a snapshot every other step, the local tier twice.
+        # During the warm-up: a snapshot every other step, the local tier twice, the persistent tier once
+        # (attempt_started).
         self.current = {
             "snapshot": 2 if "snapshot" in self.auto else snapshot,
             "local": WARMUP_STEPS // 2 if "local" in self.auto else local,
+            "checkpoint": UNPLANNED_CHECKPOINT_PERIOD if "checkpoint" in self.auto else checkpoint,
         }
+        self.checkpoint_measured = False  # a save's cost has been measured: the persistent tier is planned
         self.started_at: float | None = None
         self.last: dict[str, int] = {}
         self.next_plan: int | None = None
@@ -186,12 +204,30 @@ class AutoPeriods:
     def local(self) -> int:
         return self.current["local"]
 
+    @property
+    def checkpoint_due(self) -> Callable[[int], bool] | None:
+        """The persistent tier's schedule for the checkpointer (None: the checkpointer's own period)."""
+        return self._checkpoint_due if "checkpoint" in self.auto else None
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """A planned period counts from the previous periodic save; the warm-up's save happens once."""
+        if not self.due("checkpoint", step):
+            return False
+        self.last["checkpoint"] = step
+        if not self.checkpoint_measured:
+            self.current["checkpoint"] = UNPLANNED_CHECKPOINT_PERIOD
+        return True
+
     def attempt_started(self, start_step: int) -> None:
         """A new attempt: plan after its warm-up (the first one measures costs; a later one follows a
         failure, so the observed rate changed)."""
         if self.started_at is None:
             self.started_at = self.clock()
-        self.last = {"snapshot": start_step, "local": start_step}  # what it restored is saved already
+            self.last["checkpoint"] = start_step  # a later attempt keeps counting from the last save
+        self.last.update(snapshot=start_step, local=start_step)  # what it restored is saved already
+        if "checkpoint" in self.auto and not self.checkpoint_measured:
+            self.current["checkpoint"] = WARMUP_STEPS // 2
+            self.last["checkpoint"] = start_step
         if self.auto:
             self.next_plan = start_step + WARMUP_STEPS
             self.interval = max(self.interval, WARMUP_STEPS)
@@ -216,6 +252,11 @@ class AutoPeriods:
             mtbf, source = self.slices * elapsed / failures, "observed"
         else:
             mtbf, source = self.prior_mtbf_per_slice_s, "expected"
+        fixed = dict(self.fixed)
+        if "checkpoint" in self.auto:
+            self.checkpoint_measured = costs.checkpoint_save_s > 0
+            if not self.checkpoint_measured:  # its save still to come: weigh the unplanned period
+                fixed["checkpoint"] = self.current["checkpoint"]
         p = plan(
             costs,
             slices=self.slices,
@@ -223,20 +264,25 @@ class AutoPeriods:
             steps=self.steps,
             mode=self.mode,
             enabled=self.enabled,
-            fixed=self.fixed,
+            fixed=fixed,
             max_overhead=self.max_overhead,
             rate_source=source,
+            process_kill_share=self.process_kill_share,
         )
         self.plans.append(p)
-        self.current.update({t: p.periods[t] for t in self.auto})
+        self.current.update({t: p.periods[t] for t in self.auto if t not in fixed})
+        if "checkpoint" in self.auto and not self.current["checkpoint"]:
+            self.current["checkpoint"] = self.steps  # the model's "never" still saves the final step
         self.events.emit(
             catalogue.PERIODS_PLANNED,
             step=step,
             snapshot_period=self.current["snapshot"],
             local_checkpoint_period=self.current["local"],
-            recommended={KEYS.get(t, "checkpoint_period"): v for t, v in p.recommended.items()},
+            checkpoint_period=self.current["checkpoint"],
+            recommended={KEYS[t]: v for t, v in p.recommended.items()},
             mode=p.mode,
             mtbf_per_slice_s=round(mtbf, 3),
+            process_kill_share=self.process_kill_share,
             rate=source,
             failures=failures,
             costs={k: round(v, 6) for k, v in dataclasses.asdict(costs).items()},

@@ -158,13 +158,14 @@ def _restore(restores: list[dict], source: str, fallback: list[dict]) -> float:
     return _mean(seconds)
 
 
-def _period(cfg: dict, events: list[dict], key: str) -> int:
-    """A period from config.yml; an `auto` one (-1) is what the run last planned (0 before any plan)."""
-    value = int(cfg.get(key, 0))
+def _period(cfg: dict, events: list[dict], key: str, unplanned: int = 0) -> int:
+    """A period from config.yml; an `auto` one (-1) is what the run last planned (`unplanned` before any
+    plan, or when the run did not plan it)."""
+    value = int(cfg.get(key, unplanned))
     if value >= 0:
         return value
-    planned = [e[key] for e in events if e["event"] == catalogue.PERIODS_PLANNED]
-    return int(planned[-1]) if planned else 0
+    planned = [e[key] for e in events if e["event"] == catalogue.PERIODS_PLANNED and key in e]
+    return int(planned[-1]) if planned else unplanned
 
 
 def _facts(run, goodput: dict, failures: int) -> RunFacts:
@@ -177,7 +178,7 @@ def _facts(run, goodput: dict, failures: int) -> RunFacts:
         steps=int(cfg.get("steps", max((r["step"] for r in run.records), default=0))),
         slices=slices,
         devices_per_slice=max(1, devices // slices),
-        checkpoint_period=int(cfg.get("checkpoint_period", 10_000)),
+        checkpoint_period=_period(cfg, run.events, "checkpoint_period", unplanned=10_000),
         local_checkpoint_period=_period(cfg, run.events, "local_checkpoint_period"),
         snapshot_period=_period(cfg, run.events, "snapshot_period"),
         min_slices=int(cfg.get("elastic_min_slice_count", -1)),

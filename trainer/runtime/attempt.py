@@ -81,10 +81,14 @@ MAX_LAYOUTS = 8
 class AttemptBuilder:
     """Builds the attempts of one run; keeps each slice set's `SliceLayout` (compiled step) across them."""
 
-    def __init__(self, spec: TrainSpec, *, checkpoint_dir, events, fence=None, storage_faults=None):
+    def __init__(
+        self, spec: TrainSpec, *, checkpoint_dir, events, fence=None, storage_faults=None, checkpoint_due=None
+    ):
         """`fence`: the process's save fence, advanced by each attempt's checkpointer (none given: one of
-        its own); `storage_faults`: injected storage failures (fault_schedule storage=...)."""
+        its own); `storage_faults`: injected storage failures (fault_schedule storage=...);
+        `checkpoint_due(step)`: the planned persistent-tier period (checkpoint_period=auto), else None."""
         self.spec = spec
+        self.checkpoint_due = checkpoint_due
         self.checkpoint_dir = checkpoint_dir
         self.events = events
         self.fence = fence or SaveFence()
@@ -247,6 +251,7 @@ class AttemptBuilder:
             barrier_sync_fn=barrier,
             fence=self.fence,
             storage_faults=self.storage_faults,
+            due=self.checkpoint_due,
         )
         # A normal finish has already waited for its saves; after a failure, settle an in-flight save
         # for a bounded time (Orbax finishes or fails it in the background; it never counts until

@@ -30,6 +30,14 @@ MEASURES = {
     "train_throughput": [*_STEP, "trainer/data/synthetic.py", "trainer/run.py", "benchmarks/train_throughput.py"],
     "compile_presets": [*_STEP, "trainer/aot", "trainer/compile.py", "benchmarks/compile_presets.py"],
     "compile_vs_maxtext": [*_STEP, "trainer/aot", "trainer/compile.py", "benchmarks/compile_vs_maxtext.py"],
+    "elastic_recovery": [
+        "trainer/elastic",
+        "trainer/runtime",
+        "trainer/checkpoint",
+        "trainer/run.py",
+        "trainer/observe",
+        "benchmarks/elastic_recovery.py",
+    ],
     "elastic_soak": [
         "trainer/elastic",
         "trainer/runtime",

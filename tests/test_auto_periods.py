@@ -227,3 +227,33 @@ def test_the_live_measurement_reads_the_runs_start_and_recent_past_only(tmp_path
     assert len(run.events) < 1000 and run.records[-1]["step"] == 4999 and len(run.records) < 1000
     costs, _ = measure(run)
     assert costs.step_s == pytest.approx(0.5)
+
+
+def test_the_trainer_measures_itself_through_the_bounded_window_and_counts_every_failure(monkeypatch, tmp_path):
+    """The planner's `measure` (built by trainer.run.save_periods) reads the logs' ends only, yet counts
+    the failures of the whole run, as events.jsonl grows."""
+    import json
+
+    import trainer.observe.runlog as runlog
+    from trainer.checkpoint.checkpointer import UNPLANNED_CHECKPOINT_PERIOD as checkpointer_default
+    from trainer.observe.rundir import run_paths
+    from trainer.plan.auto import UNPLANNED_CHECKPOINT_PERIOD
+    from trainer.run import MEASURE_WINDOW_BYTES, save_periods
+
+    assert UNPLANNED_CHECKPOINT_PERIOD == checkpointer_default  # the planner's and the checkpointer's default
+    cfg = load_config("base.yml", ["elastic_enabled=true", "num_slices=2"])
+    paths = run_paths(str(tmp_path), "r")
+    paths.local.mkdir(parents=True, exist_ok=True)
+    down = {"event": "slice_down_detected", "time": 2.0}
+    lines = [{"event": "attempt_start", "time": 1.0}, *[down] * 3]
+    (paths.local / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    (paths.local / "metrics.jsonl").write_text(json.dumps({"step": 1, "time": 1.5, "step_time_s": 0.5}) + "\n")
+    windows = []
+    real = runlog.load_run
+    monkeypatch.setattr(runlog, "load_run", lambda d, **kw: windows.append(kw) or real(d, **kw))
+    periods = save_periods(cfg, [[object()], [object()]], paths, Events())
+    assert isinstance(periods, AutoPeriods) and periods.measure()[1] == 3
+    with open(paths.local / "events.jsonl", "a") as f:
+        f.write(json.dumps(down) + "\n")
+    assert periods.measure()[1] == 4
+    assert windows == [{"window_bytes": MEASURE_WINDOW_BYTES}] * 2

@@ -31,6 +31,7 @@ from trainer.errors import EXIT_OK, UserInputError, tool_main
 from trainer.io.paths import is_remote, resolve
 from trainer.io.staging import check_writable, staged_file
 from trainer.observe import catalogue
+from trainer.plan.auto import KEYS
 
 PROG = "python -m trainer.report"
 DEFAULT_NAME = "report.png"
@@ -189,8 +190,7 @@ def _periods(events: list[dict]) -> list[str]:
     lines = ["  auto periods (trainer.plan.auto)"]
     for e in events:
         rate = f"MTBF/slice {e['mtbf_per_slice_s']:.3g} s ({e['rate']}, {e['failures']} failures)"
-        keys = ("snapshot_period", "local_checkpoint_period", "checkpoint_period")
-        model_s = "/".join(str(e["recommended"].get(k)) for k in keys)
+        model_s = "/".join(str(e["recommended"].get(k)) for k in KEYS.values())
         lines.append(
             f"    from step {e['step']:<8} snapshot_period={e['snapshot_period']} "
             f"local_checkpoint_period={e['local_checkpoint_period']} "

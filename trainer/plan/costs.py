@@ -22,6 +22,7 @@ import statistics
 import yaml
 
 from trainer.observe import catalogue
+from trainer.plan.auto import UNPLANNED_CHECKPOINT_PERIOD
 from trainer.plan.model import Costs
 
 
@@ -178,7 +179,7 @@ def _facts(run, goodput: dict, failures: int) -> RunFacts:
         steps=int(cfg.get("steps", max((r["step"] for r in run.records), default=0))),
         slices=slices,
         devices_per_slice=max(1, devices // slices),
-        checkpoint_period=_period(cfg, run.events, "checkpoint_period", unplanned=10_000),
+        checkpoint_period=_period(cfg, run.events, "checkpoint_period", unplanned=UNPLANNED_CHECKPOINT_PERIOD),
         local_checkpoint_period=_period(cfg, run.events, "local_checkpoint_period"),
         snapshot_period=_period(cfg, run.events, "snapshot_period"),
         min_slices=int(cfg.get("elastic_min_slice_count", -1)),

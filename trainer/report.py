@@ -141,6 +141,7 @@ def format_summary(s) -> str:
         )
     lines += _restores(s.restores)
     lines += _slow_steps(s.slow_steps)
+    lines += _hangs(s.hangs)
     lines += _periods(s.periods)
     lines += _recorded_differences(s)
     for k, t in enumerate(s.timelines, 1):
@@ -180,6 +181,17 @@ def _slow_steps(events: list[dict], shown: int = 5) -> list[str]:
             f"    step {e['step']:<8} {e['step_time_s']:.3f} s = {ratio:.1f}x median {e['median_s']:.3f} s, "
             f"slowest process {'n/a' if process is None else process}"
         )
+    return lines
+
+
+def _hangs(events: list[dict]) -> list[str]:
+    """The progress watchdog's hang_detected events: where each process stopped making progress."""
+    if not events:
+        return []
+    lines = [f"  hangs             {len(events)} (no progress within the bound: exit 75, restarted)"]
+    for e in events:
+        where, stacks = f"after step {e['step']!s:<6} in {e['phase']:<16}", e.get("stacks") or "in the log"
+        lines.append(f"    {where} {e['seconds']:.0f} s (bound {e['timeout_s']:.0f} s); stacks: {stacks}")
     return lines
 
 

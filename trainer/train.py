@@ -8,8 +8,11 @@ last line printed is one `STATUS:` line saying how it ended.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 
 from trainer.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_OK, EXIT_PREEMPTED, EXIT_TRANSIENT
@@ -27,7 +30,8 @@ same run.
 Exit codes (the contract with Kubernetes and Slurm): 0 finished; 1 a bug or unknown error; 2 bad
 config, data, input path or checkpoint, or the run directory is held by another job (before any
 compute); 3 gave up (failures came faster than progress); 42 preempted (SIGTERM: the newest state is
-saved, restart me); 75 transient (infrastructure failed, everything is resumable: restart me). The
+saved, restart me); 75 transient (infrastructure failed, or no progress within hang_timeout_seconds;
+everything is resumable: restart me). The
 last line is always 'STATUS: ...'."""
 
 
@@ -166,6 +170,7 @@ def _train(cfg, paths, checked, config_text: str) -> int:
         stop.add_check(lambda: _check_lease(lease))
         stop.add_saver(lease.release)
         lease.start_heartbeat(on_lost=lambda: log.error("the run's lease was taken over by another job"))
+    watchdog = _start_watchdog(cfg, lambda hang: _exit_hung(hang, events=events, stop=stop, paths=paths))
     try:
         outcome = run(cfg, paths=paths, events=events, stop_requested=stop, fence=SaveFence(lease), stop=stop)
         if outcome.kind == PREEMPTED:
@@ -193,6 +198,8 @@ def _train(cfg, paths, checked, config_text: str) -> int:
         line, fields = f"preempted during {e.phase}: rerun the same command to resume", {"phase": e.phase}
     except Exception as e:  # every failure ends with the contract's code for its cause (trainer.errors)
         code, status, line, fields = _failure(e, log)
+    if watchdog is not None:
+        watchdog.stop()
     _emit_goodput(events, run_dir)
     events.emit(catalogue.FINISH, status=status, exit_code=code, **fields)
     events.close()
@@ -202,6 +209,83 @@ def _train(cfg, paths, checked, config_text: str) -> int:
     stop.finished()
     _status(line)
     return code
+
+
+def _start_watchdog(cfg, on_hang):
+    """The progress watchdog (trainer.runtime.watchdog), unless hang_timeout_seconds=0."""
+    from trainer.runtime import watchdog
+
+    t = cfg.train
+    if t.hang_timeout_seconds == 0:
+        return None
+    w = watchdog.ProgressWatchdog(
+        watchdog.HangTimeouts(t.hang_timeout_seconds, t.hang_timeout_phase_seconds), on_hang
+    )
+    watchdog.install(w)
+    return w.start()
+
+
+def _exit_hung(hang, *, events, stop, paths, exit_process=os._exit) -> None:
+    """The watchdog saw no progress: put every thread's stack in the log (and a file in the run directory),
+    write the newest host snapshot to the local tier (bounded by stop_timeout_seconds: a hung device may
+    hang the copy too), record it, and exit 75 so the scheduler restarts the same command."""
+    import faulthandler
+    import threading
+
+    from trainer.errors import EXIT_TRANSIENT
+
+    stacks = paths.local / "hangs" / f"{os.getpid()}-{int(time.time())}.txt"
+    print(
+        f"hang: no progress in phase {hang.phase} for {hang.seconds:.0f} s; every thread's stack:", file=sys.stderr
+    )
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    try:
+        stacks.parent.mkdir(parents=True, exist_ok=True)
+        with open(stacks, "w") as f:
+            f.write(f"phase={hang.phase} step={hang.step} seconds={hang.seconds} timeout_s={hang.timeout_s}\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+    except OSError as e:
+        stacks = None
+        print(f"hang: could not write the stacks to the run directory: {e}", file=sys.stderr)
+    events.emit(
+        catalogue.HANG_DETECTED,
+        phase=hang.phase,
+        step=hang.step,
+        seconds=hang.seconds,
+        timeout_s=hang.timeout_s,
+        stacks=None if stacks is None else str(stacks),
+    )
+    saver = threading.Thread(target=stop.save_now, name="hang-emergency-save", daemon=True)
+    saver.start()
+    saver.join(timeout=stop.timeout_s)
+    if saver.is_alive():
+        print(
+            f"hang: the emergency save did not end within {stop.timeout_s:g} s; exiting without it",
+            file=sys.stderr,
+        )
+    error = f"hang: no progress in phase {hang.phase} for {hang.seconds:.0f} s (bound {hang.timeout_s:.0f} s)"
+    with contextlib.suppress(Exception):
+        _emit_goodput(events, paths.local)
+    events.emit(
+        catalogue.FINISH,
+        status="transient",
+        exit_code=EXIT_TRANSIENT,
+        step=hang.step,
+        phase=hang.phase,
+        error=error,
+    )
+    events.close()
+    syncing = threading.Thread(target=paths.sync, name="hang-sync", daemon=True)
+    syncing.start()
+    syncing.join(timeout=stop.timeout_s)
+    stop.finished()
+    _status(f"transient: {error}; rerun the same command to resume")
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    sys.stderr.flush()
+    exit_process(EXIT_TRANSIENT)
 
 
 def _failure(error: Exception, log) -> tuple[int, str, str, dict]:

@@ -5,6 +5,7 @@ checkpointer (storage failures) all read the schedule through here, and nothing 
 Entries are separated by ';':
 
     step=40,slice=1,down_s=5 | step=N,slice=K,down_steps=M | step=N,nan=1 | step=N,slow_s=S
+    step=N,hang_s=S                                       (step N's dispatch blocks S seconds, once per run)
     rate=R,seed=S[,slice=K][,down_s=D][,step=N]           (local slices: trainer.elastic.faults)
     step=N,process=P,error=oom|bug                        (several processes: trainer.elastic.process_faults)
     storage=restore|save[,count=N]                        (either: trainer.checkpoint.storage_faults)
@@ -34,6 +35,7 @@ class Fault:
     seed: int = 0  # the Poisson source's random seed (gaps and, with slice=-1, which slice)
     slices: int = 0  # the Poisson source picks among this many slices when slice=-1
     slow_s: float = 0.0  # > 0: no failure; the host stalls this long after step `step` (a slow step)
+    hang_s: float = 0.0  # > 0: no failure raised; step `step`'s dispatch blocks this long (a hang)
 
 
 def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
@@ -56,8 +58,8 @@ def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
             )
         if "rate" in fields:
             fault = _poisson_entry(entry, fields, num_slices)
-        elif "slow_s" in fields:
-            fault = _slow_entry(entry, fields)
+        elif stall := next((k for k in STALLS if k in fields), None):
+            fault = _stall_entry(entry, fields, stall)
         else:
             fault = _fixed_entry(entry, fields)
         if not fault.nan and fault.slice >= num_slices:
@@ -87,19 +89,26 @@ def _fixed_entry(entry: str, fields: dict[str, str]) -> Fault:
     return fault
 
 
-def _slow_entry(entry: str, fields: dict[str, str]) -> Fault:
-    """step=N,slow_s=S: the host sleeps S seconds at the boundary after step N, so step N's time grows
-    by S (what slow-step detection, monitor_step_time_deviation, is for)."""
+# step=N,<key>=S entries that stall the host S seconds: key -> what the error message calls them.
+#   slow_s: the host sleeps at the boundary after step N, so step N's time grows by S (what slow-step
+#     detection, monitor_step_time_deviation, is for);
+#   hang_s: step N's dispatch blocks and raises nothing, as a collective that never returns would (what
+#     the progress watchdog, hang_timeout_seconds, is for); once per run: a restart that trains step N
+#     again does not hang there again.
+STALLS = {"slow_s": "a slow step", "hang_s": "a hang"}
+
+
+def _stall_entry(entry: str, fields: dict[str, str], name: str) -> Fault:
     try:
-        if set(fields) != {"step", "slow_s"}:
+        if set(fields) != {"step", name}:
             raise ValueError
-        fault = Fault(int(fields["step"]), slow_s=float(fields["slow_s"]))
+        fault = Fault(int(fields["step"]), **{name: float(fields[name])})
     except ValueError:
         raise ConfigError(
-            f"fault_schedule entry {entry!r}: a slow step is step=N,slow_s=S (N an integer, S seconds)"
+            f"fault_schedule entry {entry!r}: {STALLS[name]} is step=N,{name}=S (N an integer, S seconds)"
         ) from None
-    if fault.step < 1 or not 0 < fault.slow_s < float("inf"):
-        raise ConfigError(f"fault_schedule entry {entry!r}: step must be >= 1 and slow_s a number of seconds > 0")
+    if fault.step < 1 or not 0 < getattr(fault, name) < float("inf"):
+        raise ConfigError(f"fault_schedule entry {entry!r}: step must be >= 1 and {name} a number of seconds > 0")
     return fault
 
 

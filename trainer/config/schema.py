@@ -438,6 +438,22 @@ class TrainConfig:
         "grace period (terminationGracePeriodSeconds, Slurm --signal) above it.",
         minimum=1.0,
     )
+    hang_timeout_seconds: int = key(
+        AUTO,
+        "Progress watchdog: when no step completes for this long, the process dumps every thread's stack, "
+        "emits hang_detected, writes its newest host snapshot to the local tier, and exits 75 (transient: "
+        "the scheduler restarts the same command, which resumes). auto (-1): 10x the median step time, at "
+        "least 300 s; 0 = no watchdog.",
+        minimum=-1,
+        auto=True,
+    )
+    hang_timeout_phase_seconds: int = key(
+        1800,
+        "The progress watchdog's bound (hang_timeout_seconds != 0) for everything but steps: start-up, "
+        "compile, restore, a checkpoint save's blocking part, an evaluation. Waiting for slices is bounded "
+        "by elastic_timeout_seconds instead.",
+        minimum=1,
+    )
     jax_cache_dir: str = key(
         "~/.cache/elastic-trainer/jax",
         "JAX persistent compilation cache (restarts skip compiling); with several processes, processes "

@@ -104,9 +104,10 @@ class FaultInjector:
 
     def __init__(self, faults: list[Fault], outages: Outages, chaos_dir: Path | None, events):
         self.pending = sorted(
-            (f for f in faults if not f.nan and not f.rate and not f.slow_s), key=lambda f: f.step
+            (f for f in faults if not f.nan and not f.rate and not f.slow_s and not f.hang_s), key=lambda f: f.step
         )
         self.stalls = {f.step: f.slow_s for f in faults if f.slow_s}  # step -> seconds the host stalls after it
+        self.hangs = {f.step: f.hang_s for f in faults if f.hang_s}  # step -> seconds its dispatch blocks
         self.random_sources = [PoissonFaults(f) for f in faults if f.rate]
         self.nan_steps = {f.step for f in faults if f.nan}
         self.outages = outages
@@ -129,6 +130,8 @@ class FaultInjector:
                 catalogue.HOST_STALLED, step=next_step - 1, seconds=stall, cause="fault_schedule slow_s"
             )
             time.sleep(stall)
+        if hang := self.hangs.pop(next_step, 0.0):
+            self._hang(next_step, hang)
         due = []
         while self.pending and self.pending[0].step <= next_step:
             f = self.pending.pop(0)
@@ -140,6 +143,18 @@ class FaultInjector:
             jax.block_until_ready(in_flight)
         for fault in due:
             self._fire(*fault)
+
+    def _hang(self, step: int, seconds: float) -> None:
+        """Block before step `step`'s dispatch, once per run: a marker in the chaos directory (the run's
+        own) keeps a restarted process that trains step `step` again from hanging there again."""
+        marker = None if self.chaos_dir is None else self.chaos_dir / f"hang_at_step_{step}"
+        if marker is not None and marker.exists():
+            return
+        if marker is not None:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(f"{seconds}\n")
+        self.events.emit(catalogue.HANG_INJECTED, step=step, seconds=seconds, cause="fault_schedule hang_s")
+        time.sleep(seconds)
 
     def _fire(self, slice_index: int, down_s: float, cause: str, down_steps: int = 0) -> None:
         self.outages.mark_down(slice_index, down_s, down_steps)

@@ -234,6 +234,17 @@ HOST_STALLED = Event(
     "step seconds cause",
     "an injected stall (fault_schedule slow_s) slept the host after this step",
 )
+HANG_INJECTED = Event(
+    "hang_injected",
+    "step seconds cause",
+    "an injected hang (fault_schedule hang_s) blocks this step's dispatch for `seconds`, raising nothing",
+)
+HANG_DETECTED = Event(
+    "hang_detected",
+    "phase step seconds timeout_s stacks",
+    "the progress watchdog saw no progress in `phase` for `seconds` (over `timeout_s`) after step `step`: "
+    "every thread's stack is in the log and in `stacks`; the process exits 75 (restart the same command)",
+)
 NAN_INJECTED = Event("nan_injected", "step", "an injected fault made this step's loss NaN")
 FAULT_INJECTED = Event(
     "fault_injected",

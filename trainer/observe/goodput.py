@@ -4,7 +4,8 @@ goodput = time of the steps whose results survived / wall time. Badput is the re
 startup_compile (process start to the first step, plus any compile), checkpoint_save (time the loop
 was blocked saving, beyond waiting for the step it saves), restore, wasted_progress (steps computed
 and then rewound by a failure), waiting_for_slices, eval (held-out evaluations: the eval rows'
-eval_time_s, kept out of the step times), and other (detection, teardown, logging, data).
+eval_time_s, kept out of the step times), hang (no progress until the watchdog ended the process:
+hang_detected's seconds), and other (detection, teardown, logging, data).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ CAUSES = (
     "wasted_progress",
     "waiting_for_slices",
     "eval",
+    "hang",
     "other",
 )
 
@@ -85,6 +87,7 @@ def account(
         "wasted_progress": wasted,
         "waiting_for_slices": waiting,
         "eval": evaluating,
+        "hang": sum(e.get("seconds", 0.0) for e in events if e["event"] == catalogue.HANG_DETECTED),
     }
     bad["other"] = max(0.0, wall - productive - sum(bad.values()))
     return {

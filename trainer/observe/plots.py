@@ -74,6 +74,7 @@ CAUSE_COLORS = {
     "wasted_progress": "#8c564b",
     "waiting_for_slices": BAND_COLORS[WAITING],
     "eval": BAND_COLORS[EVAL],
+    "hang": "#e377c2",
     "other": "#c7c7c7",
 }
 REWIND_COLOR = "#d62728"

@@ -182,6 +182,7 @@ class RunSummary:
     final_eval_step: int | None = None
     slow_steps: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # slow_step events
     periods: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # periods_planned events
+    hangs: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # hang_detected events
     # Where every attempt restored from: [{attempt, source, steps_lost, restart}] (restart: a new process
     # after the previous one was lost, counted by its restart_resumed event).
     restores: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -224,6 +225,7 @@ def summarize(run: RunLog) -> RunSummary:
         final_eval_step=run.evals[-1]["step"] if run.evals else None,
         slow_steps=[e for e in ev if e["event"] == catalogue.SLOW_STEP],
         periods=[e for e in ev if e["event"] == catalogue.PERIODS_PLANNED],
+        hangs=[e for e in ev if e["event"] == catalogue.HANG_DETECTED],
         restores=_restores(ev),
     )
 

@@ -19,9 +19,10 @@ from trainer.data.batch import fingerprint
 from trainer.observe import catalogue
 from trainer.observe.peaks import peak_tflops
 from trainer.observe.sinks import Sinks
+from trainer.runtime import watchdog
 from trainer.runtime.attempt import Attempt
 from trainer.runtime.nonfinite import NonFinitePolicy
-from trainer.runtime.preemption import STEPPING, phase
+from trainer.runtime.preemption import EVALUATING, SAVING, STEPPING, phase
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,7 @@ def train_loop(
         if last:
             record["last"] = True
         sinks.write(record)
+        watchdog.beat(done.step)
         return Outcome(ROLLBACK, done.step) if nonfinite.check(record) else None
 
     try:
@@ -235,6 +237,11 @@ def train_loop(
 
 def _save(attempt: Attempt, step: int, state, records: StepRecords, events) -> None:
     """A periodic or final save of the state after `step`; the loop's blocked time is its own event."""
+    with phase(SAVING):
+        _save_blocking(attempt, step, state, records, events)
+
+
+def _save_blocking(attempt: Attempt, step: int, state, records: StepRecords, events) -> None:
     t0 = time.perf_counter()
     jax.block_until_ready(state)  # the save copies it; timed apart from the save's own work
     waited = time.perf_counter() - t0
@@ -264,7 +271,8 @@ def _evaluate(evaluator, step: int, state, records: StepRecords, sinks: Sinks, i
     t0 = time.perf_counter()
     jax.block_until_ready(state)  # the step's remaining device time stays in the step's time
     records.waited_for_devices(time.perf_counter() - t0)
-    row = evaluator(step, state["params"], interrupt=interrupt)
+    with phase(EVALUATING):
+        row = evaluator(step, state["params"], interrupt=interrupt)
     records.exclude(time.perf_counter() - t0 if row is None else row["eval_time_s"])
     if row is None:
         log.warning("evaluation at step %d interrupted by a stop request: no eval row", step)

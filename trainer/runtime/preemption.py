@@ -30,8 +30,12 @@ from trainer.errors import EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
 
-# The phases in which SIGTERM does not interrupt the main thread: the loop stops at the step boundary.
+# The phases in which SIGTERM does not interrupt the main thread: the loop stops at the step boundary
+# (a save's blocking part and an evaluation are phases of their own for the progress watchdog).
 STEPPING = "steps"
+SAVING = "checkpoint_save"
+EVALUATING = "evaluation"
+IN_LOOP = frozenset({STEPPING, SAVING, EVALUATING})
 _phases: list[str] = ["startup"]
 
 
@@ -120,7 +124,7 @@ class StopSignal:
     def _handle(self, signum, frame) -> None:
         first = not self._event.is_set()
         self.request()
-        if first and current_phase() != STEPPING and self._main_thread():
+        if first and current_phase() not in IN_LOOP and self._main_thread():
             raise Preempted(self.received_in)
 
     def save_now(self) -> None:

@@ -1,0 +1,191 @@
+"""The progress watchdog: a process that makes no progress exits 75 (restart me) and the rerun resumes.
+
+Units: the bounds per phase (`HangTimeouts`), what counts as progress (`ProgressWatchdog.check` on a fake
+clock and phase), and that the loop's save and evaluation phases keep SIGTERM at the step boundary. End
+to end: the CLI with a hang injected at step 13 (`fault_schedule=step=13,hang_s=...`) and the local tier
+on exits 75 within the bound plus a few seconds, leaves every thread's stack in its log, and the same
+command resumes from the local tier to the parameters of an uninterrupted run, bitwise.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from cli_harness import assert_same_data_order, assert_same_params, events, run_cli
+
+from trainer.config import ConfigError
+from trainer.config.fault_schedule import parse_fault_schedule
+from trainer.observe.runlog import load_run, summarize
+from trainer.report import format_summary
+from trainer.runtime import watchdog
+from trainer.runtime.preemption import EVALUATING, SAVING, STEPPING, Preempted, StopSignal, phase
+from trainer.runtime.watchdog import AUTO, AUTO_FLOOR_S, AUTO_MULTIPLE, HangTimeouts, ProgressWatchdog
+
+
+class Fake:
+    """A settable clock and phase."""
+
+    def __init__(self):
+        self.now, self.phase = 100.0, "compile"
+
+    def clock(self) -> float:
+        return self.now
+
+
+def _watchdog(fake: Fake, step_s: float = AUTO, phase_s: float = 600.0) -> ProgressWatchdog:
+    return ProgressWatchdog(
+        HangTimeouts(step_s, phase_s), on_hang=lambda hang: None, phase=lambda: fake.phase, clock=fake.clock
+    )
+
+
+def test_bounds_per_phase():
+    fixed, auto = HangTimeouts(30, 600), HangTimeouts(AUTO, 600)
+    assert fixed.bound(STEPPING, 0.5) == 30 and fixed.bound("compile", 0.5) == 600
+    assert auto.bound(STEPPING, None) == 600  # no median yet: the first steps may still compile
+    assert auto.bound(STEPPING, 1.0) == AUTO_FLOOR_S
+    assert auto.bound(STEPPING, 100.0) == AUTO_MULTIPLE * 100.0
+    assert auto.bound(SAVING, 1.0) == auto.bound(EVALUATING, 1.0) == 600
+    assert auto.bound("waiting_for_slices", 1.0) is None  # bounded by the elastic timeouts
+
+
+def test_a_phase_that_outlasts_its_bound_is_a_hang_and_a_phase_change_is_progress():
+    fake = Fake()
+    w = _watchdog(fake)
+    assert w.check() is None  # first sight of the phase starts its clock
+    fake.now += 599
+    assert w.check() is None
+    fake.phase = "restore"  # moving on is progress
+    assert w.check() is None
+    fake.now += 601
+    hang = w.check()
+    assert hang is not None and hang.phase == "restore" and hang.seconds == 601 and hang.timeout_s == 600
+
+
+def test_completed_steps_are_progress_and_set_the_auto_bound():
+    fake = Fake()
+    w = _watchdog(fake, phase_s=1800)
+    fake.phase = STEPPING
+    w.check()
+    for step in range(1, 6):
+        fake.now += 40.0
+        w.beat(step)
+        assert w.check() is None
+    assert w.median_step_s() == 40.0
+    fake.now += AUTO_MULTIPLE * 40.0 - 1
+    assert w.check() is None
+    fake.now += 2
+    hang = w.check()
+    assert hang is not None and hang.step == 5 and hang.timeout_s == AUTO_MULTIPLE * 40.0
+
+
+def test_an_interval_across_another_phase_is_not_a_step_time():
+    fake = Fake()
+    w = _watchdog(fake, phase_s=1800)
+    fake.phase = STEPPING
+    w.check()
+    for step in range(1, 5):
+        fake.now += 1.0
+        w.beat(step)
+    fake.phase = EVALUATING
+    w.check()
+    fake.now += 500.0  # a long evaluation, within the phase bound
+    assert w.check() is None
+    fake.phase = STEPPING
+    w.check()
+    for step in (5, 6):
+        fake.now += 1.0
+        w.beat(step)
+    assert w.median_step_s() == 1.0 and max(w._intervals) == 1.0
+
+
+def test_unwatched_phases_never_hang():
+    fake = Fake()
+    fake.phase = "waiting_for_slices"
+    w = _watchdog(fake, phase_s=10)
+    w.check()
+    fake.now += 10_000
+    assert w.check() is None
+
+
+def test_the_thread_calls_on_hang_once_and_beat_reaches_the_installed_watchdog():
+    hangs = []
+    w = ProgressWatchdog(HangTimeouts(0.3, 0.3), hangs.append, phase=lambda: STEPPING, poll_s=0.05)
+    watchdog.install(w)
+    try:
+        w.start()
+        for step in range(1, 6):  # steps every 0.1 s keep it quiet
+            time.sleep(0.1)
+            watchdog.beat(step)
+        assert not hangs and w.step == 5
+        deadline = time.monotonic() + 60
+        while not hangs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert len(hangs) == 1 and hangs[0].step == 5
+    finally:
+        w.stop()
+        watchdog.install(None)
+
+
+@pytest.mark.parametrize("inner", [SAVING, EVALUATING])
+def test_sigterm_during_a_save_or_an_evaluation_still_stops_at_the_step_boundary(inner):
+    stop = StopSignal(60, exit_process=lambda code: None, main_thread=lambda: True)
+    with phase(STEPPING), phase(inner):
+        stop._handle(15, None)  # no Preempted raised: the loop finishes the save or evaluation
+    assert stop.requested
+    stop.finished()
+    other = StopSignal(60, exit_process=lambda code: None, main_thread=lambda: True)
+    with pytest.raises(Preempted), phase("compile"):
+        other._handle(15, None)
+    other.finished()
+
+
+def test_hang_entries_parse_and_bad_ones_name_the_form():
+    (fault,) = parse_fault_schedule("step=13,hang_s=600", num_slices=1)
+    assert fault.step == 13 and fault.hang_s == 600
+    for bad in ("step=13,hang_s=0", "step=0,hang_s=5", "step=13,hang_s=x", "step=13,hang_s=5,slice=0"):
+        with pytest.raises(ConfigError, match="hang"):
+            parse_fault_schedule(bad, num_slices=1)
+
+
+def test_a_hung_step_exits_75_within_the_bound_and_the_same_command_resumes_bitwise(tmp_path):
+    common = ["steps=20", f"local_checkpoint_directory={tmp_path / 'node'}", "local_checkpoint_period=5"]
+    base = run_cli(tmp_path, "base", *common, devices=1)
+    assert base.returncode == 0, base.stderr[-3000:]
+
+    hang = [*common, "hang_timeout_seconds=5", "fault_schedule=step=13,hang_s=600"]
+    started = time.monotonic()
+    first = run_cli(tmp_path, "hung", *hang, devices=1)
+    took = time.monotonic() - started
+    assert first.returncode == 75, first.stderr[-3000:]
+    assert took < 120, f"the hang took {took:.0f} s to end the process"  # a hang would take the full 600 s
+    assert "STATUS: transient: hang: no progress in phase steps" in first.stdout
+    assert "Thread 0x" in first.stderr and "in _hang" in first.stderr  # every thread's stack, the hung one too
+    run_dir = tmp_path / "hung"
+    (detected,) = [e for e in events(run_dir) if e["event"] == "hang_detected"]
+    assert detected["phase"] == STEPPING and detected["timeout_s"] == 5
+    assert 5 <= detected["seconds"] < 5 + 3  # detected within the bound plus the watchdog's polling
+    assert detected["step"] in (11, 12)  # the last completed step: 13's dispatch blocked
+    assert "in _hang" in open(detected["stacks"]).read()
+    finish = [e for e in events(run_dir) if e["event"] == "finish"][-1]
+    assert finish["exit_code"] == 75 and finish["status"] == "transient"
+
+    second = run_cli(tmp_path, "hung", *hang, devices=1)  # the same command, as the scheduler reruns it
+    assert second.returncode == 0, second.stderr[-3000:]
+    restores = [e for e in events(run_dir) if e["event"] == "restore_end"]
+    assert restores[-1]["source"] == "local:10"
+    assert [e["event"] for e in events(run_dir)].count("hang_injected") == 1  # once per run
+    assert_same_params(run_dir, tmp_path / "base")
+    assert_same_data_order(run_dir, tmp_path / "base", steps=20)
+
+    summary = summarize(load_run(run_dir))  # what trainer.report prints
+    assert summary.goodput["badput_s"]["hang"] == detected["seconds"]
+    assert "hangs             1" in format_summary(summary)
+
+
+def test_hang_timeout_zero_runs_no_watchdog(tmp_path):
+    out = run_cli(tmp_path, "r", "steps=3", "hang_timeout_seconds=0", "fault_schedule=step=2,hang_s=2", devices=1)
+    assert out.returncode == 0, out.stderr[-3000:]
+    names = [e["event"] for e in events(tmp_path / "r")]
+    assert "hang_injected" in names and "hang_detected" not in names

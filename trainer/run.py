@@ -44,7 +44,7 @@ from trainer.elastic.process_cluster import ProcessCluster
 from trainer.elastic.process_faults import ProcessFaultInjector
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.elastic.supervisor import Supervisor
-from trainer.io.jsonl import LineCounter
+from trainer.io.jsonl import LineCounter, read_jsonl
 from trainer.io.paths import resolve
 from trainer.observe import catalogue
 from trainer.observe.profiler import StepProfiler
@@ -56,6 +56,7 @@ from trainer.plan.auto import AutoPeriods, FixedPeriods
 from trainer.runtime.attempt import AttemptBuilder
 from trainer.runtime.layout import train_spec
 from trainer.runtime.loop import Outcome, train_loop
+from trainer.runtime.loss_spikes import LossSpikePolicy, skipped_fingerprints
 from trainer.runtime.nonfinite import NonFinitePolicy
 from trainer.runtime.preemption import StopSignal
 
@@ -153,6 +154,7 @@ def build_supervisor(
         peak_tflops_per_device=cfg.observe.peak_tflops_per_device,
         stop_requested=stop_requested,
         interrupt_eval=interrupt_eval or (lambda: False),
+        spikes=loss_spikes(cfg, paths, events),
     )
     return Supervisor(
         cfg.elastic,
@@ -173,6 +175,21 @@ def build_supervisor(
         periods=periods,
         wait_for_local_write=cfg.checkpoint.local_checkpoint_wait_for_write,
         previous_last_step=last_recorded_step(paths.local / "metrics.jsonl"),
+    )
+
+
+def loss_spikes(cfg: RunConfig, paths: RunPaths, events) -> LossSpikePolicy:
+    """Loss-spike rollback (off at loss_spike_threshold=0), skipping the batches the run's earlier processes
+    rolled back from (their loss_spike_rollback events)."""
+    o = cfg.observe
+    skipped = skipped_fingerprints(read_jsonl(paths.local / "events.jsonl")) if o.loss_spike_threshold else ()
+    return LossSpikePolicy(
+        o.loss_spike_threshold,
+        o.loss_spike_window,
+        o.loss_spike_max_rollbacks,
+        o.loss_spike_rollback_window,
+        events,
+        skipped=skipped,
     )
 
 

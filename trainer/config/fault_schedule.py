@@ -6,6 +6,7 @@ Entries are separated by ';':
 
     step=40,slice=1,down_s=5 | step=N,slice=K,down_steps=M | step=N,nan=1 | step=N,slow_s=S
     step=N,hang_s=S                                       (step N's dispatch blocks S seconds, once per run)
+    step=N,spike=F                                        (step N's loss and update times F, once per run)
     rate=R,seed=S[,slice=K][,down_s=D][,step=N]           (local slices: trainer.elastic.faults)
     step=N,process=P,error=oom|bug                        (several processes: trainer.elastic.process_faults)
     storage=restore|save[,count=N]                        (either: trainer.checkpoint.storage_faults)
@@ -36,6 +37,7 @@ class Fault:
     slices: int = 0  # the Poisson source picks among this many slices when slice=-1
     slow_s: float = 0.0  # > 0: no failure; the host stalls this long after step `step` (a slow step)
     hang_s: float = 0.0  # > 0: no failure raised; step `step`'s dispatch blocks this long (a hang)
+    spike: float = 0.0  # > 0: step `step`'s loss and update are multiplied by this (a loss spike)
 
 
 def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
@@ -60,6 +62,8 @@ def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
             fault = _poisson_entry(entry, fields, num_slices)
         elif stall := next((k for k in STALLS if k in fields), None):
             fault = _stall_entry(entry, fields, stall)
+        elif "spike" in fields:
+            fault = _spike_entry(entry, fields)
         else:
             fault = _fixed_entry(entry, fields)
         if not fault.nan and fault.slice >= num_slices:
@@ -109,6 +113,22 @@ def _stall_entry(entry: str, fields: dict[str, str], name: str) -> Fault:
         ) from None
     if fault.step < 1 or not 0 < getattr(fault, name) < float("inf"):
         raise ConfigError(f"fault_schedule entry {entry!r}: step must be >= 1 and {name} a number of seconds > 0")
+    return fault
+
+
+def _spike_entry(entry: str, fields: dict[str, str]) -> Fault:
+    """step=N,spike=F: step N's loss and its update to the parameters are multiplied by F, once per run
+    (what loss_spike_threshold is for)."""
+    try:
+        if set(fields) != {"step", "spike"}:
+            raise ValueError
+        fault = Fault(int(fields["step"]), spike=float(fields["spike"]))
+    except ValueError:
+        raise ConfigError(
+            f"fault_schedule entry {entry!r}: a loss spike is step=N,spike=F (N an integer, F > 1)"
+        ) from None
+    if fault.step < 1 or not 1 < fault.spike < float("inf"):
+        raise ConfigError(f"fault_schedule entry {entry!r}: step must be >= 1 and spike a factor > 1")
     return fault
 
 

@@ -363,7 +363,9 @@ class ElasticConfig:
         "Injected failures (local slices): 'step=40,slice=1,down_s=5; step=90,slice=2,down_steps=10; "
         "step=120,nan=1; rate=0.5,seed=1' (down_steps: back after that many more steps; nan: a non-finite "
         "step; rate: Poisson failures per second of wall time from step 1 (or step=N), seeded, on a random "
-        "slice unless slice=K). With several processes only 'step=N,process=P,error=oom|bug': that process's "
+        "slice unless slice=K); 'step=N,hang_s=S': step N's dispatch blocks S seconds (once per run); "
+        "'step=N,spike=F': step N's loss and update are multiplied by F (once per run). "
+        "With several processes only 'step=N,process=P,error=oom|bug': that process's "
         "own error, which ends every process with its cause. Either way 'storage=restore|save[,count=N]': the "
         "first N checkpoint reads / saves fail as a transient storage error would.",
     )
@@ -383,6 +385,25 @@ class ObserveConfig:
         "Non-finite loss or gradients (the update is never applied): stop (error, exit 1) | "
         "skip_step (continue, counted) | rollback (restore newest snapshot/checkpoint, skip the batch).",
         choices=("stop", "skip_step", "rollback"),
+    )
+    loss_spike_threshold: float = key(
+        0.0,
+        "Loss-spike rollback: a step whose loss exceeds this many times the median of the previous "
+        "loss_spike_window losses is undone: the run restores the newest saved state before it and never "
+        "trains the batches from there through the spike (event loss_spike_rollback; also after a restart). "
+        "0 = off; else > 1. While on, a step's loss is read before any save of that step.",
+        minimum=0.0,
+    )
+    loss_spike_window: int = key(
+        32, "Losses in the running median that loss_spike_threshold compares with.", minimum=2
+    )
+    loss_spike_max_rollbacks: int = key(
+        3,
+        "Loss-spike rollbacks allowed within loss_spike_rollback_window steps; one more stops the run (exit 3).",
+        minimum=1,
+    )
+    loss_spike_rollback_window: int = key(
+        1000, "The span, in steps, over which loss_spike_max_rollbacks counts rollbacks.", minimum=1
     )
     profiler: str = key(
         "",

@@ -58,6 +58,12 @@ def _run_problems(cfg: RunConfig) -> list[str]:
             problems.append(f"{name}={getattr(o, name)} must be < 1")
     if o.learning_rate_schedule_steps == 0:
         problems.append("learning_rate_schedule_steps=0 must be >= 1 (or -1 = steps)")
+    spike = cfg.observe.loss_spike_threshold
+    if 0 < spike <= 1:
+        problems.append(
+            f"loss_spike_threshold={spike:g} would call ordinary steps spikes: give a factor > 1 (e.g. 3) "
+            "or 0 (off)"
+        )
     ici = [
         mesh.ici_data_parallelism,
         mesh.ici_fsdp_parallelism,

@@ -74,6 +74,11 @@ class StepBoundary:
         if self.periods.local:
             self.snapshots.take(step, state, data_state, block=True, persist=True)
 
+    def saves_at(self, step: int) -> bool:
+        """Whether `after_step(step, ...)` takes a snapshot (plans first: a new plan may make one due)."""
+        self.periods.after_step(step)  # idempotent per step: after_step's own call then changes nothing
+        return self.periods.due("local", step) or self.periods.due("snapshot", step)
+
     def after_step(self, step: int, state, data_state: Callable[[], dict]) -> list[int]:
         """Bookkeeping after `step` was dispatched (`state` is its output, maybe still running);
         returns the slices that came back (empty: carry on)."""

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from trainer.config.fault_schedule import Fault
 from trainer.elastic.chaos_requests import attempt_of, names_attempt
@@ -104,10 +105,11 @@ class FaultInjector:
 
     def __init__(self, faults: list[Fault], outages: Outages, chaos_dir: Path | None, events):
         self.pending = sorted(
-            (f for f in faults if not f.nan and not f.rate and not f.slow_s and not f.hang_s), key=lambda f: f.step
+            (f for f in faults if not (f.nan or f.rate or f.slow_s or f.hang_s or f.spike)), key=lambda f: f.step
         )
         self.stalls = {f.step: f.slow_s for f in faults if f.slow_s}  # step -> seconds the host stalls after it
         self.hangs = {f.step: f.hang_s for f in faults if f.hang_s}  # step -> seconds its dispatch blocks
+        self.spikes = {f.step: f.spike for f in faults if f.spike}  # step -> factor on its loss and update
         self.random_sources = [PoissonFaults(f) for f in faults if f.rate]
         self.nan_steps = {f.step for f in faults if f.nan}
         self.outages = outages
@@ -144,15 +146,21 @@ class FaultInjector:
         for fault in due:
             self._fire(*fault)
 
-    def _hang(self, step: int, seconds: float) -> None:
-        """Block before step `step`'s dispatch, once per run: a marker in the chaos directory (the run's
-        own) keeps a restarted process that trains step `step` again from hanging there again."""
-        marker = None if self.chaos_dir is None else self.chaos_dir / f"hang_at_step_{step}"
+    def _once_per_run(self, name: str) -> bool:
+        """True the first time in the run (not only in this process) that fault `name` fires: a marker in
+        the run's chaos directory keeps a restarted process that trains the step again from firing it again."""
+        marker = None if self.chaos_dir is None else self.chaos_dir / name
         if marker is not None and marker.exists():
-            return
+            return False
         if marker is not None:
             marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(f"{seconds}\n")
+            marker.write_text("fired\n")
+        return True
+
+    def _hang(self, step: int, seconds: float) -> None:
+        """Block before step `step`'s dispatch, raising nothing (once per run)."""
+        if not self._once_per_run(f"hang_at_step_{step}"):
+            return
         self.events.emit(catalogue.HANG_INJECTED, step=step, seconds=seconds, cause="fault_schedule hang_s")
         time.sleep(seconds)
 
@@ -222,6 +230,15 @@ class FaultInjector:
             self._own_attempt = attempt_of(mine[-1]) if mine else None
         return self._own_attempt
 
+    def _spike(self, factor: float, before, state, metrics):
+        """A loss spike: the step's loss and gradient norm times `factor`, and its update to the params
+        too (what a bad batch's gradients do to the model; Adam's update is nearly scale-free, so the
+        update itself is scaled)."""
+        self.events.emit(catalogue.SPIKE_INJECTED, step=self.next_step, factor=factor)
+        params = jax.tree.map(lambda b, a: b + factor * (a - b), before, state["params"])
+        metrics = dict(metrics, loss=metrics["loss"] * factor, grad_norm=metrics["grad_norm"] * factor)
+        return dict(state, params=params), metrics
+
     def guard(self, step_fn, active_slices: list[int]):
         """`step_fn` that raises the Pathways slice-down error while any of `active_slices` is down."""
 
@@ -229,7 +246,13 @@ class FaultInjector:
             down = self.outages.take_failures(active_slices)
             if down:
                 raise slice_down_error(down, self.last_cause or "slice down")
+            factor = self.spikes.pop(self.next_step, 0.0)
+            if factor and not self._once_per_run(f"spike_at_step_{self.next_step}"):
+                factor = 0.0
+            before = jax.tree.map(jnp.copy, args[0]["params"]) if factor else None  # the step donates its input
             state, metrics = step_fn(*args, **kwargs)
+            if factor:
+                state, metrics = self._spike(factor, before, state, metrics)
             if self.next_step in self.nan_steps:
                 self.nan_steps.discard(self.next_step)  # fires once, like a slice fault
                 self.events.emit(catalogue.NAN_INJECTED, step=self.next_step)

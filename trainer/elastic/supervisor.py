@@ -157,8 +157,10 @@ class Supervisor:
                 back = list(outcome.returning)
                 self.events.emit(catalogue.SCALE_UP, step=outcome.step, detail=f"slices {back} are back")
             elif outcome.kind == ROLLBACK:
-                log.warning("non-finite loss/gradients at step %d: rolling back, skipping its batch", outcome.step)
-                self.events.emit(catalogue.ROLLBACK, step=outcome.step, last_step=self.stats.last_step)
+                why = outcome.cause or "non-finite loss/gradients"
+                log.warning("%s at step %d: rolling back to the newest saved state", why, outcome.step)
+                cause = {"cause": outcome.cause} if outcome.cause else {}
+                self.events.emit(catalogue.ROLLBACK, step=outcome.step, last_step=self.stats.last_step, **cause)
             else:
                 self.snapshots.wait_for_copy()
                 self._summary()

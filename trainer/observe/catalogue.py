@@ -246,6 +246,11 @@ HANG_DETECTED = Event(
     "every thread's stack is in the log and in `stacks`; the process exits 75 (restart the same command)",
 )
 NAN_INJECTED = Event("nan_injected", "step", "an injected fault made this step's loss NaN")
+SPIKE_INJECTED = Event(
+    "spike_injected",
+    "step factor",
+    "an injected fault (fault_schedule spike) multiplied this step's loss and update by `factor`",
+)
 FAULT_INJECTED = Event(
     "fault_injected",
     "step process error",
@@ -280,8 +285,16 @@ SCALE_UP_REQUESTED = Event(
 SCALE_UP = Event("scale_up", "step detail", "the next attempt runs on the larger set of slices")
 ROLLBACK = Event(
     "rollback",
-    "step last_step",
-    "nan_policy=rollback: the next attempt restores the newest saved state and skips this step's batch",
+    "step last_step cause?",
+    "the next attempt restores the newest saved state: nan_policy=rollback skips this step's batch; cause "
+    "`loss_spike`: loss_spike_threshold, see loss_spike_rollback",
+)
+LOSS_SPIKE_ROLLBACK = Event(
+    "loss_spike_rollback",
+    "step loss median restored_step skipped_steps fingerprints",
+    "the loss of `step` exceeded loss_spike_threshold x the recent `median`: the run restored "
+    "`restored_step` and never trains the batches of the steps after it through the spike again (their "
+    "`fingerprints`, also after a restart)",
 )
 STOP_AGREED = Event(
     "stop_agreed",

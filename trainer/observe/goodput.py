@@ -4,8 +4,9 @@ goodput = time of the steps whose results survived / wall time. Badput is the re
 startup_compile (process start to the first step, plus any compile), checkpoint_save (time the loop
 was blocked saving, beyond waiting for the step it saves), restore, wasted_progress (steps computed
 and then rewound by a failure), waiting_for_slices, eval (held-out evaluations: the eval rows'
-eval_time_s, kept out of the step times), hang (no progress until the watchdog ended the process:
-hang_detected's seconds), and other (detection, teardown, logging, data).
+eval_time_s, kept out of the step times), rollback (steps undone by a loss-spike rollback), hang (no
+progress until the watchdog ended the process: hang_detected's seconds), and other (detection,
+teardown, logging, data).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ CAUSES = (
     "wasted_progress",
     "waiting_for_slices",
     "eval",
+    "rollback",
     "hang",
     "other",
 )
@@ -41,6 +43,12 @@ def _durations(
                 total += e["time"] - opened
             opened = None
     return total
+
+
+def _rolled_back(record: dict, rollbacks: list[dict]) -> bool:
+    """Whether a step's record was undone by a loss-spike rollback (a step from after the restored one
+    through the spike, recorded before the rollback)."""
+    return any(e["restored_step"] < record["step"] <= e["step"] and record["time"] <= e["time"] for e in rollbacks)
 
 
 def account(
@@ -72,7 +80,11 @@ def account(
     # A step's step_time_s includes the time the loop was blocked starting its save: count that once,
     # as checkpoint_save, not also as productive time.
     productive = max(0.0, sum(m["step_time_s"] for i, m in enumerate(metrics) if i in kept) - saving)
-    wasted = sum(m["step_time_s"] for i, m in enumerate(metrics) if i not in kept)
+    undone = [i for i, m in enumerate(metrics) if i not in kept]
+    rollbacks = [e for e in events if e["event"] == catalogue.LOSS_SPIKE_ROLLBACK]
+    spiked = [i for i in undone if rollbacks and _rolled_back(metrics[i], rollbacks)]
+    rolled_back = sum(metrics[i]["step_time_s"] for i in spiked)
+    wasted = sum(metrics[i]["step_time_s"] for i in undone) - rolled_back
     first_attempt = next((e["time"] for e in events if e["event"] == catalogue.ATTEMPT_START), t1)
     startup = (first_attempt - t0) + sum(
         e.get("seconds", 0.0) for e in events if e["event"] == catalogue.COMPILE_DONE and e["time"] > first_attempt
@@ -87,6 +99,7 @@ def account(
         "wasted_progress": wasted,
         "waiting_for_slices": waiting,
         "eval": evaluating,
+        "rollback": rolled_back,
         "hang": sum(e.get("seconds", 0.0) for e in events if e["event"] == catalogue.HANG_DETECTED),
     }
     bad["other"] = max(0.0, wall - productive - sum(bad.values()))

@@ -21,12 +21,14 @@ from trainer.observe.peaks import peak_tflops
 from trainer.observe.sinks import Sinks
 from trainer.runtime import watchdog
 from trainer.runtime.attempt import Attempt
+from trainer.runtime.loss_spikes import LossSpikePolicy
 from trainer.runtime.nonfinite import NonFinitePolicy
 from trainer.runtime.preemption import EVALUATING, SAVING, STEPPING, phase
 
 log = logging.getLogger(__name__)
 
 FINISHED, PREEMPTED, SCALE_UP, ROLLBACK = "finished", "preempted", "scale_up", "rollback"
+LOSS_SPIKE = "loss_spike"  # a rollback's cause other than a non-finite step
 TARGET_REACHED = "target_eval_loss_reached"
 
 
@@ -37,7 +39,8 @@ class Outcome:
     finished   every step ran (and the final checkpoint, if any, is committed)
     preempted  stop_requested turned true; a final checkpoint was saved
     scale_up   slices in `returning` came back after `step`; `state` is the live state at `step`
-    rollback   `step` produced a non-finite update and nan_policy=rollback asks to restore and skip it
+    rollback   `step` produced a non-finite update and nan_policy=rollback asks to restore and skip it;
+               with `cause` loss_spike, its loss spiked (trainer.runtime.loss_spikes)
     target_eval_loss_reached  the eval at `step` gave `eval_loss` <= target_eval_loss; a checkpoint was saved
     """
 
@@ -46,6 +49,7 @@ class Outcome:
     state: Any = None
     returning: tuple[int, ...] = ()
     eval_loss: float | None = None
+    cause: str = ""
 
 
 class Boundary(Protocol):
@@ -58,6 +62,9 @@ class Boundary(Protocol):
     def before_stop(self, step: int, state, data_state: dict) -> None:
         """A stop (SIGTERM) at `step`: save what is fastest to save first (the local tier)."""
 
+    def saves_at(self, step: int) -> bool:
+        """Whether `after_step(step, ...)` will save the state (a snapshot, the local tier)."""
+
 
 class _NoBoundary:
     def before_step(self, step: int) -> None:
@@ -68,6 +75,9 @@ class _NoBoundary:
 
     def before_stop(self, step: int, state, data_state: dict) -> None:
         pass
+
+    def saves_at(self, step: int) -> bool:
+        return False
 
 
 @dataclasses.dataclass
@@ -157,13 +167,18 @@ def train_loop(
     boundary: Boundary | None = None,
     stop_requested: Callable[[int], bool] = lambda step: False,
     interrupt_eval: Callable[[], bool] = lambda: False,
+    spikes: LossSpikePolicy | None = None,
 ) -> Outcome:
     """Run steps start_step+1 .. `steps` (a batch `nonfinite` rolled back is skipped).
 
     `peak_tflops_per_device` overrides the device's known peak for MFU (0: look it up). `stop_requested`
     is asked at every step boundary (SIGTERM: save and return `preempted`), `interrupt_eval` between
-    evaluation batches (one process: a SIGTERM ends an evaluation early; the step boundary then stops)."""
+    evaluation batches (one process: a SIGTERM ends an evaluation early; the step boundary then stops).
+    `spikes`: loss-spike rollback; when on, a step's record is read before anything saves that step, so
+    every saved state predates a spike found in it."""
     boundary = boundary or _NoBoundary()
+    spikes = spikes or LossSpikePolicy(0.0, 1, 1, 1, events)
+    spikes.attempt_started(attempt.start_step)
     records = StepRecords(
         flops_per_step=attempt.flops_per_step,
         tokens_per_step=attempt.batch_layout.global_batch_size * attempt.sequence_length,
@@ -188,7 +203,9 @@ def train_loop(
             record["last"] = True
         sinks.write(record)
         watchdog.beat(done.step)
-        return Outcome(ROLLBACK, done.step) if nonfinite.check(record) else None
+        if nonfinite.check(record):
+            return Outcome(ROLLBACK, done.step)
+        return Outcome(ROLLBACK, done.step, cause=LOSS_SPIKE) if spikes.check(record) else None
 
     try:
         with phase(STEPPING):  # a SIGTERM here is acted on at the step boundary (trainer.runtime.preemption)
@@ -198,12 +215,18 @@ def train_loop(
                 boundary.before_step(step + 1)
                 host_batch = next(iterator)
                 fp = fingerprint(host_batch)
+                while spikes.skips(fp):  # rolled back from once (loss_spike_rollback): never trained
+                    host_batch = next(iterator)
+                    fp = fingerprint(host_batch)
                 state, metrics = attempt.step_fn(state, attempt.device_batch(host_batch))
                 step += 1
                 if rollback := record_pending():  # blocks on step-1 only, while `step` runs on the device
                     return rollback
                 pending = _Pending(step, metrics, fp)
                 final = step == steps
+                if spikes.enabled and (ckpt.should_save(step, final=final) or boundary.saves_at(step)):
+                    if rollback := record_pending(last=final):  # no state of a spike's step is ever saved
+                        return rollback
                 # The iterator has yielded exactly `step` batches: its state pairs with this model state.
                 if ckpt.should_save(step, final=final):
                     _save(attempt, step, state, records, events)

@@ -17,7 +17,11 @@ synthetic packed documents (per_device_batch_size=1), remat_policy=full, float32
 emulated, and slow, on most CPUs). Step times of separate processes on shared cores drift with the load,
 so the speed comparison (`--speed-lengths`, default 1024) also compiles both in one process and
 alternates their steps.
-TRAINER_SMOKE=1 runs the same path at minimal sizes.
+It prints each case as it ends, then writes the record benchmarks/records/attention_memory.json with two
+tables, from which the README's are rendered: `memory` (the cases) and `comparison` (per length,
+dot_product's compiled memory over flash's, and the alternating step times and their ratio). A case that
+fails is named and nothing is recorded. TRAINER_SMOKE=1 runs the same path at minimal sizes, prints the
+tables and records nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_runs import SMOKE_SHAPE, SMOKE_SHAPE_TEXT, announce_smoke, smoke, smoke_env  # noqa: E402
+from records import write_record  # noqa: E402
 
 MIB = 2**20
 
@@ -140,6 +145,51 @@ def _cell(value, fmt: str) -> str:
     return "not run" if value is None else format(value, fmt)
 
 
+def memory_table(rows: list[dict]) -> str:
+    """Markdown: one row per (attention, sequence) case."""
+    lines = [
+        "| attention | sequence | compiled MiB | temp MiB | peak RSS MiB | step s | compile s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['attention']} | {r['length']} | {r['compiled_mib']:.0f} | {r['temp_mib']:.0f} | "
+            f"{r['rss_mib']:.0f} | {_cell(r['step_s'], '.3f')} | {r['compile_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def comparison_table(rows: list[dict], speed: list[dict]) -> str:
+    """Markdown: per sequence length, dot_product's compiled memory over flash's, and the alternating step
+    times (both compiled in one process, stepped in turn) and their ratio."""
+    by = {(r["attention"], r["length"]): r for r in rows}
+    timed = {r["length"]: r for r in speed}
+    lines = [
+        "| sequence | compiled memory, dot_product ÷ flash | alternating steps, each | dot_product step s "
+        "| flash step s | step time, flash ÷ dot_product |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for length in sorted({r["length"] for r in rows} | set(timed)):
+        dp, fl = by.get(("dot_product", length)), by.get(("flash", length))
+        memory = f"{dp['compiled_mib'] / fl['compiled_mib']:.2f}×" if dp and fl else "not compiled"
+        t = timed.get(length)
+        times = (
+            [str(t["steps"]), f"{t['dot_product']:.3f}", f"{t['flash']:.3f}", f"**{t['ratio']:.2f}×**"]
+            if t
+            else ["not run"] * 4
+        )
+        lines.append(f"| {length} | {memory} | " + " | ".join(times) + " |")
+    return "\n".join(lines)
+
+
+def _failures(rows: list[dict], speed: list[dict]) -> list[str]:
+    return [
+        f"{r.get('attention', 'alternating steps')} at {r['length']}: {' '.join(r['error'])}"
+        for r in [*rows, *speed]
+        if "error" in r
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -158,7 +208,8 @@ def main() -> None:
     parser.add_argument("--speed-steps", type=int, default=6)
     parser.add_argument("--one", nargs=2, metavar=("ATTENTION", "LENGTH"), help=argparse.SUPPRESS)
     parser.add_argument("--speed-one", type=int, help=argparse.SUPPRESS)
-    args, overrides = parser.parse_known_args()
+    argv = sys.argv[1:]
+    args, overrides = parser.parse_known_args(argv)
     if args.one:
         row = measure(args.one[0], int(args.one[1]), args.steps, int(args.max_run_gib * 2**30), overrides)
         print(json.dumps(row))
@@ -169,45 +220,26 @@ def main() -> None:
     if smoke():
         announce_smoke(f"{SMOKE_SHAPE_TEXT}, sequence 128 in tiles of 32, 1 step")
         args.lengths, args.steps, args.speed_lengths, args.speed_steps = [128], 1, [128], 1
+        args.run_lengths = None  # every case runs its steps
         overrides = [f"{k}={v}" for k, v in SMOKE_SHAPE.items() if k != "max_target_length"] + overrides
         overrides += ["sa_block_q=32", "sa_block_kv=32"]
-    print(f"python {' '.join(sys.argv)}")
-    print("| attention | sequence | compiled MiB | temp MiB | RSS MiB | step s | compile s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     for length in args.lengths:
         for attention in args.attention:
-            row = _one_case(attention, length, args, overrides)
-            rows.append(row)
-            if "error" in row:
-                print(f"| {attention} | {length} | error: {' '.join(row['error'])} | | | | |", flush=True)
-                continue
-            print(
-                f"| {attention} | {length} | {row['compiled_mib']:.0f} | {row['temp_mib']:.0f} | "
-                f"{row['rss_mib']:.0f} | {_cell(row['step_s'], '.3f')} | {row['compile_s']:.1f} |",
-                flush=True,
-            )
-    by = {(r["attention"], r["length"]): r for r in rows if "error" not in r}
-    for length in args.lengths:
-        dp, fl = by.get(("dot_product", length)), by.get(("flash", length))
-        if dp and fl:
-            ratio = dp["compiled_mib"] / fl["compiled_mib"]
-            speed = (
-                f", flash step time {fl['step_s'] / dp['step_s']:.2f}x dot_product's"
-                if dp["step_s"] and fl["step_s"]
-                else ""
-            )
-            print(f"sequence {length}: dot_product needs {ratio:.1f}x flash's compiled memory{speed}")
+            rows.append(_one_case(attention, length, args, overrides))
+            print(json.dumps(rows[-1]), flush=True)
+    speed = []
     for length in args.speed_lengths:
-        r = _subprocess(["--speed-one", str(length), "--speed-steps", str(args.speed_steps)], overrides)
-        if "error" in r:
-            print(f"sequence {length}, alternating steps: error: {' '.join(r['error'])}")
-            continue
-        print(
-            f"sequence {length}, {r['steps']} alternating steps each in one process: dot_product "
-            f"{r['dot_product']:.3f} s, flash {r['flash']:.3f} s (flash/dot_product = {r['ratio']:.3f})",
-            flush=True,
-        )
+        flags = ["--speed-one", str(length), "--speed-steps", str(args.speed_steps)]
+        speed.append({"length": length} | _subprocess(flags, overrides))
+        print(json.dumps(speed[-1]), flush=True)
+    failed = _failures(rows, speed)
+    if failed:
+        sys.exit("not recording attention_memory: a case failed:\n" + "\n".join(failed))
+    tables = {"memory": memory_table(rows), "comparison": comparison_table(rows, speed)}
+    print("\n\n".join(tables.values()))
+    figures = {"cases": rows, "alternating": speed}
+    write_record("attention_memory", "attention_memory", argv, tables=tables, figures=figures)
 
 
 if __name__ == "__main__":

@@ -5,23 +5,29 @@
 Source A holds short documents and source B long ones (so B fills rows faster: the harder case for a
 mixture counted in documents). For each weight of A and each run length it reads `--steps` global
 batches of `--rows` rows from `make_arrayrecord_iterator` (the trainer's pipeline, in process) and prints
-the share of A's documents against its weight. TRAINER_SMOKE=1 runs one small case.
+the share of A's documents against its weight, then the table of them, which it writes to the record
+benchmarks/records/mixture_proportions.json (the README's table is rendered from it). TRAINER_SMOKE=1 runs
+one small case and records nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 
 from array_record.python import array_record_module
 
-from trainer.config.schema import DataConfig
-from trainer.data.grain_pipeline import make_arrayrecord_iterator
-from trainer.data.tokenizer import Tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_runs import announce_smoke, smoke  # noqa: E402
+from records import write_record  # noqa: E402
+
+from trainer.config.schema import DataConfig  # noqa: E402
+from trainer.data.grain_pipeline import make_arrayrecord_iterator  # noqa: E402
+from trainer.data.tokenizer import Tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "data" / "tokenizer" / "fc_sp8k.model"
@@ -57,26 +63,45 @@ def share_of_a(files: tuple[str, str], weight: float, steps: int, rows: int, tok
     return a / (a + b), a + b
 
 
+def table(rows: list[dict]) -> str:
+    """Markdown: one row per (weight, run length)."""
+    lines = [
+        "| weight of A | steps x rows | documents | realised share of A | error |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['weight']:.2f} | {r['steps']} x {r['rows']} | {r['documents']} | {r['share_of_a']:.4f} | "
+            f"{r['share_of_a'] - r['weight']:+.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--weights", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     p.add_argument("--steps", type=int, nargs="+", default=[50, 200])
     p.add_argument("--rows", type=int, default=8)
-    args = p.parse_args()
-    if os.environ.get("TRAINER_SMOKE"):
+    argv = sys.argv[1:]
+    args = p.parse_args(argv)
+    if smoke():
         args.weights, args.steps, args.rows = [0.7], [5], 4
+    announce_smoke("weight 0.7, 5 steps of 4 rows")
     tok = Tokenizer(TOKENIZER)
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         files = (
             write_source(Path(tmp) / "a.arrayrecord", "A", 2000, 1),
             write_source(Path(tmp) / "b.arrayrecord", "B", 2000, 12),
         )
-        print("| weight of A | steps x rows | documents | realised share of A | error |")
-        print("| --- | --- | --- | --- | --- |")
         for weight in args.weights:
             for steps in args.steps:
                 share, docs = share_of_a(files, weight, steps, args.rows, tok)
-                print(f"| {weight:.2f} | {steps} x {args.rows} | {docs} | {share:.4f} | {share - weight:+.4f} |")
+                rows.append(
+                    {"weight": weight, "steps": steps, "rows": args.rows, "documents": docs, "share_of_a": share}
+                )
+    print(table(rows))
+    write_record("mixture_proportions", "mixture_proportions", argv, tables={"shares": table(rows)}, figures=rows)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ For each setting (persistent tier only; persistent + local tier) one run is kill
 `restart_resumed` event says where it resumed from and how many steps it trains again (the run's last
 recorded step minus the restored one); its `restore_end` event how long reading that state took. Prints,
 per setting: steps lost per kill (each, mean, max), the restore time per source tier, and the restart time
-(process start to the first step recorded after the restore). TRAINER_SMOKE=1 runs it all at minimal sizes.
+(process start to the first step recorded after the restore), then the table of them (one column per
+setting) it writes to the record benchmarks/records/process_loss.json, from which the README's table is
+rendered. TRAINER_SMOKE=1 runs it all at minimal sizes and records nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from cli_runs import (  # noqa: E402
     smoke_overrides,
     trainer_cmd,
 )
+from records import write_record  # noqa: E402
 
 from trainer.observe import catalogue  # noqa: E402
 
@@ -91,6 +94,54 @@ def measure(root: Path, name: str, overrides: list[str], kill_steps: list[int]) 
     }
 
 
+def _last_value(overrides: list[str], key: str) -> str:
+    """The value the trainer takes for `key`: its last `key=value` among `overrides`."""
+    return next(a.split("=", 1)[1] for a in reversed(overrides) if a.startswith(f"{key}="))
+
+
+SETTINGS = {"persistent_only": "persistent tier only", "with_local_tier": "persistent + local tier"}
+
+
+def _restores(m: dict) -> str:
+    """Median restore time per source tier, e.g. `0.20 s (local)`."""
+    found = m["median_restore_s_by_source"]
+    return ", ".join(f"{s:.2f} s ({source})" for source, s in found.items()) or "none"
+
+
+def _lost(m: dict) -> str:
+    lost = m["steps_lost_per_kill"]
+    return (
+        f"{', '.join(map(str, lost))} (mean {m['mean_steps_lost']}, max {m['max_steps_lost']})" if lost else "none"
+    )
+
+
+def _start(m: dict) -> str:
+    s = m["median_start_to_first_step_s"]
+    return "n/a" if s is None else f"{s:.1f} s"
+
+
+def table(out: dict) -> str:
+    """Markdown: one column per setting."""
+    cols = [out[key] for key in SETTINGS]
+    kills = ", ".join(map(str, cols[0]["kills_at_steps"]))
+
+    def row(name, cell):
+        return f"| {name} | " + " | ".join(cell(m) for m in cols) + " |"
+
+    return "\n".join(
+        [
+            f"| {out['model']}, sequence {out['max_target_length']}, {out['steps']} steps, persistent period "
+            f"{out['checkpoint_period']}, local period {out['local_period']} | "
+            + " | ".join(SETTINGS.values())
+            + " |",
+            "|---|" + "---|" * len(cols),
+            row("restore (read + place on devices), median per source", _restores),
+            row(f"steps lost per kill -9 at steps {kills}", _lost),
+            row("restarted process: start → first step, median", _start),
+        ]
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-tiny")
@@ -99,7 +150,8 @@ def main() -> None:
     p.add_argument("--local-period", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("extra", nargs="*", help="more key=value for the trainer")
-    args = p.parse_args()
+    argv = sys.argv[1:]
+    args = p.parse_args(argv)
     ckpt_period = smoke_cap(args.checkpoint_period, 6)
     local_period = smoke_cap(args.local_period, 2)
     kills = smoke_cap(args.kills, 1)
@@ -108,19 +160,33 @@ def main() -> None:
     # Kill steps spread over the run, the same for both settings; each after the previous restart's resume.
     kill_steps = sorted(rng.sample(range(local_period + 1, steps - 1), kills))
     common = smoke_overrides(
-        [f"model={args.model}", "max_target_length=256", f"steps={steps}", f"checkpoint_period={ckpt_period}"]
+        [
+            f"model={args.model}",
+            "max_target_length=256",
+            f"steps={steps}",
+            f"checkpoint_period={ckpt_period}",
+        ]
         + ["log_period=1000", "checkpoint_compression=false", *args.extra],
         **SMOKE_SHAPE,
     )
+    length = int(_last_value(common, "max_target_length"))  # smoke's cap, or what `extra` gave
     shortened = f"checkpoint period {ckpt_period}, local period {local_period}, {steps} steps"
     announce_smoke(f"{shortened}, {SMOKE_SHAPE_TEXT}")
-    out = {"model": args.model, "steps": steps, "checkpoint_period": ckpt_period, "local_period": local_period}
+    out = {
+        "model": args.model,
+        "max_target_length": length,
+        "steps": steps,
+        "checkpoint_period": ckpt_period,
+        "local_period": local_period,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         out["persistent_only"] = measure(root, "persistent", common, kill_steps)
         tier = [f"local_checkpoint_directory={root / 'node_local'}", f"local_checkpoint_period={local_period}"]
         out["with_local_tier"] = measure(root, "local", [*common, *tier], kill_steps)
     print(json.dumps(out, indent=2))
+    print(table(out))
+    write_record("process_loss", "process_loss", argv, tables={"loss": table(out)}, figures=out)
 
 
 if __name__ == "__main__":

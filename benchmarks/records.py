@@ -26,7 +26,24 @@ RECORDS = REPO / "benchmarks" / "records"
 
 # What each benchmark measures: a change to any of these files makes its records stale.
 _STEP = ["trainer/runtime", "trainer/model", "trainer/parallel", "trainer/config/schema.py", "configs"]
+# Saves and restores of both tiers: the local tier is the host snapshot (snapshot.py, pinned_snapshots.py)
+# written by trainer/checkpoint/local_store.py when the step boundary (boundary.py) says it is due.
+_SAVES = [
+    "trainer/checkpoint",
+    "trainer/runtime",
+    "trainer/elastic/snapshot.py",
+    "trainer/elastic/pinned_snapshots.py",
+    "trainer/elastic/boundary.py",
+    "trainer/run.py",
+    "trainer/config/schema.py",
+    "configs",
+]
 MEASURES = {
+    "attention_memory": [*_STEP, "benchmarks/attention_memory.py"],
+    "checkpoint_overhead": [*_SAVES, "benchmarks/checkpoint_overhead.py"],
+    "process_loss": [*_SAVES, "benchmarks/process_loss.py"],
+    # The schema holds the data pipeline's defaults (packing, shuffle seed) the benchmark runs with.
+    "mixture_proportions": ["trainer/data", "trainer/config/schema.py", "benchmarks/mixture_proportions.py"],
     "train_throughput": [*_STEP, "trainer/data/synthetic.py", "trainer/run.py", "benchmarks/train_throughput.py"],
     "compile_presets": [*_STEP, "trainer/aot", "trainer/compile.py", "benchmarks/compile_presets.py"],
     "compile_vs_maxtext": [*_STEP, "trainer/aot", "trainer/compile.py", "benchmarks/compile_vs_maxtext.py"],

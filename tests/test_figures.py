@@ -3,12 +3,14 @@
 Every `<!-- figures: RECORD TABLE -->` block of README.md and docs/*.md must be the rendering of an
 existing record (`python -m scripts.figures`), and the record's digest of the modules its benchmark
 measures must match them now: a change to those modules makes the figure stale until the benchmark is
-run again (its command is in the record).
+run again (its command is in the record). A table of measured figures outside such a block fails
+(`hand_typed_figures` says how one is recognised).
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -41,6 +43,72 @@ def test_a_documented_table_is_its_records_rendering_and_the_record_is_current(d
         f"{record_id} is stale: {', '.join(record['modules'])} changed since commit {record['commit'][:10]}; "
         f"run `{record['command']}` again"
     )
+
+
+# A number with a unit of measurement: 0.36 s, 34 ms, 138 MB, 2.4 GiB, 1,702 tokens/s, 1.2%, 7.5× or 0.81x.
+_UNIT = r"(?:ms|s|KiB|MiB|GiB|kB|MB|GB|MB/s|GB/s|tokens/s|GFLOP/s|TFLOP/s)"
+_MEASURED_CELL = re.compile(rf"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:\s?{_UNIT}(?![\w/])|\s?%|[×x](?!\w))")
+_UNIT_HEADER = re.compile(rf"(?:^|[\s(]){_UNIT}$")  # a column of figures in a unit: `compiled MiB`, `step s`
+NOT_MEASURED = "<!-- not measured:"
+
+
+def _tables(text: str) -> list[tuple[int, str, list[str]]]:
+    """(first line number, the non-blank line before it, its rows) of each markdown table of `text` outside
+    figures blocks and code fences."""
+    text = figures.BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), text)  # keeps the line numbers
+    out, fenced, before = [], False, ""
+    for number, line in enumerate(text.splitlines(), 1):
+        row = line.strip()
+        fenced ^= row.startswith("```")
+        if not fenced and row.startswith("|"):
+            if out and out[-1][0] + len(out[-1][2]) == number:
+                out[-1][2].append(row)
+            else:
+                out.append((number, before, [row]))
+        before = row or before
+    return out
+
+
+def hand_typed_figures(text: str) -> list[int]:
+    """First lines of the tables of measured figures outside figures blocks.
+
+    A table holds measured figures when a row below its header has a number with a unit (`0.36 s`,
+    `34 ms`, `138 MB`, `1.2%`, `7.5×`), or when a header cell ends in a unit (`compiled MiB`, `step s`) and
+    a row below has a number. A table of figures that are not measurements (a model's output, a quoted
+    default) says so on the line before it: `<!-- not measured: why -->`.
+    """
+    found = []
+    for number, before, rows in _tables(text):
+        header, body = rows[0], rows[2:]
+        unit_column = any(_UNIT_HEADER.search(cell.strip()) for cell in header.strip("|").split("|"))
+        measured = any(_MEASURED_CELL.search(r) for r in body) or (
+            unit_column and any(re.search(r"\d", r) for r in body)
+        )
+        if measured and not before.startswith(NOT_MEASURED):
+            found.append(number)
+    return found
+
+
+def test_a_table_of_measured_figures_is_rendered_from_a_record():
+    for doc in figures.documents():
+        lines = hand_typed_figures(doc.read_text())
+        assert not lines, (
+            f"{doc.relative_to(figures.REPO)}, lines {lines}: a table of measured figures typed by hand; have its "
+            "benchmark write it to a record (benchmarks/records.py) and put it in a "
+            "`<!-- figures: RECORD TABLE -->` block, or say `<!-- not measured: why -->` on the line before it"
+        )
+
+
+def test_hand_typed_figures_finds_measurements_only():
+    measured = "| | tiny |\n|---|---|\n| step | 0.36 s |\n"
+    unit_column = "| attention | step s |\n| --- | ---: |\n| flash | 27.8 |\n"
+    keys = "| code | meaning |\n| --- | --- |\n| 42 | preempted after 10 steps |\n| 2 | x 3 |\n"
+    block = f"<!-- figures: r t -->\n{measured}<!-- /figures -->\n"
+    exempt = f"<!-- not measured: the planner's model -->\n\n{measured}"
+    fenced = f"```\n{measured}```\n"
+    assert hand_typed_figures(f"text\n\n{measured}\n{unit_column}") == [3, 7]
+    assert hand_typed_figures(keys + block + exempt + fenced) == []
+    assert hand_typed_figures("| a | b |\n|---|---|\n| ratio | 7.5× |\n| share | 12% |\n") == [1]
 
 
 def test_render_replaces_only_the_inside_of_blocks():

@@ -59,6 +59,7 @@ from trainer.runtime.loop import Outcome, train_loop
 from trainer.runtime.loss_spikes import LossSpikePolicy, skipped_fingerprints
 from trainer.runtime.nonfinite import NonFinitePolicy
 from trainer.runtime.preemption import StopSignal
+from trainer.runtime.sdc import SdcCheck
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,7 @@ def build_supervisor(
         stop_requested=stop_requested,
         interrupt_eval=interrupt_eval or (lambda: False),
         spikes=loss_spikes(cfg, paths, events),
+        sdc=sdc_check(cfg, cluster, events),
     )
     return Supervisor(
         cfg.elastic,
@@ -190,6 +192,22 @@ def loss_spikes(cfg: RunConfig, paths: RunPaths, events) -> LossSpikePolicy:
         o.loss_spike_rollback_window,
         events,
         skipped=skipped,
+    )
+
+
+def sdc_check(cfg: RunConfig, cluster: Cluster, events) -> SdcCheck | None:
+    """The silent-data-corruption check (sdc_check_period > 0); one controller only: the check moves each
+    slice's rows to another slice, which several processes would have to exchange."""
+    if cfg.elastic.sdc_check_period == 0:
+        return None
+    if jax.process_count() > 1:
+        raise ConfigError(
+            f"sdc_check_period={cfg.elastic.sdc_check_period} needs one controller (Pathways or one local "
+            f"process); this job has {jax.process_count()} processes: set sdc_check_period=0"
+        )
+    injector = getattr(cluster, "injector", None)
+    return SdcCheck(
+        cfg.elastic.sdc_check_period, events, faulty=injector.faulty if injector is not None else lambda step: None
     )
 
 

@@ -358,6 +358,19 @@ class ElasticConfig:
         minimum=0.0,
         maximum=1.0,
     )
+    sdc_check_period: int = key(
+        0,
+        "Silent-data-corruption check: every this many steps the step is also computed with each slice on "
+        "another slice's rows, before it runs, and each slice's results are compared bit for bit; a mismatch "
+        "(event sdc_detected, naming the slice) restores the newest state saved before that step. Needs 2+ "
+        "slices and one process; costs about 2/period of a step. 0 = off.",
+        minimum=0,
+    )
+    sdc_quarantine: bool = key(
+        False,
+        "After an sdc_detected that names one slice, treat that slice as lost (replica-resize onto the others: "
+        "set elastic_min_slice_count below num_slices).",
+    )
     fault_schedule: str = key(
         "",
         "Injected failures (local slices): 'step=40,slice=1,down_s=5; step=90,slice=2,down_steps=10; "

@@ -105,11 +105,13 @@ class FaultInjector:
 
     def __init__(self, faults: list[Fault], outages: Outages, chaos_dir: Path | None, events):
         self.pending = sorted(
-            (f for f in faults if not (f.nan or f.rate or f.slow_s or f.hang_s or f.spike)), key=lambda f: f.step
+            (f for f in faults if not (f.nan or f.rate or f.slow_s or f.hang_s or f.spike or f.corrupt)),
+            key=lambda f: f.step,
         )
         self.stalls = {f.step: f.slow_s for f in faults if f.slow_s}  # step -> seconds the host stalls after it
         self.hangs = {f.step: f.hang_s for f in faults if f.hang_s}  # step -> seconds its dispatch blocks
         self.spikes = {f.step: f.spike for f in faults if f.spike}  # step -> factor on its loss and update
+        self.corrupt = {f.step: f.slice for f in faults if f.corrupt}  # step -> the slice computing wrong numbers
         self.random_sources = [PoissonFaults(f) for f in faults if f.rate]
         self.nan_steps = {f.step for f in faults if f.nan}
         self.outages = outages
@@ -230,6 +232,15 @@ class FaultInjector:
             self._own_attempt = attempt_of(mine[-1]) if mine else None
         return self._own_attempt
 
+    def faulty(self, step: int, where: str = "sdc_check") -> int | None:
+        """The slice an injected fault makes compute wrong numbers at `step`, the first time anything
+        computes that step in the run (the replay check, or the step itself); else None."""
+        bad = self.corrupt.pop(step, None)
+        if bad is None or not self._once_per_run(f"corrupt_at_step_{step}"):
+            return None
+        self.events.emit(catalogue.SDC_INJECTED, step=step, slice=bad, where=where)
+        return bad
+
     def _spike(self, factor: float, before, state, metrics):
         """A loss spike: the step's loss and gradient norm times `factor`, and its update to the params
         too (what a bad batch's gradients do to the model; Adam's update is nearly scale-free, so the
@@ -253,6 +264,10 @@ class FaultInjector:
             state, metrics = step_fn(*args, **kwargs)
             if factor:
                 state, metrics = self._spike(factor, before, state, metrics)
+            if (
+                self.faulty(self.next_step, where="step") is not None
+            ):  # the check did not see it: the update is off
+                state = dict(state, params=jax.tree.map(lambda p: p + jnp.asarray(1e-3, p.dtype), state["params"]))
             if self.next_step in self.nan_steps:
                 self.nan_steps.discard(self.next_step)  # fires once, like a slice fault
                 self.events.emit(catalogue.NAN_INJECTED, step=self.next_step)

@@ -12,6 +12,7 @@ snapshot replicas it held, as a real slice's does.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 
 from jax.experimental.multihost_utils import ProcessFailureError
@@ -79,6 +80,18 @@ class LocalCluster:
             down = self.outages.down(self.slice_to_devices)
             lose([d for i in down for d in self.slice_to_devices[i]])
         return "slice_down"
+
+    def quarantine(self, slice_index: int) -> bool:
+        """Treat a slice that computed wrong numbers as lost from now on (sdc_quarantine): on virtual
+        slices it is down for good, with the replicas of its snapshots. False where that cannot be done
+        (Pathways: the controller cannot take a healthy-looking slice out of service)."""
+        if self.outages is None:
+            return False
+        self.outages.mark_down(slice_index, math.inf)
+        lose = getattr(self._snapshots, "lose", None)
+        if lose is not None:
+            lose(list(self.slice_to_devices[slice_index]))
+        return True
 
     def fail(self, err: BaseException) -> None:
         pass  # nobody else to tell: the error ends this process, which is the whole job

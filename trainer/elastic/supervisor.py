@@ -66,7 +66,7 @@ from trainer.elastic.snapshot import HostSnapshots
 from trainer.observe import catalogue
 from trainer.plan.auto import FixedPeriods
 from trainer.runtime.attempt import MAX_LAYOUTS, Attempt
-from trainer.runtime.loop import ROLLBACK, SCALE_UP, Outcome
+from trainer.runtime.loop import ROLLBACK, SCALE_UP, SDC, Outcome
 from trainer.runtime.preemption import Preempted, phase
 
 log = logging.getLogger(__name__)
@@ -157,6 +157,7 @@ class Supervisor:
                 back = list(outcome.returning)
                 self.events.emit(catalogue.SCALE_UP, step=outcome.step, detail=f"slices {back} are back")
             elif outcome.kind == ROLLBACK:
+                self._quarantine(outcome)
                 why = outcome.cause or "non-finite loss/gradients"
                 log.warning("%s at step %d: rolling back to the newest saved state", why, outcome.step)
                 cause = {"cause": outcome.cause} if outcome.cause else {}
@@ -165,6 +166,19 @@ class Supervisor:
                 self.snapshots.wait_for_copy()
                 self._summary()
                 return outcome
+
+    def _quarantine(self, outcome: Outcome) -> None:
+        """sdc_quarantine: the one slice a failed replay check named is treated as lost from now on."""
+        if outcome.cause != SDC or not self.elastic.sdc_quarantine or len(outcome.suspects) != 1:
+            return
+        (suspect,) = outcome.suspects
+        quarantine = getattr(self.cluster, "quarantine", None)
+        if quarantine is not None and quarantine(suspect):
+            self.events.emit(catalogue.SDC_QUARANTINED, step=outcome.step, slice=suspect)
+        else:
+            log.warning(
+                "sdc_quarantine: this cluster cannot take slice %d out of service; it stays in use", suspect
+            )
 
     def emergency_save(self) -> None:
         """A stop outside a step boundary: write the newest host snapshot to the local tier when it is newer

@@ -289,6 +289,24 @@ ROLLBACK = Event(
     "the next attempt restores the newest saved state: nan_policy=rollback skips this step's batch; cause "
     "`loss_spike`: loss_spike_threshold, see loss_spike_rollback",
 )
+SDC_DETECTED = Event(
+    "sdc_detected",
+    "step slices mismatched seconds",
+    "the silent-data-corruption check of `step` (before it ran) found the results for the rows of the "
+    "`mismatched` slices differ between two slices computing them: `slices` are the suspects; the run "
+    "rolls back to the newest state saved before `step`",
+)
+SDC_INJECTED = Event(
+    "sdc_injected",
+    "step slice where",
+    "an injected fault (fault_schedule corrupt=1) made `slice` compute wrong numbers at `step`, seen by "
+    "`where`: the replay check, or the step itself (its update)",
+)
+SDC_QUARANTINED = Event(
+    "sdc_quarantined",
+    "step slice",
+    "sdc_quarantine: the slice the check named is treated as lost from now on",
+)
 LOSS_SPIKE_ROLLBACK = Event(
     "loss_spike_rollback",
     "step loss median restored_step skipped_steps fingerprints",

@@ -4,9 +4,10 @@ goodput = time of the steps whose results survived / wall time. Badput is the re
 startup_compile (process start to the first step, plus any compile), checkpoint_save (time the loop
 was blocked saving, beyond waiting for the step it saves), restore, wasted_progress (steps computed
 and then rewound by a failure), waiting_for_slices, eval (held-out evaluations: the eval rows'
-eval_time_s, kept out of the step times), rollback (steps undone by a loss-spike rollback), hang (no
-progress until the watchdog ended the process: hang_detected's seconds), and other (detection,
-teardown, logging, data).
+eval_time_s, kept out of the step times), sdc_check (the silent-data-corruption replay checks: the
+records' sdc_check_s and sdc_detected's seconds), rollback (steps undone by a loss-spike rollback),
+hang (no progress until the watchdog ended the process: hang_detected's seconds), and other
+(detection, teardown, logging, data).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ CAUSES = (
     "wasted_progress",
     "waiting_for_slices",
     "eval",
+    "sdc_check",
     "rollback",
     "hang",
     "other",
@@ -99,6 +101,8 @@ def account(
         "wasted_progress": wasted,
         "waiting_for_slices": waiting,
         "eval": evaluating,
+        "sdc_check": sum(m.get("sdc_check_s") or 0.0 for m in metrics)
+        + sum(e.get("seconds", 0.0) for e in events if e["event"] == catalogue.SDC_DETECTED),
         "rollback": rolled_back,
         "hang": sum(e.get("seconds", 0.0) for e in events if e["event"] == catalogue.HANG_DETECTED),
     }

@@ -74,6 +74,7 @@ CAUSE_COLORS = {
     "wasted_progress": "#8c564b",
     "waiting_for_slices": BAND_COLORS[WAITING],
     "eval": BAND_COLORS[EVAL],
+    "sdc_check": "#17becf",
     "rollback": "#bcbd22",
     "hang": "#e377c2",
     "other": "#c7c7c7",

@@ -61,6 +61,8 @@ class Attempt:
     checkpoint_metadata: dict
     stack: contextlib.ExitStack
     evaluator: Evaluator | None = None  # held-out evaluation (eval_interval > 0)
+    sdc_fn: Callable | None = None  # per-replica checksums of a step (sdc_check_period > 0)
+    num_slices: int = 1  # the active slices the mesh spans
 
     def device_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in host_batch.items()}
@@ -180,7 +182,8 @@ class AttemptBuilder:
                 iterator.set_state(restored.data_state)
             step_fn = layout.step_fn if wrap_step is None else wrap_step(layout.step_fn)
             evaluator = self._evaluator(layout, eval_iterator)
-            return self._attempt(layout, restored, step_fn, iterator, checkpointer, evaluator, stack)
+            attempt = self._attempt(layout, restored, step_fn, iterator, checkpointer, evaluator, stack)
+            return dataclasses.replace(attempt, num_slices=len(slices))
         except BaseException:
             stack.close()
             raise
@@ -308,6 +311,7 @@ class AttemptBuilder:
             },
             stack=stack,
             evaluator=evaluator,
+            sdc_fn=layout.sdc_fn,
         )
 
     def _evaluator(self, layout: SliceLayout, iterator) -> Evaluator | None:

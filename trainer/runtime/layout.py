@@ -44,9 +44,9 @@ from trainer.parallel.rules import logical_to_spec
 from trainer.runtime.executable_cache import compile_lowered
 from trainer.runtime.optim import learning_rate_schedule, make_optimizer
 from trainer.runtime.state import state_shardings
-from trainer.runtime.step import make_eval_step, make_train_step
+from trainer.runtime.step import make_eval_step, make_replica_checksums, make_train_step
 
-Step = Literal["train", "eval"]
+Step = Literal["train", "eval", "sdc"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +63,7 @@ class TrainSpec:
     resize_batch_policy: str  # elastic_resize_batch_policy: keep_global | scale
     config_record: dict  # the resolved config, flat: saved with every checkpoint
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    sdc_check: bool = False  # sdc_check_period > 0: compile the replica checksums too (trainer.runtime.sdc)
 
 
 def train_spec(cfg: RunConfig) -> TrainSpec:
@@ -78,6 +79,7 @@ def train_spec(cfg: RunConfig) -> TrainSpec:
         resize_batch_policy=cfg.elastic.elastic_resize_batch_policy,
         config_record=to_flat_dict(cfg),
         eval=cfg.eval,
+        sdc_check=cfg.elastic.sdc_check_period > 0,
     )
 
 
@@ -169,12 +171,19 @@ class SliceLayout:
     eval_loader: tuple[int, int] = (0, 1)  # this process's (index, count) of the eval batch's rows
     eval_fn: Callable | None = None  # set by `compiled` when eval is on
     eval_compile_s: float = 0.0
+    sdc_fn: Callable | None = None  # set by `compiled` when the silent-data-corruption check is on
 
     def compiled(self, spec: TrainSpec) -> SliceLayout:
         step_fn, seconds = compile_step(spec, self, "train")
         eval_fn, eval_seconds = compile_step(spec, self, "eval") if self.eval_batch is not None else (None, 0.0)
+        sdc_fn, sdc_seconds = compile_step(spec, self, "sdc") if spec.sdc_check else (None, 0.0)
         return dataclasses.replace(
-            self, step_fn=step_fn, compile_s=seconds + eval_seconds, eval_fn=eval_fn, eval_compile_s=eval_seconds
+            self,
+            step_fn=step_fn,
+            compile_s=seconds + eval_seconds + sdc_seconds,
+            eval_fn=eval_fn,
+            eval_compile_s=eval_seconds,
+            sdc_fn=sdc_fn,
         )
 
 
@@ -267,7 +276,17 @@ def _program(spec: TrainSpec, layout: SliceLayout, step: Step) -> _Program:
         )
         params = layout.abstract_state["params"]
         return _Program(fn, layout.eval_batch, params, layout.shardings["params"], replicated, ())
-    raise ValueError(f"step={step!r}: 'train' or 'eval'")
+    if step == "sdc":
+        fn = make_replica_checksums(
+            spec.model,
+            z_loss_multiplier=spec.optim.z_loss_multiplier,
+            micro_steps=layout.batch.micro_steps,
+            batch_spec=layout.batch_sharding.spec,
+            shard=shard,
+        )
+        params = layout.abstract_state["params"]
+        return _Program(fn, layout.batch, params, layout.shardings["params"], replicated, ())
+    raise ValueError(f"step={step!r}: 'train', 'eval' or 'sdc'")
 
 
 def lower_step(spec: TrainSpec, layout: SliceLayout, step: Step = "train") -> jax.stages.Lowered:

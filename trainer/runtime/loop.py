@@ -24,11 +24,13 @@ from trainer.runtime.attempt import Attempt
 from trainer.runtime.loss_spikes import LossSpikePolicy
 from trainer.runtime.nonfinite import NonFinitePolicy
 from trainer.runtime.preemption import EVALUATING, SAVING, STEPPING, phase
+from trainer.runtime.sdc import SdcCheck
 
 log = logging.getLogger(__name__)
 
 FINISHED, PREEMPTED, SCALE_UP, ROLLBACK = "finished", "preempted", "scale_up", "rollback"
-LOSS_SPIKE = "loss_spike"  # a rollback's cause other than a non-finite step
+LOSS_SPIKE = "loss_spike"  # a rollback's causes other than a non-finite step
+SDC = "silent_data_corruption"
 TARGET_REACHED = "target_eval_loss_reached"
 
 
@@ -40,7 +42,9 @@ class Outcome:
     preempted  stop_requested turned true; a final checkpoint was saved
     scale_up   slices in `returning` came back after `step`; `state` is the live state at `step`
     rollback   `step` produced a non-finite update and nan_policy=rollback asks to restore and skip it;
-               with `cause` loss_spike, its loss spiked (trainer.runtime.loss_spikes)
+               with `cause` loss_spike, its loss spiked (trainer.runtime.loss_spikes); with `cause`
+               silent_data_corruption, the replay check of `step` failed (trainer.runtime.sdc), naming
+               the `suspects`
     target_eval_loss_reached  the eval at `step` gave `eval_loss` <= target_eval_loss; a checkpoint was saved
     """
 
@@ -50,6 +54,7 @@ class Outcome:
     returning: tuple[int, ...] = ()
     eval_loss: float | None = None
     cause: str = ""
+    suspects: tuple[int, ...] = ()
 
 
 class Boundary(Protocol):
@@ -87,6 +92,7 @@ class _Pending:
     step: int
     metrics: dict
     fingerprint: str
+    sdc_check_s: float | None = None  # the replay check's seconds, when this step was checked
 
 
 class StepRecords:
@@ -153,6 +159,7 @@ class StepRecords:
             "devices": self.devices,
             "finite": bool(m["finite"]),
             "skipped_steps": skipped_steps,
+            **({} if pending.sdc_check_s is None else {"sdc_check_s": pending.sdc_check_s}),
         }
 
 
@@ -168,6 +175,7 @@ def train_loop(
     stop_requested: Callable[[int], bool] = lambda step: False,
     interrupt_eval: Callable[[], bool] = lambda: False,
     spikes: LossSpikePolicy | None = None,
+    sdc: SdcCheck | None = None,
 ) -> Outcome:
     """Run steps start_step+1 .. `steps` (a batch `nonfinite` rolled back is skipped).
 
@@ -175,7 +183,8 @@ def train_loop(
     is asked at every step boundary (SIGTERM: save and return `preempted`), `interrupt_eval` between
     evaluation batches (one process: a SIGTERM ends an evaluation early; the step boundary then stops).
     `spikes`: loss-spike rollback; when on, a step's record is read before anything saves that step, so
-    every saved state predates a spike found in it."""
+    every saved state predates a spike found in it. `sdc`: the silent-data-corruption check, run before
+    the steps it is due at."""
     boundary = boundary or _NoBoundary()
     spikes = spikes or LossSpikePolicy(0.0, 1, 1, 1, events)
     spikes.attempt_started(attempt.start_step)
@@ -218,11 +227,18 @@ def train_loop(
                 while spikes.skips(fp):  # rolled back from once (loss_spike_rollback): never trained
                     host_batch = next(iterator)
                     fp = fingerprint(host_batch)
+                checked = None
+                if sdc is not None and sdc.due(step + 1):
+                    if rollback := record_pending():  # the check waits for the state anyway
+                        return rollback
+                    checked = _sdc_check(sdc, attempt, state, host_batch, step + 1, records)
+                    if isinstance(checked, Outcome):
+                        return checked
                 state, metrics = attempt.step_fn(state, attempt.device_batch(host_batch))
                 step += 1
                 if rollback := record_pending():  # blocks on step-1 only, while `step` runs on the device
                     return rollback
-                pending = _Pending(step, metrics, fp)
+                pending = _Pending(step, metrics, fp, checked)
                 final = step == steps
                 if spikes.enabled and (ckpt.should_save(step, final=final) or boundary.saves_at(step)):
                     if rollback := record_pending(last=final):  # no state of a spike's step is ever saved
@@ -276,6 +292,19 @@ def _save_blocking(attempt: Attempt, step: int, state, records: StepRecords, eve
             seconds=round(time.perf_counter() - t0, 4),
             waited_for_step_s=round(waited, 4),
         )
+
+
+def _sdc_check(sdc: SdcCheck, attempt: Attempt, state, host_batch, step: int, records: StepRecords):
+    """The replay check of `step` before it runs: its seconds (kept out of the step's time), or the
+    rollback outcome when a slice computed wrong numbers."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(state)  # the previous step's device time stays in its own step time
+    records.waited_for_devices(time.perf_counter() - t0)
+    verdict, seconds = sdc(attempt, state["params"], host_batch, step)
+    records.exclude(seconds)
+    if verdict.slices:
+        return Outcome(ROLLBACK, step, cause=SDC, suspects=verdict.suspects)
+    return round(seconds, 4)
 
 
 def _stop(attempt: Attempt, step: int, state, boundary: Boundary, events) -> Outcome:

@@ -125,6 +125,39 @@ def per_replica(fn: Callable, shard: ActivationSharding, combine: Callable) -> C
     )
 
 
+def _summed_grads(cfg: ModelConfig, z_loss_multiplier: float, micro_steps: int, batch_spec):
+    """`(params, batch, shard) -> (grads, parts)`: gradients of the token-summed objective over the
+    batch's micro-steps (not yet divided by the token count) and its summed parts; the train step and
+    the silent-data-corruption check (`make_replica_checksums`) compute exactly this."""
+
+    def micro_grads(params, micro, shard):
+        if batch_spec is not None:
+            micro = {k: shard.pin(v, batch_spec) for k, v in micro.items()}
+
+        def objective(p):
+            total, parts = loss_sums(p, cfg, z_loss_multiplier, micro, shard=shard)
+            return total + parts["aux_loss"] * parts["tokens"], parts
+
+        (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return grads, parts
+
+    def summed_grads(params, batch, shard):
+        if micro_steps == 1:
+            return micro_grads(params, batch, shard)
+
+        def body(acc, micro):
+            g, p = micro_grads(params, micro, shard)
+            return jax.tree.map(jnp.add, acc, (g, p)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        scalar = jnp.zeros((), jnp.float32)
+        init = (zeros, {"ce_sum": scalar, "z_sum": scalar, "tokens": scalar, "aux_loss": scalar})
+        (grads, parts), _ = jax.lax.scan(body, init, _split_micro(batch, micro_steps))
+        return grads, dict(parts, aux_loss=parts["aux_loss"] / micro_steps)
+
+    return summed_grads
+
+
 def make_train_step(
     cfg: ModelConfig,
     optimizer: optax.GradientTransformation,
@@ -153,31 +186,7 @@ def make_train_step(
     its ~12 jnp ops on first use (~1 s in every new process).
     """
 
-    def micro_grads(params, micro, shard):
-        if batch_spec is not None:
-            micro = {k: shard.pin(v, batch_spec) for k, v in micro.items()}
-
-        def objective(p):
-            total, parts = loss_sums(p, cfg, z_loss_multiplier, micro, shard=shard)
-            return total + parts["aux_loss"] * parts["tokens"], parts
-
-        (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(params)
-        return grads, parts
-
-    def summed_grads(params, batch, shard):
-        if micro_steps == 1:
-            return micro_grads(params, batch, shard)
-
-        def body(acc, micro):
-            g, p = micro_grads(params, micro, shard)
-            return jax.tree.map(jnp.add, acc, (g, p)), None
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        scalar = jnp.zeros((), jnp.float32)
-        init = (zeros, {"ce_sum": scalar, "z_sum": scalar, "tokens": scalar, "aux_loss": scalar})
-        (grads, parts), _ = jax.lax.scan(body, init, _split_micro(batch, micro_steps))
-        return grads, dict(parts, aux_loss=parts["aux_loss"] / micro_steps)
-
+    summed_grads = _summed_grads(cfg, z_loss_multiplier, micro_steps, batch_spec)
     replicas = _replicas(shard)
     # XLA:CPU aborts on a bfloat16 all-reduce in a shard_map; CPU slices are emulated (no DCN).
     cpu = shard.mesh is not None and shard.mesh.devices.flat[0].platform == "cpu"
@@ -262,3 +271,31 @@ def make_eval_step(
         return replicated(params, batch)
 
     return eval_step
+
+
+def make_replica_checksums(
+    cfg: ModelConfig,
+    *,
+    z_loss_multiplier: float,
+    micro_steps: int,
+    batch_spec: PartitionSpec | None = None,
+    shard: ActivationSharding = UNSHARDED,
+):
+    """Build `checksums(params, batch) -> float32 [replicas, 3 + leaves]`: what each data-parallel replica
+    computes of a train step on its own rows, before the gradients are summed across replicas: its
+    objective's parts (ce, z, tokens) and the sum of each gradient leaf.
+
+    The same computation (`_summed_grads`) as the train step, per replica and without the reduction, so
+    two runs of it on the same rows are bitwise equal on healthy devices wherever they run: the
+    silent-data-corruption check (trainer.runtime.sdc) compares them with the rows moved to other slices."""
+    summed_grads = _summed_grads(cfg, z_loss_multiplier, micro_steps, batch_spec)
+
+    def checksums(out):
+        grads, parts = out
+        sums = [jnp.sum(g.astype(jnp.float32)) for g in jax.tree.leaves(grads)]
+        row = jnp.stack([parts["ce_sum"], parts["z_sum"], parts["tokens"], *sums]).astype(jnp.float32)
+        return jax.lax.all_gather(row, DATA) if _replicas(shard) > 1 else row[None]
+
+    if _replicas(shard) == 1:
+        return lambda params, batch: checksums(summed_grads(params, batch, shard))
+    return per_replica(summed_grads, shard, checksums)

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from trainer.observe import catalogue
+
 SMOKE_VAR = "TRAINER_SMOKE"
 # Trainer arguments every smoke run caps: a narrow 2-layer model with a 512-token vocabulary (the synthetic
 # data's, which the benchmarks train on) on short rows, so that steps, saves and restores cost little next to
@@ -81,6 +83,43 @@ def smoke_median(xs):
     """median(xs), or in smoke mode None when there is nothing to take it of (a run that short may end
     before a save or snapshot has a step after it)."""
     return None if smoke() and not xs else median(xs)
+
+
+HUGEPAGES = ("on", "off")
+_HUGETLB = "glibc.malloc.hugetlb="
+
+
+def hugepage_env(env: dict, setting: str) -> dict:
+    """`env` (changed in place) for a trainer whose host malloc is on huge pages or not (trainer/hostmem.py).
+    `off`: TRAINER_HUGEPAGE_MALLOC=0 and glibc.malloc.hugetlb=0 in GLIBC_TUNABLES, since a tunable already
+    there (the container image sets it to 1) wins over the opt-out; `on`: neither, so the CLI turns it on."""
+    if setting not in HUGEPAGES:
+        raise ValueError(f"huge pages {setting!r}: expected one of {HUGEPAGES}")
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith(_HUGETLB)]
+    if setting == "off":
+        env["TRAINER_HUGEPAGE_MALLOC"] = "0"
+        tunables.append(f"{_HUGETLB}0")
+    else:
+        env.pop("TRAINER_HUGEPAGE_MALLOC", None)
+    if tunables:
+        env["GLIBC_TUNABLES"] = ":".join(tunables)
+    else:
+        env.pop("GLIBC_TUNABLES", None)
+    return env
+
+
+def check_hugepages(run_dir: Path, setting: str) -> None:
+    """Exit unless every process of the run started with huge pages `setting` (its `start` event says; on
+    needs glibc >= 2.35 and transparent huge pages not `never`); in smoke mode only warn."""
+    want = setting == "on"
+    starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == catalogue.START]
+    found = [e.get("host_hugepages") for e in starts]
+    if found and all(x is want for x in found):
+        return
+    message = f"{run_dir.name}: asked for huge pages {setting}, the trainer's start events say {found}"
+    if not smoke():
+        sys.exit(f"{message}: this machine cannot compare the settings (see trainer/hostmem.py)")
+    print(f"{message} (smoke run: no matter)", file=sys.stderr)
 
 
 def env_with_devices(devices: int) -> dict:

@@ -44,7 +44,14 @@ MEASURES = {
     "process_loss": [*_SAVES, "benchmarks/process_loss.py"],
     # The schema holds the data pipeline's defaults (packing, shuffle seed) the benchmark runs with.
     "mixture_proportions": ["trainer/data", "trainer/config/schema.py", "benchmarks/mixture_proportions.py"],
-    "train_throughput": [*_STEP, "trainer/data/synthetic.py", "trainer/run.py", "benchmarks/train_throughput.py"],
+    # hostmem.py: whether the host malloc is on huge pages (`--hugepages`), which moves steps and start-up.
+    "train_throughput": [
+        *_STEP,
+        "trainer/data/synthetic.py",
+        "trainer/run.py",
+        "trainer/hostmem.py",
+        "benchmarks/train_throughput.py",
+    ],
     "compile_presets": [*_STEP, "trainer/aot", "trainer/compile.py", "benchmarks/compile_presets.py"],
     "compile_vs_maxtext": [*_STEP, "trainer/aot", "trainer/compile.py", "benchmarks/compile_vs_maxtext.py"],
     "elastic_recovery": [
@@ -53,6 +60,7 @@ MEASURES = {
         "trainer/checkpoint",
         "trainer/run.py",
         "trainer/observe",
+        "trainer/hostmem.py",
         "benchmarks/elastic_recovery.py",
     ],
     "elastic_soak": [
@@ -63,6 +71,20 @@ MEASURES = {
         "trainer/plan",
         "trainer/observe",
         "benchmarks/elastic_soak.py",
+    ],
+    # The planner's prediction (trainer/plan) from the costs of a real elastic run with injected failures
+    # (fault_schedule.py draws them), and the goodput the report measures in it (trainer/observe).
+    "goodput_planner": [
+        "trainer/plan",
+        "trainer/elastic",
+        "trainer/runtime",
+        "trainer/checkpoint",
+        "trainer/observe",
+        "trainer/run.py",
+        "trainer/config/schema.py",
+        "trainer/config/fault_schedule.py",
+        "configs",
+        "benchmarks/goodput_planner.py",
     ],
 }
 

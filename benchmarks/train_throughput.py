@@ -1,16 +1,19 @@
 """Training throughput benchmark: tokens/s, step time, MFU, and process start to first step.
 
     python benchmarks/train_throughput.py model=qwen3-tiny steps=30 [key=value ...] [--devices N [N ...]]
-        [--global-batch B]
+        [--global-batch B] [--hugepages on|off ...]
 
 Runs the real CLI in a subprocess (so start-up is measured as a user sees it), reads metrics.jsonl
 and reports medians over the steps after the first `--skip` (compile and warm-up). It also measures
 this machine's float32 matmul peak (a jitted 2048x2048 matmul) and reports MFU against it, since
 CPUs have no spec-sheet peak. Several `--devices` counts are measured one after the other in the same
 invocation, so they compare like with like; `--global-batch` keeps the global batch the same for each
-(per_device_batch_size = B / devices). It writes the record benchmarks/records/train_throughput-<model>.json
-(benchmarks/records.py), from which the README's table is rendered. TRAINER_SMOKE=1 runs it all at minimal
-sizes (see cli_runs) and records nothing.
+(per_device_batch_size = B / devices). `--hugepages on off` measures each device count with the trainer's
+host malloc on huge pages and without (trainer/hostmem.py; off runs it with TRAINER_HUGEPAGE_MALLOC=0),
+one column per setting, and refuses a run whose start event says otherwise. It writes the record
+benchmarks/records/train_throughput-<model>.json, or train_throughput-hugepages.json with `--hugepages`
+(benchmarks/records.py), from which the README's tables are rendered. TRAINER_SMOKE=1 runs it all at
+minimal sizes (see cli_runs) and records nothing.
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_runs import (
+    HUGEPAGES,
     SMOKE_SHAPE,
     SMOKE_SHAPE_TEXT,
     announce_smoke,
+    check_hugepages,
+    hugepage_env,
     smoke_cap,
     smoke_env,  # noqa: E402
     smoke_overrides,
@@ -53,11 +59,17 @@ def matmul_peak_gflops(n: int = 2048, repeats: int = 20) -> float:
     return 2 * n**3 / statistics.median(times) / 1e9
 
 
-def run_trainer(overrides: list[str], devices: int, workdir: Path) -> tuple[list[dict], float]:
+def run_trainer(
+    overrides: list[str], devices: int, workdir: Path, hugepages: str | None = None
+) -> tuple[list[dict], float]:
+    """(step records, process start to first step) of one CLI run; `hugepages` on/off sets and checks the
+    host malloc's huge pages (None: as the environment has it)."""
     env = dict(os.environ)
     if devices > 1:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     smoke_env(env)
+    if hugepages is not None:
+        hugepage_env(env, hugepages)
     cmd = [
         sys.executable,
         "-m",
@@ -74,21 +86,24 @@ def run_trainer(overrides: list[str], devices: int, workdir: Path) -> tuple[list
     if proc.returncode != 0:
         sys.exit(f"trainer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     records = step_records(workdir / "bench")
+    if hugepages is not None:
+        check_hugepages(workdir / "bench", hugepages)
     workdir.mkdir(parents=True, exist_ok=True)
     return records, records[0]["time"] - t_start
 
 
-def measure(overrides: list[str], devices: int, skip: int) -> dict:
+def measure(overrides: list[str], devices: int, skip: int, hugepages: str | None = None) -> dict:
     """One configuration: a cold-cache start, then a warm-cache run whose steps after `skip` are measured."""
     with tempfile.TemporaryDirectory() as tmp:
         # Twice with a fresh compilation cache: the first start compiles (cold), the second reuses it.
         cache = [f"jax_cache_dir={tmp}/jax_cache"]
-        _, cold_first_step_s = run_trainer(overrides + cache, devices, Path(tmp) / "cold")
-        records, first_step_s = run_trainer(overrides + cache, devices, Path(tmp) / "warm")
+        _, cold_first_step_s = run_trainer(overrides + cache, devices, Path(tmp) / "cold", hugepages)
+        records, first_step_s = run_trainer(overrides + cache, devices, Path(tmp) / "warm", hugepages)
     steady = records[skip:] or records
     return {
         "overrides": overrides,
         "devices": devices,
+        **({} if hugepages is None else {"hugepages": hugepages}),
         "steps_measured": len(steady),
         "median_step_time_s": round(statistics.median(r["step_time_s"] for r in steady), 4),
         "median_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in steady), 1),
@@ -100,14 +115,31 @@ def measure(overrides: list[str], devices: int, skip: int) -> dict:
     }
 
 
+def _devices(r: dict) -> str:
+    return f"{r['devices']} device{'s' if r['devices'] > 1 else ''}"
+
+
+def _headers(runs: list[dict]) -> tuple[str, list[str]]:
+    """(corner, column labels): a column per device count, or per huge-pages setting (and device count when
+    several are measured; a single one goes in the corner)."""
+    if not any("hugepages" in r for r in runs):
+        return "", [_devices(r) for r in runs]
+    several = len({r["devices"] for r in runs}) > 1
+    pages = [f"huge pages {r['hugepages']}" for r in runs]
+    if several:
+        return "", [f"{_devices(r)}, {p}" for r, p in zip(runs, pages)]
+    return _devices(runs[0]), pages
+
+
 def table(runs: list[dict], peak: float | None) -> str:
-    """Markdown: one column per device count."""
+    """Markdown: one column per run (device count, huge-pages setting)."""
 
     def row(name, cell):
         return f"| {name} | " + " | ".join(cell(r) for r in runs) + " |"
 
+    corner, labels = _headers(runs)
     lines = [
-        "| | " + " | ".join(f"{r['devices']} device{'s' if r['devices'] > 1 else ''}" for r in runs) + " |",
+        (f"| {corner} | " if corner else "| | ") + " | ".join(labels) + " |",
         "|---|" + "---|" * len(runs),
         row("global batch (sequences)", lambda r: str(r["global_batch_size"])),
         row("median step time", lambda r: f"{r['median_step_time_s']:.3f} s"),
@@ -126,6 +158,11 @@ def table(runs: list[dict], peak: float | None) -> str:
     return "\n".join(lines)
 
 
+def record_id(model: str, hugepages: list[str] | None) -> str:
+    """train_throughput-<model>, or train_throughput-hugepages for the huge-pages comparison."""
+    return "train_throughput-hugepages" if hugepages else f"train_throughput-{model}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*", default=["model=qwen3-tiny", "steps=30"])
@@ -133,6 +170,13 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, help="keep this global batch: per_device_batch_size = B / devices")
     p.add_argument("--skip", type=int, default=5, help="steps excluded from the medians (compile, warm-up)")
     p.add_argument("--no-peak", action="store_true", help="skip the matmul peak measurement")
+    p.add_argument(
+        "--hugepages",
+        nargs="+",
+        choices=HUGEPAGES,
+        help="measure with the host malloc on huge pages (on) and without (off), in turn (default: as the "
+        "environment has it)",
+    )
     argv = sys.argv[1:]
     args = p.parse_args()
     args.overrides = smoke_overrides(args.overrides, steps=4, **SMOKE_SHAPE)
@@ -146,7 +190,8 @@ def main() -> None:
             if args.global_batch % devices:
                 sys.exit(f"--global-batch {args.global_batch} does not split over {devices} devices")
             overrides.append(f"per_device_batch_size={args.global_batch // devices}")
-        runs.append(measure(overrides, devices, args.skip))
+        for hugepages in args.hugepages or [None]:
+            runs.append(measure(overrides, devices, args.skip, hugepages))
     peak = None if args.no_peak else matmul_peak_gflops(peak_n, peak_repeats)
     for r in runs:
         if peak is not None:
@@ -155,8 +200,13 @@ def main() -> None:
             r["mfu_vs_matmul_peak"] = round(r["model_gflops_per_device"] * r["devices"] / peak, 3)
     print(json.dumps(runs if len(runs) > 1 else runs[0], indent=2))
     model = next((o.split("=", 1)[1] for o in reversed(args.overrides) if o.startswith("model=")), "qwen3-tiny")
+    print(table(runs, peak))
     write_record(
-        f"train_throughput-{model}", "train_throughput", argv, tables={"steps": table(runs, peak)}, figures=runs
+        record_id(model, args.hugepages),
+        "train_throughput",
+        argv,
+        tables={"steps": table(runs, peak)},
+        figures=runs,
     )
 
 

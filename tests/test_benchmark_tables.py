@@ -4,6 +4,7 @@ otherwise show only when a benchmark runs for real (smoke runs record nothing)."
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -123,3 +124,159 @@ def test_mixture_proportions_has_a_row_per_case(share, error):
     mp = _benchmark("mixture_proportions")
     row = {"weight": 0.7, "steps": 200, "rows": 8, "documents": 2880, "share_of_a": share}
     assert mp.table([row]).splitlines()[2] == f"| 0.70 | 200 x 8 | 2880 | {share:.4f} | {error} |"
+
+
+def _planner_row(period: int, measured: float, predicted: float) -> dict:
+    return {
+        "snapshot_period": period,
+        "step_s": 0.0104,
+        "failures": 24,
+        "expected_failures": 28.9,
+        "goodput_measured": measured,
+        "goodput_predicted": predicted,
+        "goodput_monte_carlo": predicted,
+        "after_startup_measured": 0.958,
+        "after_startup_predicted": 0.954,
+        "badput_measured_s": {"startup_compile": 5.0, "wasted_progress": 0.9, "eval": 0.0},
+        "badput_predicted_s": {"startup_compile": 5.0, "wasted_progress": 1.1, "eval": 0.0},
+    }
+
+
+def test_goodput_planner_ranks_the_settings_and_has_a_row_per_setting():
+    gp = _benchmark("goodput_planner")
+    rows = [_planner_row(10, 0.823, 0.820), _planner_row(100, 0.746, 0.740)]
+    out = {"steps": 8000, "rate": 0.35, "seed": 1, "rows": rows}
+    assert gp.judge(rows, tolerance=5.0) == {"within_tolerance": True, "ranking_agrees": True}
+    lines = gp.validation_table(out).splitlines()
+    assert lines[0].startswith("| snapshot_period (8000 steps, failures at 0.35/s, seed 1) | step | failures |")
+    assert lines[2] == "| 10 | 10.4 ms | 24 | 28.9 | 82.3 | 82.0 | 82.0 | -0.3 | 95.8 | 95.4 | 1 / 1 |"
+    assert lines[3].endswith("| -0.6 | 95.8 | 95.4 | 2 / 2 |")
+    badput = gp.badput_table(out, ("startup_compile", "wasted_progress", "eval")).splitlines()
+    assert badput[0] == "| snapshot_period (seconds: measured / predicted) | startup_compile | wasted_progress |"
+    assert badput[2] == "| 10 | 5.0 / 5.0 | 0.9 / 1.1 |"
+
+
+def test_goodput_planner_fails_a_wrong_ranking_or_a_large_error():
+    gp = _benchmark("goodput_planner")
+    swapped = [_planner_row(10, 0.823, 0.70), _planner_row(100, 0.746, 0.75)]
+    assert gp.judge(swapped, tolerance=5.0) == {"within_tolerance": False, "ranking_agrees": False}
+
+
+def test_train_throughput_without_hugepages_renders_its_records_table_as_recorded():
+    tt = _benchmark("train_throughput")
+    record = json.loads((BENCHMARKS / "records" / "train_throughput-qwen3-tiny.json").read_text())
+    runs = record["figures"]
+    assert tt.table(runs, runs[0]["matmul_peak_gflops"]) == record["tables"]["steps"]
+    assert tt.record_id("qwen3-tiny", None) == "train_throughput-qwen3-tiny"
+
+
+def test_train_throughput_has_a_column_per_hugepages_setting():
+    tt = _benchmark("train_throughput")
+    run = {
+        "devices": 1,
+        "global_batch_size": 2,
+        "median_step_time_s": 0.444,
+        "median_tokens_per_s": 1152.0,
+        "model_gflops_per_device": 120.0,
+        "process_start_to_first_step_s_cold_cache": 12.5,
+        "process_start_to_first_step_s_warm_cache": 4.7,
+    }
+    lines = tt.table([run | {"hugepages": "on"}, run | {"hugepages": "off"}], None).splitlines()
+    assert lines[0] == "| 1 device | huge pages on | huge pages off |"
+    assert lines[3] == "| median step time | 0.444 s | 0.444 s |"
+    two = [run | {"hugepages": h, "devices": d} for d in (1, 2) for h in ("on", "off")]
+    assert tt.table(two, None).splitlines()[0] == (
+        "| | 1 device, huge pages on | 1 device, huge pages off | 2 devices, huge pages on | "
+        "2 devices, huge pages off |"
+    )
+    assert tt.record_id("qwen3-tiny", ["on", "off"]) == "train_throughput-hugepages"
+
+
+def test_hugepage_env_turns_the_image_tunable_off_and_leaves_on_to_the_cli():
+    from cli_runs import hugepage_env
+
+    image = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "PATH": "/bin"}
+    off = hugepage_env(dict(image), "off")
+    assert off["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0"
+    assert off["TRAINER_HUGEPAGE_MALLOC"] == "0"
+    on = hugepage_env({"TRAINER_HUGEPAGE_MALLOC": "0", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "on")
+    assert on == {}
+    with pytest.raises(ValueError):
+        hugepage_env({}, "maybe")
+
+
+def _event(name: str, t: float, **fields) -> dict:
+    return {"event": name, "time": t, **fields}
+
+
+def test_elastic_recovery_phases_add_up_to_kill_to_first_step():
+    er = _benchmark("elastic_recovery")
+    failure = [
+        _event("snapshot_taken", 99.0, step=10),
+        _event("slice_killed", 100.0, slice=1, step=11),
+        _event("slice_down_detected", 100.007, teardown_s=0.011),
+        _event("wait_start", 100.019),
+        _event("wait_end", 100.021),
+        _event("compile_cached", 100.0215),
+        _event("restore_start", 100.0255),
+        _event("restore_end", 100.0885, source="snapshot:10"),
+        _event("attempt_start", 100.089),
+        _event("first_step_after_recovery", 100.85),
+    ]
+    unfinished = [_event("slice_killed", 200.0), _event("slice_down_detected", 200.01, teardown_s=0.01)]
+    found = er.recovery_phases(failure + unfinished)
+    assert len(found) == 1 and found[0]["source"] == "snapshot:10"
+    seconds = found[0]["seconds"]
+    assert seconds["detect"] == 0.007 and seconds["teardown"] == 0.011 and seconds["wait"] == 0.003
+    assert seconds["total"] == 0.85
+    parts = [v for k, v in seconds.items() if k != "total"]
+    assert sum(parts) == pytest.approx(seconds["total"], abs=1e-3)
+
+
+def test_elastic_recovery_restart_phases_are_the_new_processs_events():
+    er = _benchmark("elastic_recovery")
+    events = [
+        _event("restore_end", 10.0, source="init"),  # the killed process's
+        _event("start", 52.0),
+        _event("compile_done", 53.1, seconds=0.9),
+        _event("restore_start", 53.11),
+        _event("restore_end", 53.5, source="checkpoint:20"),
+    ]
+    found = er.restart_phases(events, killed_at=50.0, first_step_at=54.5)
+    assert found["source"] == "checkpoint:20"
+    assert found["seconds"] == {
+        "process_start": 2.0,
+        "plan": 1.1,
+        "open_checkpointer": 0.01,
+        "restore": 0.39,
+        "first_step": 1.0,
+        "total": 4.5,
+    }
+    assert er.restart_phases(events[:2], killed_at=50.0, first_step_at=54.5) is None
+
+
+def test_elastic_recovery_phases_table_has_a_row_per_phase_and_a_column_per_kind():
+    er = _benchmark("elastic_recovery")
+    pr = {"detect": 0.007, "teardown": 0.011, "wait": 0.003, "plan": 0.0004, "open_checkpointer": 0.004}
+    pr |= {"restore": 0.063, "first_step": 0.76, "total": 0.85}
+    restart = {"process_start": 1.8, "plan": 1.0, "open_checkpointer": 0.01, "restore": 0.4, "first_step": 1.0}
+    restart |= {"total": 4.21}
+    out = {"model": "qwen3-tiny", "max_target_length": 128, "hugepages": "off"}
+    out["phases"] = {
+        "pause_resume": [{"seconds": pr, "source": "snapshot:10"}] * 2,
+        "full_restart": [{"seconds": restart, "source": "checkpoint:20"}],
+    }
+    lines = er.phases_table(out).splitlines()
+    assert lines[0] == (
+        "| qwen3-tiny, sequence 128, 3 virtual slices, huge pages off: one recovery by phase (each recovery's "
+        "value) | pause-and-resume, immediate replacement: 2 failures | full process restart, warm compile "
+        "cache: 1 kill |"
+    )
+    assert len(lines) == 2 + len(er.PHASES)
+    assert lines[2] == "| detection: kill → the error reaches the train function | 7.0, 7.0 ms | — |"
+    restore = next(line for line in lines if line.startswith("| restoring"))
+    assert restore.endswith(
+        "| 63.0, 63.0 ms (from snapshot) | 0.40 s (from checkpoint) |".replace("0.40 s", "400 ms")
+    )
+    assert lines[-1].endswith("| 850, 850 ms | 4.21 s |")
+    assert er.record_id("on") == "elastic_recovery" and er.record_id("off") == "elastic_recovery-nohugepages"

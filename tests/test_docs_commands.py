@@ -45,6 +45,8 @@ def test_documented_python_modules_and_scripts_exist():
         if c.kind != "local":
             continue
         argv = c.argv
+        while "=" in argv[0] and argv[0].split("=")[0].isupper():  # VAR=value python ...
+            argv = argv[1:]
         if argv[1] == "-m":
             module = REPO / argv[2].replace(".", "/")
             found = module.with_suffix(".py").is_file() or (module / "__main__.py").is_file()  # module or package

@@ -4,9 +4,9 @@ Why: on the CPU backend every device buffer is malloc'd host memory, and host RA
 checkpoint staging are host memory on every backend. glibc serves large blocks with fresh mmaps of
 4 KiB pages and unmaps them on free, so each step's large temporaries, each restore and each snapshot
 page-faults its whole size back in, and the TLB covers little of it. With the tunable, malloc
-madvises those blocks as transparent huge pages (2 MiB). Measured here (2 CPU cores): qwen3-tiny
-steps ~20% faster, and a 415 MB snapshot restore 2.5x faster (135 -> 53 ms), freeing it 10x faster.
-The price is paid once per process: first-touch zeroing of 2 MiB pages makes start-up ~0.8 s slower.
+madvises those blocks as transparent huge pages (2 MiB): steps, restores and snapshots get faster, and
+each process pays once, at start-up, for first-touch zeroing of 2 MiB pages (README, Performance:
+`python benchmarks/train_throughput.py model=qwen3-tiny steps=40 --hugepages on off` measures both).
 
 glibc reads GLIBC_TUNABLES only when a process starts, so the CLI re-executes itself once, before
 importing anything heavy, with the tunable added. exec keeps the PID, the arguments and the rest of the

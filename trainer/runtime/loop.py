@@ -188,13 +188,7 @@ def train_loop(
     boundary = boundary or _NoBoundary()
     spikes = spikes or LossSpikePolicy(0.0, 1, 1, 1, events)
     spikes.attempt_started(attempt.start_step)
-    records = StepRecords(
-        flops_per_step=attempt.flops_per_step,
-        tokens_per_step=attempt.batch_layout.global_batch_size * attempt.sequence_length,
-        global_batch_size=attempt.batch_layout.global_batch_size,
-        devices=attempt.mesh.size,
-        peak_tflops=peak_tflops(attempt.mesh.devices.flat[0].device_kind, peak_tflops_per_device),
-    )
+    records = _step_records(attempt, peak_tflops_per_device)
 
     ckpt = attempt.checkpointer
     iterator, state, step = attempt.iterator, attempt.state, attempt.start_step
@@ -222,16 +216,10 @@ def train_loop(
                 if nonfinite.skips(step + 1):
                     next(iterator)  # the batch that produced a non-finite update is skipped
                 boundary.before_step(step + 1)
-                host_batch = next(iterator)
-                fp = fingerprint(host_batch)
-                while spikes.skips(fp):  # rolled back from once (loss_spike_rollback): never trained
-                    host_batch = next(iterator)
-                    fp = fingerprint(host_batch)
+                host_batch, fp = _next_batch(iterator, spikes)
                 checked = None
-                if sdc is not None and sdc.due(step + 1):
-                    if rollback := record_pending():  # the check waits for the state anyway
-                        return rollback
-                    checked = _sdc_check(sdc, attempt, state, host_batch, step + 1, records)
+                if sdc is not None and sdc.due(step + 1, attempt.num_slices):  # the check waits for the state
+                    checked = record_pending() or _sdc_check(sdc, attempt, state, host_batch, step + 1, records)
                     if isinstance(checked, Outcome):
                         return checked
                 state, metrics = attempt.step_fn(state, attempt.device_batch(host_batch))
@@ -292,6 +280,24 @@ def _save_blocking(attempt: Attempt, step: int, state, records: StepRecords, eve
             seconds=round(time.perf_counter() - t0, 4),
             waited_for_step_s=round(waited, 4),
         )
+
+
+def _step_records(attempt: Attempt, peak_tflops_per_device: float) -> StepRecords:
+    return StepRecords(
+        flops_per_step=attempt.flops_per_step,
+        tokens_per_step=attempt.batch_layout.global_batch_size * attempt.sequence_length,
+        global_batch_size=attempt.batch_layout.global_batch_size,
+        devices=attempt.mesh.size,
+        peak_tflops=peak_tflops(attempt.mesh.devices.flat[0].device_kind, peak_tflops_per_device),
+    )
+
+
+def _next_batch(iterator, spikes: LossSpikePolicy) -> tuple[dict, str]:
+    """The next batch and its fingerprint, past any batch a loss-spike rollback took out for good."""
+    batch = next(iterator)
+    while spikes.skips(fp := fingerprint(batch)):
+        batch = next(iterator)
+    return batch, fp
 
 
 def _sdc_check(sdc: SdcCheck, attempt: Attempt, state, host_batch, step: int, records: StepRecords):

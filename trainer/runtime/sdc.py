@@ -83,8 +83,9 @@ class SdcCheck:
         self.faulty = faulty
         self.clock = clock
 
-    def due(self, step: int) -> bool:
-        return self.period > 0 and step % self.period == 0
+    def due(self, step: int, slices: int) -> bool:
+        """Whether `step` is checked (on one slice there is nothing to compare)."""
+        return self.period > 0 and step % self.period == 0 and slices > 1
 
     def __call__(self, attempt, params, host_batch: dict[str, np.ndarray], step: int) -> tuple[Verdict, float]:
         """Check `step` (not yet run) from `params` and its batch; returns the verdict and its seconds."""

@@ -404,6 +404,42 @@ def respawned(job: Job, process: int, old_pid: int) -> int:
     return job.pid_of(process)
 
 
+FROZEN_S = 60  # how long the frozen peer stays stopped
+FROZEN_STEPS = 1200  # the survivors still train when it wakes (~0.08 s a step here)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(RUN_TIMEOUT + FROZEN_S + 60)
+def test_a_frozen_peer_is_handled_like_a_lost_one_and_writes_nothing_when_it_wakes(tmp_path, cache_dir):
+    args = trainer_args(
+        tmp_path, "frozen", steps=FROZEN_STEPS, min_slices=2, extra=(f"jax_cache_dir={cache_dir}",)
+    )
+    job = Job(tmp_path, "frozen", args, max_restarts=0)
+    try:
+        wait_until(job, lambda: last_step(job.run_dir, 1) >= KILL_AT, "process 1's step", timeout=RUN_TIMEOUT)
+        pid = job.pid_of(1)
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        time.sleep(FROZEN_S)
+        assert last_step(job.run_dir, 0) < FROZEN_STEPS, "the survivors finished before the peer woke"
+        os.kill(pid, signal.SIGCONT)
+        rc = job.wait(timeout=RUN_TIMEOUT)
+    finally:
+        job.stop()
+    assert rc == 0, job.output()[-4000:]
+    run = job.run_dir
+    for proc in (0, 2):  # handled like a lost peer: detected in the process, the run finished on 2
+        starts = [e for e in _events(run, proc) if e["event"] == "attempt_start"]
+        assert [len(a["slices"]) for a in starts] == [3, 2]
+        assert last_step(run, proc) == FROZEN_STEPS
+    (exited,) = _launcher(job, "exit", process=1)
+    assert exited["rc"] != 0  # it ended itself (fenced: 75) or the JAX client aborted it first
+    woken = collect(run)[1]  # everything process 1 wrote: none of it after it was stopped
+    assert all(r["time"] < stopped_at for r in woken["metrics"] + woken["events"]), [
+        (r.get("event") or r.get("step"), r["time"] - stopped_at) for r in woken["metrics"] + woken["events"]
+    ]
+
+
 @pytest.mark.soak
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_an_out_of_memory_on_one_process_ends_every_process_with_that_cause_and_no_retry(tmp_path, cache_dir):

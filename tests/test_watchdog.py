@@ -189,3 +189,49 @@ def test_hang_timeout_zero_runs_no_watchdog(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     names = [e["event"] for e in events(tmp_path / "r")]
     assert "hang_injected" in names and "hang_detected" not in names
+
+
+def test_a_process_frozen_past_the_bound_is_fenced_and_writes_nothing(tmp_path):
+    from trainer.observe.events import EventLog
+    from trainer.observe.sinks import Sinks
+
+    fake = Fake()
+    frozen = []
+    w = ProgressWatchdog(
+        HangTimeouts(AUTO, 600),
+        lambda hang: None,
+        phase=lambda: fake.phase,
+        clock=fake.clock,
+        freeze_bound_s=11.0,
+        on_frozen=frozen.append,
+    )
+    log = EventLog(tmp_path / "events.jsonl")
+    log.writable = lambda: not watchdog.fenced()
+    written = []
+
+    class Sink:
+        def write(self, record):
+            written.append(record)
+
+    sinks = Sinks([Sink()], writable=lambda: not watchdog.fenced())
+    watchdog.install(w)
+    try:
+        fake.now += 10.0  # a pause the peers tolerate
+        assert w.frozen_for() == 0 and not watchdog.fenced()
+        log.emit("goodput", goodput=1.0, wall_s=1.0, productive_s=1.0, badput_s={})
+        sinks.write({"step": 1})
+        fake.now += 5.0  # 15 s since the last tick: the peers declared this process dead
+        assert w.frozen_for() == 15.0 and watchdog.fenced()
+        log.emit("goodput", goodput=0.5, wall_s=1.0, productive_s=0.5, badput_s={})
+        sinks.write({"step": 2})
+        log.close()
+        assert [e["goodput"] for e in events(tmp_path)] == [1.0] and written == [{"step": 1}]
+        assert ProgressWatchdog(HangTimeouts(AUTO, 600), lambda h: None, clock=fake.clock).frozen_for() == 0
+        w.poll_s = 0.01
+        w.start()  # its thread sees the gap at its next tick and ends the process (here: records it)
+        deadline = time.monotonic() + 60
+        while not frozen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert frozen == [15.0]
+    finally:
+        watchdog.install(None)

@@ -53,6 +53,7 @@ from trainer.observe.sinks import JsonlSink, LogSink, ProgressSink, RecordedStep
 from trainer.observe.slowsteps import CoordinationHostTimes, HostTimes, SlowStepMonitor
 from trainer.parallel.mesh import build_mesh, group_into_slices
 from trainer.plan.auto import AutoPeriods, FixedPeriods
+from trainer.runtime import watchdog
 from trainer.runtime.attempt import AttemptBuilder
 from trainer.runtime.layout import train_spec
 from trainer.runtime.loop import Outcome, train_loop
@@ -99,7 +100,7 @@ def make_sinks(
 
         name = o.wandb_run_name or cfg.train.run_name or run_dir.name
         sinks.append(WandbSink(run_dir, events, project=o.wandb_project, name=name, config=to_flat_dict(cfg)))
-    return Sinks(sinks)
+    return Sinks(sinks, writable=lambda: not watchdog.fenced())
 
 
 def setup_runtime(cfg: RunConfig) -> DistributedSettings:

@@ -170,7 +170,9 @@ def _train(cfg, paths, checked, config_text: str) -> int:
         stop.add_check(lambda: _check_lease(lease))
         stop.add_saver(lease.release)
         lease.start_heartbeat(on_lost=lambda: log.error("the run's lease was taken over by another job"))
-    watchdog = _start_watchdog(cfg, lambda hang: _exit_hung(hang, events=events, stop=stop, paths=paths))
+    watchdog = _start_watchdog(
+        cfg, events, lambda hang: _exit_hung(hang, events=events, stop=stop, paths=paths), _exit_frozen
+    )
     try:
         outcome = run(cfg, paths=paths, events=events, stop_requested=stop, fence=SaveFence(lease), stop=stop)
         if outcome.kind == PREEMPTED:
@@ -211,18 +213,45 @@ def _train(cfg, paths, checked, config_text: str) -> int:
     return code
 
 
-def _start_watchdog(cfg, on_hang):
-    """The progress watchdog (trainer.runtime.watchdog), unless hang_timeout_seconds=0."""
+def _start_watchdog(cfg, events, on_hang, on_frozen):
+    """The progress watchdog (trainer.runtime.watchdog), unless hang_timeout_seconds=0. With several
+    processes it also fences a process frozen for longer than its peers take to declare it dead (the
+    checkpoint barriers' bound, 3 heartbeat timeouts + 5 s): it then writes nothing and exits 75."""
+    from trainer.config import ConfigError
+    from trainer.distributed import resolve_settings
     from trainer.runtime import watchdog
 
     t = cfg.train
     if t.hang_timeout_seconds == 0:
         return None
+    try:
+        settings = resolve_settings(cfg.distributed)
+        freeze = 3.0 * settings.heartbeat_timeout_seconds + 5.0 if settings.multi_process else 0.0
+    except ConfigError:
+        freeze = 0.0  # reported, with exit code 2, when run() resolves the settings again
     w = watchdog.ProgressWatchdog(
-        watchdog.HangTimeouts(t.hang_timeout_seconds, t.hang_timeout_phase_seconds), on_hang
+        watchdog.HangTimeouts(t.hang_timeout_seconds, t.hang_timeout_phase_seconds),
+        on_hang,
+        freeze_bound_s=freeze,
+        on_frozen=on_frozen,
     )
     watchdog.install(w)
+    events.writable = lambda: not watchdog.fenced()
     return w.start()
+
+
+def _exit_frozen(seconds: float, exit_process=os._exit) -> None:
+    """This process was frozen and its peers went on without it: it writes nothing (its logs are fenced)
+    and exits 75, so the launcher or scheduler brings it back as a replacement."""
+    from trainer.errors import EXIT_TRANSIENT
+
+    print(
+        f"STATUS: transient: this process was frozen for {seconds:.0f} s and its peers went on without it; "
+        "exiting without writing anything (restart me: I rejoin as a replacement)",
+        flush=True,
+    )
+    sys.stderr.flush()
+    exit_process(EXIT_TRANSIENT)
 
 
 def _exit_hung(hang, *, events, stop, paths, exit_process=os._exit) -> None:

@@ -33,13 +33,14 @@ class EventLog:
         self.clock = clock
         self._lock = threading.Lock()
         self._file = open_append(path) if path is not None else None
+        self.writable: Callable[[], bool] = lambda: True  # False: this process is fenced, it writes nothing
 
     def emit(self, event: Event, **fields: Any) -> dict[str, Any]:
         if event not in NAMES:
             raise UnknownEvent(f"event {event!r} is not in trainer/observe/catalogue.py")
         record = {"event": str(event), "time": self.clock(), "pid": os.getpid(), **fields}
         with self._lock:
-            if self._file is not None:
+            if self._file is not None and self.writable():
                 self._file.write(dumps(record))
         log.info("event=%s %s", event, " ".join(f"{k}={v}" for k, v in fields.items()))
         return record

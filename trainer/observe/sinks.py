@@ -8,6 +8,7 @@ import math
 import statistics
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -184,10 +185,13 @@ def _clock(seconds: float) -> str:
 class Sinks:
     """Fan a record out to every sink; the loop holds one of these."""
 
-    def __init__(self, sinks: list[MetricSink]):
+    def __init__(self, sinks: list[MetricSink], *, writable: Callable[[], bool] = lambda: True):
         self.sinks = sinks
+        self.writable = writable  # False: this process is fenced (trainer.runtime.watchdog), it writes nothing
 
     def write(self, record: dict[str, Any]) -> None:
+        if not self.writable():
+            return
         record = {
             k: (None if isinstance(v, float) and not math.isfinite(v) and k == "mfu" else v)
             for k, v in record.items()

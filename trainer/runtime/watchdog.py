@@ -16,6 +16,14 @@ The bounds (`HangTimeouts`):
   evaluation, start-up);
 - waiting for slices is not watched: the elastic timeouts bound it (`elastic_timeout_seconds`).
 The watchdog is process-wide, like the phases it reads: `install` makes it the one `beat` reaches.
+
+A frozen process (SIGSTOP, a paused VM) of a job of several processes is the other failure that raises
+nothing: its peers declare it dead and go on without it. When it wakes it must not write anything (its
+step, records and saves belong to a formation that no longer exists). The watchdog thread ticks every
+poll; a gap between ticks longer than `freeze_bound_s` (the time after which the peers declared it dead)
+means the whole process was frozen: `fenced()` is then true for every writer (the event log and the
+metrics sinks check it), and `on_frozen` ends the process, restartable, so it comes back as a
+replacement.
 """
 
 from __future__ import annotations
@@ -81,6 +89,8 @@ class ProgressWatchdog:
         phase: Callable[[], str] = current_phase,
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = 1.0,
+        freeze_bound_s: float = 0.0,
+        on_frozen: Callable[[float], None] = lambda seconds: None,
     ):
         self.timeouts = timeouts
         self.on_hang = on_hang
@@ -95,6 +105,14 @@ class ProgressWatchdog:
         self.step: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.freeze_bound_s = freeze_bound_s  # 0: a frozen process is not fenced (one process: nobody moves on)
+        self.on_frozen = on_frozen
+        self._tick = clock()
+
+    def frozen_for(self) -> float:
+        """Seconds since the watchdog thread last ticked, when that is over the freeze bound; else 0."""
+        gap = self._clock() - self._tick
+        return gap if self.freeze_bound_s and gap > self.freeze_bound_s else 0.0
 
     def beat(self, step: int) -> None:
         """Step `step` completed (its metrics reached the host)."""
@@ -140,6 +158,13 @@ class ProgressWatchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
+            if frozen := self.frozen_for():
+                log.error(
+                    "event=frozen seconds=%.1f: the process was stopped; its peers went on without it", frozen
+                )
+                self.on_frozen(frozen)
+                return
+            self._tick = self._clock()
             hang = self.check()
             if hang is not None:
                 log.error(
@@ -159,6 +184,11 @@ _installed: list[ProgressWatchdog] = []
 def install(watchdog: ProgressWatchdog | None) -> None:
     """Make `watchdog` the one `beat` reaches (None: none)."""
     _installed[:] = [] if watchdog is None else [watchdog]
+
+
+def fenced() -> bool:
+    """Whether this process was frozen past the point its peers declared it dead: nothing may be written."""
+    return any(w.frozen_for() for w in _installed)
 
 
 def beat(step: int) -> None:

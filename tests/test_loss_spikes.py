@@ -17,6 +17,7 @@ from trainer.config.fault_schedule import parse_fault_schedule
 from trainer.errors import EXIT_GAVE_UP, exit_code_for
 from trainer.observe.events import EventLog
 from trainer.observe.runlog import load_run, summarize
+from trainer.report import format_summary
 from trainer.runtime.loss_spikes import LossSpikePolicy, LossSpikesPersist, skipped_fingerprints
 
 
@@ -103,7 +104,9 @@ def test_a_spike_is_rolled_back_and_its_batches_never_return_also_after_a_restar
     assert rollback["step"] == 14 and rollback["restored_step"] == 12 and len(rollback["fingerprints"]) == 2
     skipped = set(rollback["fingerprints"])
     assert not skipped & set(_trained_after_rollback(run_dir))
-    undone = summarize(load_run(run_dir)).goodput["badput_s"]["rollback"]  # what trainer.report shows
+    run = load_run(run_dir)
+    assert "loss spikes       1" in format_summary(summarize(run), run.events)
+    undone = summarize(run).goodput["badput_s"]["rollback"]  # what trainer.report shows
     spiked_steps = [r for r in metrics(run_dir) if r.get("batch_fingerprint") in skipped]
     assert undone == pytest.approx(sum(r["step_time_s"] for r in spiked_steps), abs=1e-3)
 

@@ -270,6 +270,32 @@ def test_plan_cli_with_explicit_numbers(tmp_path):
     assert (tmp_path / "out.png").exists()
 
 
+def test_the_sdc_check_period_balances_the_checks_against_the_steps_a_bad_chip_costs():
+    step_s, check_s, rate = 0.2, 0.4, 1 / (4 * 86400)  # a bad chip every 4 days over the cluster
+
+    def lost(n: int) -> float:
+        return sum(model.sdc_check_cost(step_s, check_s, n, rate))
+
+    best = model.sdc_check_period(step_s, check_s, rate)
+    assert lost(best) <= min(lost(best // 2), lost(best * 2), lost(best - 1), lost(best + 1))
+    checks, rolled_back = model.sdc_check_cost(step_s, check_s, best, rate)
+    assert checks == pytest.approx(rolled_back, rel=0.01)  # at the optimum the two halves are equal
+    # A high rate would check every few steps: the overhead bound keeps the checks at 5% of step time.
+    assert model.sdc_check_period(step_s, check_s, 1.0) == 40
+    assert model.sdc_check_period(step_s, check_s, 0.0) == 0
+
+
+def test_plan_cli_recommends_an_sdc_check_period_from_a_bad_chip_rate(tmp_path):
+    proc = _plan(
+        *("--step-s", "0.2", "--slices", "625", "--chips-per-slice", "16", "--mtbf-per-chip", "1250d"),
+        *("--sdc-mtbf-per-chip", "1000000h", "--plot", "out.png", "--max-chips", "1024"),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    best = model.sdc_check_period(0.2, 0.4, 625 * 16 / 3.6e9)  # the check: two steps, no run to measure
+    assert f"sdc_check_period={best} " in proc.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -20,6 +20,8 @@ from trainer.config import ConfigError, load_config
 from trainer.config.fault_schedule import parse_fault_schedule
 from trainer.elastic.faults import FaultInjector, Outages
 from trainer.observe.events import EventLog
+from trainer.observe.runlog import load_run, summarize
+from trainer.report import format_summary
 from trainer.runtime.sdc import compare, corrupt_rows, rotate
 
 
@@ -103,6 +105,9 @@ def test_a_corrupted_slice_is_named_rolled_back_and_the_run_ends_bitwise_equal(t
     checked = [r["step"] for r in metrics(run_dir) if "sdc_check_s" in r]
     assert {3, 6, 9, 12, 15} <= set(checked)  # every third step, step 9 again after the rollback
     assert_same_params(run_dir, tmp_path / "base")
+    run = load_run(run_dir)  # what trainer.report prints
+    assert "silent data corruption 1" in format_summary(summarize(run), run.events)
+    assert summarize(run).goodput["badput_s"]["sdc_check"] > 0
 
     quarantined = run_cli(
         tmp_path,

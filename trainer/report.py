@@ -64,8 +64,8 @@ def report(run_dir: str, output: str | None = None, compare: str | None = None) 
     runs = [load_run(d) for d in (run_dir, compare) if d is not None]
     path, fmt = output_path(output, runs[0].path)
     summaries = [summarize(r) for r in runs]
-    for s in summaries:
-        print(format_summary(s))
+    for run, s in zip(runs, summaries):
+        print(format_summary(s, run.events))
     fig = render_report(runs, summaries)
     buffer = io.BytesIO()
     fig.savefig(buffer, format=fmt, dpi=100)
@@ -107,8 +107,9 @@ def _write(path, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
-def format_summary(s) -> str:
-    """The printed summary of one run (a trainer.observe.runlog.RunSummary)."""
+def format_summary(s, events: list[dict] = ()) -> str:
+    """The printed summary of one run (a trainer.observe.runlog.RunSummary; `events`, the run's own, add
+    the silent-data-corruption detections and loss-spike rollbacks)."""
     from trainer.observe.goodput import CAUSES
     from trainer.observe.timeline import format_timeline
 
@@ -142,6 +143,8 @@ def format_summary(s) -> str:
     lines += _restores(s.restores)
     lines += _slow_steps(s.slow_steps)
     lines += _hangs(s.hangs)
+    lines += _corruptions([e for e in events if e["event"] == catalogue.SDC_DETECTED])
+    lines += _spikes([e for e in events if e["event"] == catalogue.LOSS_SPIKE_ROLLBACK])
     lines += _periods(s.periods)
     lines += _recorded_differences(s)
     for k, t in enumerate(s.timelines, 1):
@@ -192,6 +195,31 @@ def _hangs(events: list[dict]) -> list[str]:
     for e in events:
         where, stacks = f"after step {e['step']!s:<6} in {e['phase']:<16}", e.get("stacks") or "in the log"
         lines.append(f"    {where} {e['seconds']:.0f} s (bound {e['timeout_s']:.0f} s); stacks: {stacks}")
+    return lines
+
+
+def _corruptions(events: list[dict]) -> list[str]:
+    """sdc_detected: where the replay check found a slice computing wrong numbers."""
+    if not events:
+        return []
+    lines = [f"  silent data corruption {len(events)} (replay check mismatches: rolled back)"]
+    lines += [
+        f"    step {e['step']:<8} suspect slice(s) {e['slices']}, rows of slices {e['mismatched']} differ"
+        for e in events
+    ]
+    return lines
+
+
+def _spikes(events: list[dict]) -> list[str]:
+    """loss_spike_rollback: each spike, where the run went back to, and how many batches it skipped."""
+    if not events:
+        return []
+    lines = [f"  loss spikes       {len(events)} (rolled back; their batches never trained again)"]
+    lines += [
+        f"    step {e['step']:<8} loss {e['loss']:.4g} vs median {e['median']:.4g}: back to step "
+        f"{e['restored_step']}, {len(e['fingerprints'])} batches skipped"
+        for e in events
+    ]
     return lines
 
 

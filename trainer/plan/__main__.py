@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import math
 import os
+import statistics
 import sys
 
 from trainer.config.schema import ElasticConfig
@@ -104,6 +105,13 @@ def _parse_args(argv):
         default="checkpoint,local,snapshot",
         help="the save tiers the trainer may use, comma-separated (default checkpoint,local,snapshot; each "
         "only where its costs are known: measured, or given as flags)",
+    )
+    s = p.add_argument_group("silent data corruption (sdc_check_period)")
+    s.add_argument(
+        "--sdc-mtbf-per-chip", type=duration, help="mean time until a chip starts computing wrong numbers"
+    )
+    s.add_argument(
+        "--sdc-check-s", type=float, metavar="S", help="one replay check (default: RUN_DIR's, else 2 steps)"
     )
     o = p.add_argument_group("output")
     o.add_argument("--monte-carlo", type=int, default=0, metavar="TRIALS", help="also replay TRIALS runs")
@@ -205,9 +213,33 @@ def plan(args) -> int:
             f"auto snapshot_period (auto_snapshot_max_overhead={args.auto_snapshot_max_overhead:g}: at least "
             f"every {floor} steps): " + ", ".join(f"{m} {p}" for m, p in zip(MODES, chosen, strict=False))
         )
+    if args.sdc_mtbf_per_chip:
+        print(_sdc_text(costs.step_s, _sdc_check_s(args, costs), slices * per_slice / args.sdc_mtbf_per_chip))
     _plot(plot_path, costs, failures, per_slice, steps, available, args.max_chips)
     print(f"plot written to {plot_path}")
     return 0
+
+
+def _sdc_check_s(args, costs: Costs) -> float:
+    """One replay check's seconds: given, else the run's median `sdc_check_s`, else two steps' worth."""
+    if args.sdc_check_s is not None:
+        return args.sdc_check_s
+    if args.run_dir:
+        from trainer.observe.runlog import load_run
+
+        checks = [r["sdc_check_s"] for r in load_run(args.run_dir).records if r.get("sdc_check_s")]
+        if checks:
+            return statistics.median(checks)
+    return 2.0 * costs.step_s
+
+
+def _sdc_text(step_s: float, check_s: float, rate_s: float) -> str:
+    period = model.sdc_check_period(step_s, check_s, rate_s)
+    checks, lost = model.sdc_check_cost(step_s, check_s, period, rate_s)
+    return (
+        f"silent data corruption: a bad chip every {_dur(1 / rate_s)}, a check {check_s:.3g} s -> "
+        f"sdc_check_period={period} (checks {checks:.2%} of step time, rolled-back steps {lost:.2%})"
+    )
 
 
 def _chance(p: float) -> str:

@@ -481,3 +481,24 @@ def recommend(
     if periods.local >= steps and "local" not in fixed:  # not worth saving locally at all
         periods = dataclasses.replace(periods, local=0)
     return periods, expected(costs, failures, periods, steps, mode, budget)
+
+
+def sdc_check_period(step_s: float, check_s: float, bad_chip_rate_s: float, *, max_overhead: float = 0.05) -> int:
+    """The `sdc_check_period` that loses the least time to silent data corruption (0: no rate, no checks).
+
+    A check costs `check_s` (trainer.runtime.sdc: two forward and backward passes). A chip that starts
+    computing wrong numbers (at `bad_chip_rate_s` over the cluster) corrupts every step until the next
+    check sees it, and the run rolls back those steps: half a period on average. Per second of training
+    that is check_s / (N step_s) + rate N step_s / 2, least at N = sqrt(2 check_s / rate) / step_s; never
+    so short that the checks cost more than `max_overhead` of the step time."""
+    if bad_chip_rate_s <= 0 or step_s <= 0:
+        return 0
+    best = math.sqrt(2.0 * check_s / bad_chip_rate_s) / step_s
+    return max(1, math.ceil(check_s / (max_overhead * step_s)), round(best))
+
+
+def sdc_check_cost(step_s: float, check_s: float, period: int, bad_chip_rate_s: float) -> tuple[float, float]:
+    """(share of step time the checks cost, share lost to steps rolled back after a bad chip) at `period`."""
+    if period <= 0:
+        return 0.0, 0.0
+    return check_s / (period * step_s), bad_chip_rate_s * period * step_s / 2.0

@@ -185,7 +185,9 @@ def test_a_hung_step_exits_75_within_the_bound_and_the_same_command_resumes_bitw
 
 
 def test_hang_timeout_zero_runs_no_watchdog(tmp_path):
-    out = run_cli(tmp_path, "r", "steps=3", "hang_timeout_seconds=0", "fault_schedule=step=2,hang_s=2", devices=1)
+    # A watchdog with a 1 s phase bound would end this run while it compiles: with 0 there is none.
+    off = ["hang_timeout_seconds=0", "hang_timeout_phase_seconds=1", "fault_schedule=step=2,hang_s=2"]
+    out = run_cli(tmp_path, "r", "steps=3", *off, devices=1)
     assert out.returncode == 0, out.stderr[-3000:]
     names = [e["event"] for e in events(tmp_path / "r")]
     assert "hang_injected" in names and "hang_detected" not in names

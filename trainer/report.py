@@ -187,40 +187,47 @@ def _slow_steps(events: list[dict], shown: int = 5) -> list[str]:
     return lines
 
 
-def _hangs(events: list[dict]) -> list[str]:
-    """The progress watchdog's hang_detected events: where each process stopped making progress."""
+def _listed(events: list[dict], title: str, line) -> list[str]:
+    """A count of `events` under `title`, then `line(event)` for each; nothing when there are none."""
     if not events:
         return []
-    lines = [f"  hangs             {len(events)} (no progress within the bound: exit 75, restarted)"]
-    for e in events:
-        where, stacks = f"after step {e['step']!s:<6} in {e['phase']:<16}", e.get("stacks") or "in the log"
-        lines.append(f"    {where} {e['seconds']:.0f} s (bound {e['timeout_s']:.0f} s); stacks: {stacks}")
-    return lines
+    return [f"  {title:<17} {len(events)}", *(f"    {line(e)}" for e in events)]
+
+
+def _hangs(events: list[dict]) -> list[str]:
+    """The progress watchdog's hang_detected events: where each process stopped making progress."""
+    return _listed(
+        events,
+        "hangs",
+        lambda e: (
+            f"after step {e['step']!s:<6} in {e['phase']:<16} {e['seconds']:.0f} s (bound "
+            f"{e['timeout_s']:.0f} s, then exit 75); stacks: {e.get('stacks') or 'in the log'}"
+        ),
+    )
 
 
 def _corruptions(events: list[dict]) -> list[str]:
-    """sdc_detected: where the replay check found a slice computing wrong numbers."""
-    if not events:
-        return []
-    lines = [f"  silent data corruption {len(events)} (replay check mismatches: rolled back)"]
-    lines += [
-        f"    step {e['step']:<8} suspect slice(s) {e['slices']}, rows of slices {e['mismatched']} differ"
-        for e in events
-    ]
-    return lines
+    """sdc_detected: where the replay check found a slice computing wrong numbers (each rolled back)."""
+    return _listed(
+        events,
+        "silent data corruption",
+        lambda e: (
+            f"step {e['step']:<8} suspect slice(s) {e['slices']}, rows of slices {e['mismatched']} "
+            "differ: rolled back"
+        ),
+    )
 
 
 def _spikes(events: list[dict]) -> list[str]:
     """loss_spike_rollback: each spike, where the run went back to, and how many batches it skipped."""
-    if not events:
-        return []
-    lines = [f"  loss spikes       {len(events)} (rolled back; their batches never trained again)"]
-    lines += [
-        f"    step {e['step']:<8} loss {e['loss']:.4g} vs median {e['median']:.4g}: back to step "
-        f"{e['restored_step']}, {len(e['fingerprints'])} batches skipped"
-        for e in events
-    ]
-    return lines
+    return _listed(
+        events,
+        "loss spikes",
+        lambda e: (
+            f"step {e['step']:<8} loss {e['loss']:.4g} vs median {e['median']:.4g}: back to step "
+            f"{e['restored_step']}, {len(e['fingerprints'])} batches never trained again"
+        ),
+    )
 
 
 def _periods(events: list[dict]) -> list[str]:

@@ -240,18 +240,28 @@ def _start_watchdog(cfg, events, on_hang, on_frozen):
     return w.start()
 
 
+def _exit_now(code: int, status: str, exit_process) -> None:
+    """End the process from the watchdog's thread: the `STATUS:` line, the logs flushed, then
+    `exit_process(code)` (os._exit: nothing a stuck main thread could block)."""
+    _status(status)
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    sys.stderr.flush()
+    exit_process(code)
+
+
 def _exit_frozen(seconds: float, exit_process=os._exit) -> None:
     """This process was frozen and its peers went on without it: it writes nothing (its logs are fenced)
     and exits 75, so the launcher or scheduler brings it back as a replacement."""
     from trainer.errors import EXIT_TRANSIENT
 
-    print(
-        f"STATUS: transient: this process was frozen for {seconds:.0f} s and its peers went on without it; "
+    _exit_now(
+        EXIT_TRANSIENT,
+        f"transient: this process was frozen for {seconds:.0f} s and its peers went on without it; "
         "exiting without writing anything (restart me: I rejoin as a replacement)",
-        flush=True,
+        exit_process,
     )
-    sys.stderr.flush()
-    exit_process(EXIT_TRANSIENT)
 
 
 def _exit_hung(hang, *, events, stop, paths, exit_process=os._exit) -> None:
@@ -309,12 +319,7 @@ def _exit_hung(hang, *, events, stop, paths, exit_process=os._exit) -> None:
     syncing.start()
     syncing.join(timeout=stop.timeout_s)
     stop.finished()
-    _status(f"transient: {error}; rerun the same command to resume")
-    for handler in logging.getLogger().handlers:
-        with contextlib.suppress(Exception):
-            handler.flush()
-    sys.stderr.flush()
-    exit_process(EXIT_TRANSIENT)
+    _exit_now(EXIT_TRANSIENT, f"transient: {error}; rerun the same command to resume", exit_process)
 
 
 def _failure(error: Exception, log) -> tuple[int, str, str, dict]:

@@ -7,6 +7,12 @@ about missing TPU environment variables. Ahead-of-time compilation loads libtpu 
 (`jax.experimental.topologies`), so nothing here needs that backend. `pin_cpu_without_tpu` sets
 JAX_PLATFORMS=cpu in exactly that case, before any backend starts; an explicit JAX_PLATFORMS (for
 example Pathways' `proxy`), an attached TPU, or a CUDA plugin leave JAX's own choice alone.
+
+On GPUs, XLA's scatter-add (the embedding gradient) and some reductions sum in whatever order their
+atomics land, so two runs of the same step differ in the last bits, and a replay after recovery is not
+bitwise. `deterministic_gpu_ops` asks XLA for its deterministic kernels before any backend starts; an
+XLA_FLAGS that names the flag already (`--xla_gpu_deterministic_ops=false` for the last few percent of
+speed) wins.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ _GOOGLE_PCI_VENDOR = "0x1ae0"
 # Google PCI devices (the gVNIC network card of every GCE VM) share the vendor id, so it is not enough.
 _TPU_PCI_DEVICES = frozenset({"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"})
 _CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+_DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops"
 
 
 def tpu_attached(pci_root: Path = Path("/sys/bus/pci/devices")) -> bool:
@@ -56,4 +63,15 @@ def pin_cpu_without_tpu(environ=os.environ) -> bool:
     jax = sys.modules.get("jax")
     if jax is not None and environ is os.environ:
         jax.config.update("jax_platforms", "cpu")
+    return True
+
+
+def deterministic_gpu_ops(environ=os.environ) -> bool:
+    """Add `--xla_gpu_deterministic_ops=true` to XLA_FLAGS unless they name it already; returns whether it
+    added it. XLA reads XLA_FLAGS when the first backend starts, so call it before that; other platforms
+    ignore the flag."""
+    flags = environ.get("XLA_FLAGS", "")
+    if _DETERMINISTIC_FLAG in flags:
+        return False
+    environ["XLA_FLAGS"] = f"{flags} {_DETERMINISTIC_FLAG}=true".strip()
     return True

@@ -71,8 +71,11 @@ def _status(line: str) -> None:
 
 
 def main(argv=None) -> int:
+    from trainer.backends import deterministic_gpu_ops
+
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     _setup_logging()
+    deterministic_gpu_ops()  # bitwise replays on GPUs too; before anything starts a backend
     from trainer.config.loader import load_explained
     from trainer.errors import UserInputError
 

@@ -485,6 +485,18 @@ def test_killing_process_0_ends_the_job_and_the_restarted_job_resumes_from_the_n
     ]
     restarted = [e for e in _events(job.run_dir, 0) if e["event"] == "attempt_start" and e["time"] > kill["time"]]
     assert restarted[0]["source"] == f"checkpoint:{committed[-1]['step']}"
+    # The restarted job read the checkpoint once: the process of data row 0 read it, the other two got
+    # their shards from it over the network (trainer/checkpoint/single_replica.py), not from storage.
+    restores = [
+        [
+            e
+            for e in _events(job.run_dir, p)
+            if e["event"] == "checkpoint_restore_done" and e["time"] > kill["time"]
+        ][0]
+        for p in range(3)
+    ]
+    read = sum(e["read_bytes"] for e in restores)
+    assert 0 < read <= 1.3 * restores[0]["bytes"], restores
     assert_data_order_is_the_uninterrupted_one(job.run_dir)
     assert_params_match(job.run_dir, baseline, atol=0.0)  # same mesh order, steps replayed: bitwise
     assert "(the coordination service) is gone" in job.output()

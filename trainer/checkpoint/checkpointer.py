@@ -42,7 +42,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental.multihost_utils import ProcessFailureError
 
-from trainer.checkpoint import commit, verify
+from trainer.checkpoint import commit, single_replica, verify
 from trainer.checkpoint.compat import CheckpointMismatch, leaf_differences, signature, stored_orbax_signature
 from trainer.checkpoint.fence import FencedWrite, SaveFence, fenced_path_class
 from trainer.checkpoint.storage_faults import StorageFaults
@@ -231,7 +231,7 @@ class Checkpointer:
         )
         self._primary_host = options.multiprocessing_options.primary_host
         # The state item is a plain Orbax pytree checkpoint (what StandardSave writes too); its handler is
-        # explicit only so that compression is a choice.
+        # explicit so that compression is a choice, and so that a restore can read one replica.
         # Every handler gets the manager's multi-process options, as Orbax's default handlers would.
         mp = options.multiprocessing_options
         self._manager = ocp.CheckpointManager(
@@ -239,7 +239,9 @@ class Checkpointer:
             options=options,
             item_handlers={
                 STATE: ocp.PyTreeCheckpointHandler(
-                    use_compression=cfg.checkpoint_compression, multiprocessing_options=mp
+                    use_compression=cfg.checkpoint_compression,
+                    multiprocessing_options=mp,
+                    type_handler_registry=single_replica.type_handler_registry(),
                 ),
                 DATA: ocp.JsonCheckpointHandler(multiprocessing_options=mp),
                 METADATA: ocp.JsonCheckpointHandler(multiprocessing_options=mp),
@@ -537,7 +539,7 @@ class Checkpointer:
     def _restore_step(self, step: int, abstract_state) -> RestoredStep:
         self._emit(catalogue.CHECKPOINT_RESTORE_START, step=step)
         started, read_before = self._clock(), procio.read_bytes()
-        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+        restore_args = single_replica.restore_args(abstract_state)  # several processes: one replica reads
         items = {
             STATE: ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args),
             DATA: ocp.args.JsonRestore(),

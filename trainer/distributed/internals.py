@@ -23,6 +23,8 @@ Orbax (checked against 0.12.8):
   `<param name>/.zarray` (shape, dtype) in the item's OCDBT database, read with tensorstore alone.
   Orbax's own metadata API initialises JAX's backends (its handler asks for the process index), which a
   multi-process job must not do before joining: the preflight reads the layout directly instead.
+- The `_array_metadata_store` of the registered `jax.Array` handler: given to the handler that reads one
+  replica (trainer/checkpoint/single_replica.py), so that its saves write what the default handler's do.
 """
 
 from __future__ import annotations
@@ -134,3 +136,11 @@ def orbax_stored_arrays(item_dir) -> dict[tuple[tuple[str, int], ...], tuple[tup
             dtype if dtype == "bfloat16" else np.dtype(dtype).name,
         )
     return out
+
+
+def orbax_array_metadata_store():
+    """The array-metadata store of Orbax's registered `jax.Array` handler (None if it has none)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    return getattr(ocp.type_handlers.get_type_handler(jax.Array), "_array_metadata_store", None)

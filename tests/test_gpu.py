@@ -60,6 +60,26 @@ def test_a_pinned_snapshot_lives_in_host_memory_and_restores_without_numpy(numpy
     assert int(restored["step"]) == 3
 
 
+def test_a_numpy_snapshot_copies_through_pinned_host_memory_and_survives_the_next_donation():
+    """The snapshots of several processes: each shard leaves the GPU by a pinned-host copy (no second copy
+    of the state in GPU memory), and the step that donates the state right after cannot touch it."""
+    from trainer.elastic import snapshot
+    from trainer.elastic.snapshot import HostSnapshots
+
+    mesh = jax.make_mesh((1, 1), ("data", "fsdp"), devices=_gpus()[:1])
+    w = jax.device_put(
+        jnp.arange(64 * 1024 * 1024, dtype=jnp.float32).reshape(8192, 8192), NamedSharding(mesh, P())
+    )
+    state = {"w": w}
+    expected = np.asarray(w)
+    assert [c.sharding.memory_kind for _, c in snapshot._distinct_shards(w)] == ["pinned_host"]
+    snaps = HostSnapshots(Events())
+    snaps.take(5, state, {}, block=False)
+    jax.jit(lambda s: jax.tree.map(lambda x: x * 0, s), donate_argnums=0)(state)
+    assert snaps.newest_step() == 5
+    np.testing.assert_array_equal(snaps.latest.state["w"], expected)
+
+
 STEPS = 12
 COMMON = [f"steps={STEPS}", "num_slices=1", "elastic_enabled=true", "checkpoint_period=4"]
 COMMON += ["elastic_poll_interval_seconds=0.05", "elastic_timeout_seconds=120"]

@@ -122,3 +122,21 @@ def test_the_local_tier_is_written_from_the_pinned_copy(tmp_path):
     host, data_state = store.read(5, _abstract(state, mesh))
     assert data_state == {"cursor": 3}
     np.testing.assert_array_equal(host["w"], np.arange(64.0).reshape(8, 8))
+
+
+def test_the_numpy_snapshot_copies_through_pinned_host_memory_and_survives_the_next_donation():
+    """Several processes keep numpy snapshots (their JAX client is renewed with each formation); the copy
+    out of the device goes to pinned host memory, so the device never holds a second copy of the state."""
+    from trainer.elastic import snapshot
+
+    mesh = _mesh(1, 2, jax.devices()[:2])
+    state = _state(mesh)
+    expected = jax.tree.map(np.asarray, state)
+    copies = snapshot._distinct_shards(state["w"])
+    assert [c.sharding.memory_kind for _, c in copies] == [PINNED, PINNED]
+    snaps = HostSnapshots(Events())
+    snaps.take(2, state, {}, block=False)
+    jax.jit(lambda s: jax.tree.map(lambda x: x * 0, s), donate_argnums=0)(state)  # the next step donates
+    assert snaps.newest_step() == 2
+    for key, want in expected.items():
+        np.testing.assert_array_equal(snaps.latest.state[key], want)

@@ -1,9 +1,12 @@
 """Host-RAM snapshots of the train state and data-iterator state, taken far more often than checkpoints.
 
-`take` makes an on-device copy of each distinct shard of the state (cheap, asynchronous: the next step
-may donate the original; replicas are copied once) and copies it to host memory on a background
-thread while training continues. A process keeps only what its own devices hold: the whole state when
-its slice is one process, else its blocks of each array (`Blocks`). Recovery restores the newest
+`take` copies each distinct shard of the state into its host's pinned memory (an asynchronous
+`device_put`: the next step may donate the original, the device holds no second copy of the state, and
+replicas are copied once), or makes an on-device copy where the backend has no pinned host memory, then
+turns it into this process's numpy on a background thread while training continues. The numpy copy is
+what survives a change of formation, which renews the process's JAX client and with it every buffer.
+A process keeps only what its own devices hold: the whole state when its slice is one process, else its
+blocks of each array (`Blocks`). Recovery restores the newest
 complete snapshot by the restore order of `trainer.runtime.restore` (unless a committed checkpoint is newer),
 so a slice failure rewinds at most `snapshot_period` steps instead of `checkpoint_period`.
 
@@ -41,18 +44,35 @@ class Snapshot:
     origin: str = "snapshot"  # "local": read back from the local checkpoint tier
 
 
+PINNED_HOST = "pinned_host"
+
+
+def _has_pinned_host(device) -> bool:
+    try:
+        return any(m.kind == PINNED_HOST for m in device.addressable_memories())
+    except Exception:  # a backend without memory spaces
+        return False
+
+
+def _copy_out(data: jax.Array) -> jax.Array:
+    """A copy of one shard that the next step's donation cannot touch: in pinned host memory where the
+    device has it (no device memory spent), else on the device."""
+    if _has_pinned_host(next(iter(data.devices()))):
+        return jax.device_put(data, data.sharding.with_memory_kind(PINNED_HOST))
+    return jnp.copy(data)
+
+
 def _distinct_shards(x: jax.Array) -> list[tuple[tuple, jax.Array]]:
-    """(index, on-device copy) of one addressable shard per distinct block of `x`.
+    """(index, copy) of one addressable shard per distinct block of `x`.
 
     A data-parallel state is replicated across slices: copying every replica would move the state
-    once per slice (and hold that much extra device memory until the host copy is done) for nothing.
-    The copy is dispatched now, so the next step may donate `x` right after."""
+    once per slice for nothing. The copy is dispatched now, so the next step may donate `x` right after."""
     seen, out = set(), []
     for shard in x.addressable_shards:
         key = block_key(shard.index, x.shape)
         if key not in seen:
             seen.add(key)
-            out.append((shard.index, jnp.copy(shard.data)))
+            out.append((shard.index, _copy_out(shard.data)))
     return out
 
 

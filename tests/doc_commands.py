@@ -46,6 +46,24 @@ class Command:
     def argv(self) -> list[str]:
         return shlex.split(self.text)
 
+    @property
+    def program(self) -> list[str]:
+        """`argv` without the leading `VAR=value` assignments."""
+        return without_assignments(self.argv)
+
+    @property
+    def trains(self) -> bool:
+        """A training command: run again, it resumes its run."""
+        return self.program[:3] == ["python", "-m", "trainer.train"]
+
+
+def without_assignments(argv: list[str]) -> list[str]:
+    """A command line's words from its program on (`XLA_FLAGS=... python ...` -> `python ...`)."""
+    i = 0
+    while i < len(argv) and "=" in argv[i] and argv[i].split("=")[0].isupper():
+        i += 1
+    return argv[i:]
+
 
 def docs() -> list[Path]:
     return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -22,7 +22,7 @@ def test_flags_that_already_decide_win():
     assert env["XLA_FLAGS"] == "--xla_gpu_deterministic_ops=false"
 
 
-def test_the_train_cli_sets_them_before_any_backend_starts(monkeypatch, capsys):
+def test_the_train_cli_adds_them(monkeypatch, capsys):
     from trainer.train import main
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")

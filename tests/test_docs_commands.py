@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from cli_harness import cli_env
-from doc_commands import REPO, all_commands, commands, docs
+from doc_commands import REPO, all_commands, commands, docs, without_assignments
 
 MAX_STEPS = 20
 STATUS_OK = re.compile(r"^STATUS: (finished|preempted)\b", re.M)
@@ -44,9 +44,7 @@ def test_documented_python_modules_and_scripts_exist():
     for c in all_commands():
         if c.kind != "local":
             continue
-        argv = c.argv
-        while "=" in argv[0] and argv[0].split("=")[0].isupper():  # VAR=value python ...
-            argv = argv[1:]
+        argv = c.program
         if argv[1] == "-m":
             module = REPO / argv[2].replace(".", "/")
             found = module.with_suffix(".py").is_file() or (module / "__main__.py").is_file()  # module or package
@@ -57,9 +55,7 @@ def test_documented_python_modules_and_scripts_exist():
 
 def _shorten(text: str) -> str:
     """A training command asking for more than MAX_STEPS steps (or the default 100) gets steps=MAX_STEPS."""
-    argv = shlex.split(text)
-    while argv and "=" in argv[0] and argv[0].split("=")[0].isupper():  # VAR=value python ...
-        argv = argv[1:]
+    argv = without_assignments(shlex.split(text))
     if argv[:3] != ["python", "-m", "trainer.train"]:
         return text
     given = [int(float(a.split("=", 1)[1])) for a in argv if a.startswith("steps=")]
@@ -110,7 +106,7 @@ def _expectation_met(cmd, proc) -> str:
         return ""
     if proc.returncode != 0:
         return f"exit {proc.returncode}"
-    if _trains(cmd):
+    if cmd.trains:
         if not STATUS_OK.search(proc.stdout):
             return "no 'STATUS: finished' line"
         trained = TRAINED.search(proc.stdout)
@@ -139,19 +135,39 @@ def test_a_documented_training_command_that_trains_nothing_fails_unless_it_says_
     assert _expectation_met(train, proc("STATUS: preempted step=12: checkpoint saved")) == ""
 
 
-def _trains(cmd) -> bool:
-    """A training command: run again, it resumes its run, so a repeat is a different command."""
-    argv = list(cmd.argv)
-    while argv and "=" in argv[0] and argv[0].split("=")[0].isupper():
-        argv = argv[1:]
-    return argv[:3] == ["python", "-m", "trainer.train"]
-
-
-def test_a_repeated_command_is_run_once_unless_it_trains():
+def test_a_training_command_is_recognised_behind_variable_assignments():
     from doc_commands import Command
 
-    assert _trains(Command("README.md", 1, "XLA_FLAGS=--x=1 python -m trainer.train base.yml", "local"))
-    assert not _trains(Command("README.md", 2, "python benchmarks/process_loss.py", "local"))
+    assert Command("README.md", 1, "XLA_FLAGS=--x=1 python -m trainer.train base.yml", "local").trains
+    assert not Command("README.md", 2, "python benchmarks/process_loss.py", "local").trains
+
+
+def _scripts(runnable) -> list[tuple]:
+    """(command, the bash script that runs it after the document's exports), in order. A command printed
+    twice (its section and the benchmark list) runs once, unless it trains: a repeat resumes its run."""
+    exports: list[str] = []
+    ran: set[str] = set()
+    out = []
+    for cmd in runnable:
+        if cmd.kind == "shell":
+            exports.append(cmd.text)
+            continue
+        script = "; ".join([*exports, _shorten(cmd.text)])
+        if script in ran and not cmd.trains:
+            continue
+        ran.add(script)
+        out.append((cmd, script))
+    return out
+
+
+def test_a_repeated_command_runs_once_unless_it_trains():
+    from doc_commands import Command
+
+    bench = Command("README.md", 1, "python benchmarks/process_loss.py", "local")
+    train = Command("README.md", 2, "python -m trainer.train base.yml steps=5", "local")
+    export = Command("README.md", 3, "export X=1", "shell")
+    scripts = [s for _, s in _scripts([bench, train, bench, train, export, bench])]
+    assert scripts == [bench.text, train.text, train.text, f"export X=1; {bench.text}"]
 
 
 def _docs_with_local_commands() -> list[str]:
@@ -170,16 +186,7 @@ def test_documented_commands_run_as_printed(doc, tmp_path):
     clone, home = _fresh_clone(tmp_path), _scratch_home(tmp_path)
     env = cli_env(1)
     env.update(HOME=str(home), TRAINER_SMOKE="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}")
-    exports: list[str] = []
-    ran: set[str] = set()
-    for cmd in runnable:
-        if cmd.kind == "shell":
-            exports.append(cmd.text)
-            continue
-        script = "; ".join([*exports, _shorten(cmd.text)])
-        if script in ran and not _trains(cmd):
-            continue  # printed twice (a section and the benchmark list): running it again shows nothing new
-        ran.add(script)
+    for cmd, script in _scripts(runnable):
         proc = subprocess.run(
             ["bash", "-c", script], cwd=clone, env=env, capture_output=True, text=True, timeout=900
         )

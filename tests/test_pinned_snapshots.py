@@ -9,11 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from devices import PLATFORMS, devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainer.elastic.pinned_snapshots import PINNED, PinnedSnapshots
 from trainer.elastic.snapshot import HostSnapshots
+
+SIDE = {"cpu": 256, "gpu": 8192}  # the big leaf: 256 KiB on CPU, 256 MiB on a GPU
 
 
 class Events:
@@ -62,10 +65,10 @@ def _abstract(state, mesh):
 
 
 def test_a_snapshot_survives_a_lost_slice_and_restores_onto_fewer_slices_without_numpy(numpy_conversions):
-    devices = jax.devices()[:6]
+    devices = jax.devices("cpu")[:6]
     mesh = _mesh(3, 2, devices)  # 3 slices (data rows) of 2 devices
     state = _state(mesh)
-    expected = jax.tree.map(np.asarray, state)
+    expected, abstract = jax.tree.map(np.asarray, state), _abstract(state, mesh)
     numpy_conversions.clear()
     events = Events()
     snaps = PinnedSnapshots(events)
@@ -92,7 +95,7 @@ def test_a_snapshot_survives_a_lost_slice_and_restores_onto_fewer_slices_without
 
 
 def test_a_snapshot_whose_every_replica_was_lost_is_not_used(numpy_conversions):
-    devices = jax.devices()[:2]
+    devices = jax.devices("cpu")[:2]
     mesh = _mesh(1, 2, devices)
     snaps = PinnedSnapshots(Events())
     snaps.take(3, _state(mesh), {}, block=True)
@@ -103,7 +106,7 @@ def test_a_snapshot_whose_every_replica_was_lost_is_not_used(numpy_conversions):
 
 def test_the_numpy_snapshot_converts_what_the_pinned_one_does_not(numpy_conversions):
     """The detector above catches a conversion: the per-process numpy snapshot makes them."""
-    mesh = _mesh(1, 2, jax.devices()[:2])
+    mesh = _mesh(1, 2, jax.devices("cpu")[:2])
     events = Events()
     snaps = HostSnapshots(events)
     snaps.take(1, _state(mesh), {}, block=True)
@@ -113,7 +116,7 @@ def test_the_numpy_snapshot_converts_what_the_pinned_one_does_not(numpy_conversi
 def test_the_local_tier_is_written_from_the_pinned_copy(tmp_path):
     from trainer.checkpoint.local_store import LocalStore
 
-    mesh = _mesh(2, 2, jax.devices()[:4])
+    mesh = _mesh(2, 2, jax.devices("cpu")[:4])
     state = _state(mesh)
     store = LocalStore(tmp_path / "local", keep=2, events=Events(), config={})
     snaps = PinnedSnapshots(Events(), store=store)
@@ -124,16 +127,46 @@ def test_the_local_tier_is_written_from_the_pinned_copy(tmp_path):
     np.testing.assert_array_equal(host["w"], np.arange(64.0).reshape(8, 8))
 
 
-def test_the_numpy_snapshot_copies_through_pinned_host_memory_and_survives_the_next_donation():
+def _big_state(mesh, side: int):
+    """`_state` plus a `side` x `side` float32 leaf: on a GPU, a transfer that takes real time."""
+    big = jnp.arange(side * side, dtype=jnp.float32).reshape(side, side)
+    return {**_state(mesh), "big": jax.device_put(big, NamedSharding(mesh, P("fsdp")))}
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_a_pinned_snapshot_on_one_device_restores_without_numpy_after_the_step_donates(
+    platform, numpy_conversions
+):
+    mesh = _mesh(1, 1, devices(platform, 1))
+    state = _big_state(mesh, SIDE[platform])
+    expected, abstract = jax.tree.map(np.asarray, state), _abstract(state, mesh)
+    numpy_conversions.clear()
+    events = Events()
+    snaps = PinnedSnapshots(events)
+    snaps.take(3, state, {"cursor": 1}, block=True)
+    state = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)(state)  # the step donates
+    taken = events.named("snapshot_taken")[0]
+    assert taken["memory"] == PINNED and taken["host_bytes"] == 0
+    restored, data_state = snaps.load(abstract)
+    assert numpy_conversions == []
+    assert data_state == {"cursor": 1}
+    assert restored["big"].sharding.memory_kind == "device"
+    for key, want in expected.items():
+        np.testing.assert_array_equal(np.asarray(restored[key]), want)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_the_numpy_snapshot_copies_through_pinned_host_memory_and_survives_the_next_donation(platform):
     """Several processes keep numpy snapshots (their JAX client is renewed with each formation); the copy
     out of the device goes to pinned host memory, so the device never holds a second copy of the state."""
     from trainer.elastic import snapshot
 
-    mesh = _mesh(1, 2, jax.devices()[:2])
-    state = _state(mesh)
+    n = 2 if platform == "cpu" else 1
+    mesh = _mesh(1, n, devices(platform, n))
+    state = _big_state(mesh, SIDE[platform])
     expected = jax.tree.map(np.asarray, state)
     copies = snapshot._distinct_shards(state["w"])
-    assert [c.sharding.memory_kind for _, c in copies] == [PINNED, PINNED]
+    assert [c.sharding.memory_kind for _, c in copies] == [PINNED] * n
     snaps = HostSnapshots(Events())
     snaps.take(2, state, {}, block=False)
     jax.jit(lambda s: jax.tree.map(lambda x: x * 0, s), donate_argnums=0)(state)  # the next step donates

@@ -191,6 +191,17 @@ def test_a_slice_down_event_is_counted_and_retried_on_the_slices_the_cluster_giv
     assert cluster.called("at_step_boundary") == [("at_step_boundary", 1), ("at_step_boundary", 2)]
 
 
+def test_survivor_sets_compile_ahead_largest_first_since_one_lost_slice_is_the_likeliest_failure():
+    elastic = ElasticConfig(elastic_enabled=True, elastic_min_slice_count=1)
+    cluster = ScriptedCluster(3)
+    cluster.compiles_ahead = True
+    sup, attempts, _ = _supervisor(cluster, [Outcome(FINISHED, 5)], elastic=elastic)
+    queued = []
+    attempts.compile_ahead = queued.extend
+    sup.run()
+    assert [[s for [(s, _)] in slices] for slices in queued] == [[0, 1], [0, 2], [1, 2], [0], [1], [2]]
+
+
 def test_this_process_own_error_is_told_to_the_cluster_then_raised():
     oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
     cluster = ScriptedCluster(causes=lambda e: None)

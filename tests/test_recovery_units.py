@@ -191,6 +191,40 @@ def test_survivor_layouts_compiled_ahead_serve_the_first_resize_from_the_cache(t
     build.close()
 
 
+def test_an_attempt_on_survivors_moves_their_sets_ahead_of_those_with_the_lost_slice(tmp_path):
+    import threading
+
+    from trainer.runtime.attempt import slice_set_key
+
+    cfg = load_config("base.yml", [*NANO_MODEL, "num_slices=3", "enable_checkpointing=false"])
+    slices = group_into_slices(jax.devices()[:6], 3)
+    log = []
+    build = AttemptBuilder(train_spec(cfg), checkpoint_dir=tmp_path / "ckpt", events=_Events(log))
+    build(slices).close()
+    release, busy = threading.Event(), threading.Event()
+    build.ahead.submit("busy", [], lambda: (busy.set(), release.wait(600)))  # hold the worker
+    assert busy.wait(600)
+    sets = [[slices[0], slices[1]], [slices[0], slices[2]], [slices[1], slices[2]]]
+    done = build.compile_ahead(sets)
+    keys = [slice_set_key(s) for s in sets]
+    assert build.ahead.queued() == keys
+    resized = []  # slice 0 lost: the attempt on slices 1 and 2 waits for their set, which goes first
+    worker = threading.Thread(target=lambda: resized.append(build(sets[2])))
+    worker.start()
+    for _ in range(6000):
+        if build.ahead.queued()[0] == keys[2]:
+            break
+        threading.Event().wait(0.01)
+    assert build.ahead.queued() == [keys[2], keys[0], keys[1]]
+    release.set()
+    worker.join(600)
+    resized[0].close()
+    done.result(timeout=600)
+    assert log.count("compile_cached") == 1 and log.count("compile_done") == 1
+    assert log.count("compile_ahead") == 3
+    build.close()
+
+
 def test_a_snapshot_copies_each_distinct_shard_once_and_reassembles_the_global_arrays():
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P

@@ -291,7 +291,9 @@ class Supervisor:
         ahead = getattr(self.attempts, "compile_ahead", None)
         if not (self.elastic.elastic_enabled and ahead and getattr(self.cluster, "compiles_ahead", False)):
             return
-        sets = [list(c) for k in range(max(1, self.min_slices), len(active)) for c in combinations(active, k)]
+        # Largest first: one lost slice (the likeliest failure) needs a set of len(active) - 1.
+        low = max(1, self.min_slices)
+        sets = [list(c) for k in range(len(active) - 1, low - 1, -1) for c in combinations(active, k)]
         if not sets:
             return
         if len(sets) >= MAX_LAYOUTS:

@@ -28,6 +28,7 @@ from trainer.checkpoint import open_checkpointer
 from trainer.checkpoint.fence import SaveFence
 from trainer.data.pipeline import make_eval_iterator, make_train_iterator
 from trainer.observe import catalogue
+from trainer.runtime.compile_ahead import BackgroundCompiler
 from trainer.runtime.evaluate import EvalSchedule, Evaluator
 from trainer.runtime.layout import BatchLayout, SliceLayout, TrainSpec, slice_layout
 from trainer.runtime.preemption import phase
@@ -80,6 +81,25 @@ def slice_set_key(slices: list[list]) -> tuple:
 MAX_LAYOUTS = 8
 
 
+def _all_done(futures: list[concurrent.futures.Future]) -> concurrent.futures.Future:
+    """A future done when every one of `futures` is (at once when there are none)."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    left, lock = [len(futures)], threading.Lock()
+
+    def one_done(_) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            done.set_result(None)
+
+    if not futures:
+        done.set_result(None)
+    for f in futures:
+        f.add_done_callback(one_done)
+    return done
+
+
 class AttemptBuilder:
     """Builds the attempts of one run; keeps each slice set's `SliceLayout` (compiled step) across them."""
 
@@ -97,8 +117,7 @@ class AttemptBuilder:
         self.storage_faults = storage_faults
         self.layouts: dict[tuple, SliceLayout] = {}  # most recently used last, at most MAX_LAYOUTS
         self._lock = threading.Lock()  # layouts: the attempt's thread and the compile-ahead thread
-        self._ahead: dict[tuple, concurrent.futures.Future] = {}  # slice sets compiling in the background
-        self._ahead_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.ahead = BackgroundCompiler()  # slice sets queued or compiling in the background
 
     def forget_compiled(self) -> None:
         """Drop every slice set's layout: the devices they were compiled for are gone (a fresh client)."""
@@ -108,19 +127,18 @@ class AttemptBuilder:
     def compile_ahead(self, slice_sets: list[list[list]]) -> concurrent.futures.Future:
         """Compile the train and eval steps of each slice set in the background, one after the other, so
         the first attempt on one (a replica-resize onto survivors) finds its executable; an attempt that
-        needs one still compiling waits for it. Each is a `compile_ahead` event. Returns a future that is
-        done when all are."""
-        if self._ahead_pool is None:
-            self._ahead_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-ahead")
+        needs one still compiling waits for it. The sets within the latest attempt's slices go first
+        (`trainer.runtime.compile_ahead`). Each is a `compile_ahead` event. Returns a future that is done
+        when all are."""
         futures = []
         for slices in slice_sets:
             key = slice_set_key(slices)
             with self._lock:
-                if key in self.layouts or key in self._ahead:
+                if key in self.layouts or self.ahead.pending(key) is not None:
                     continue
-                self._ahead[key] = future = self._ahead_pool.submit(self._compile_one, key, slices)
-            futures.append(future)
-        return self._ahead_pool.submit(concurrent.futures.wait, futures)
+            devices = [d for ids in key for d in ids]
+            futures.append(self.ahead.submit(key, devices, partial(self._compile_one, key, slices)))
+        return _all_done(futures)
 
     def _compile_one(self, key: tuple, slices: list[list]) -> None:
         started, layout = time.perf_counter(), None
@@ -128,11 +146,10 @@ class AttemptBuilder:
             layout = slice_layout(self.spec, slices).compiled(self.spec)
         except Exception as e:  # a layout that does not compile fails its own attempt later, not this run
             log.warning("compiling ahead for slices of %d devices failed: %s", sum(map(len, slices)), e)
-        with self._lock:  # in the cache before it leaves the in-progress map: never in neither
+        with self._lock:  # in the cache before it leaves the queue's in-progress map: never in neither
             if layout is not None:
                 self.layouts.setdefault(key, layout)
                 self._evict()
-            self._ahead.pop(key, None)
         if layout is None:
             return
         self.events.emit(
@@ -148,8 +165,7 @@ class AttemptBuilder:
 
     def close(self) -> None:
         """Stop compiling ahead (a compile in progress finishes; none queued starts)."""
-        if self._ahead_pool is not None:
-            self._ahead_pool.shutdown(wait=False, cancel_futures=True)
+        self.ahead.close()
 
     def __call__(
         self,
@@ -170,6 +186,7 @@ class AttemptBuilder:
         stack = contextlib.ExitStack()
         try:
             key = slice_set_key(slices)
+            self.ahead.prefer(d for s in key for d in s)  # survivors' sets first: the next resize's
             with self._lock:
                 layout = self.layouts.get(key)
             layout = layout or slice_layout(self.spec, slices)
@@ -216,8 +233,7 @@ class AttemptBuilder:
     def _compiled(self, key: tuple, layout: SliceLayout) -> SliceLayout:
         """The slice set's layout with its compiled steps: the cached one (`compile_cached`), else `layout`
         compiled now and kept (`compile_done`)."""
-        with self._lock:
-            ahead = self._ahead.get(key)
+        ahead = self.ahead.pending(key)
         if ahead is not None:
             with phase("compile"):
                 ahead.result()  # compiling in the background right now: wait for it, do not compile twice

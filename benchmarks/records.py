@@ -11,6 +11,7 @@ matches the modules (the code changed since it was measured). Smoke runs (TRAINE
 
 from __future__ import annotations
 
+import ast
 import datetime
 import hashlib
 import json
@@ -24,8 +25,34 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RECORDS = REPO / "benchmarks" / "records"
 
+
+
+def _runtime_imports(entry: str) -> list[str]:
+    """`entry` and the trainer/runtime modules it imports, directly or through each other."""
+    seen, todo = set(), [entry]
+    while todo:
+        rel = todo.pop()
+        if rel in seen:
+            continue
+        seen.add(rel)
+        for node in ast.walk(ast.parse((REPO / rel).read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            todo += [f"{n.replace('.', '/')}.py" for n in names if n.startswith("trainer.runtime.")]
+    return sorted(seen)
+
+
 # What each benchmark measures: a change to any of these files makes its records stale.
 _STEP = ["trainer/runtime", "trainer/model", "trainer/parallel", "trainer/config/schema.py", "configs"]
+# The compiled step alone (what the compile benchmarks read): the runtime modules that build it, not the
+# loop, the attempt builder or recovery around it.
+_PROGRAM = [
+    *_runtime_imports("trainer/runtime/layout.py"),
+    "trainer/model",
+    "trainer/parallel",
+    "trainer/config/schema.py",
+    "configs",
+]
 # Saves and restores of both tiers: the local tier is the host snapshot (snapshot.py, pinned_snapshots.py)
 # written by trainer/checkpoint/local_store.py when the step boundary (boundary.py) says it is due.
 _SAVES = [
@@ -39,7 +66,7 @@ _SAVES = [
     "configs",
 ]
 MEASURES = {
-    "attention_memory": [*_STEP, "benchmarks/attention_memory.py"],
+    "attention_memory": [*_PROGRAM, "benchmarks/attention_memory.py"],
     "checkpoint_overhead": [*_SAVES, "benchmarks/checkpoint_overhead.py"],
     "process_loss": [*_SAVES, "benchmarks/process_loss.py"],
     # The schema holds the data pipeline's defaults (packing, shuffle seed) the benchmark runs with.
@@ -52,8 +79,8 @@ MEASURES = {
         "trainer/hostmem.py",
         "benchmarks/train_throughput.py",
     ],
-    "compile_presets": [*_STEP, "trainer/aot", "trainer/compile.py", "benchmarks/compile_presets.py"],
-    "compile_vs_maxtext": [*_STEP, "trainer/aot", "trainer/compile.py", "benchmarks/compile_vs_maxtext.py"],
+    "compile_presets": [*_PROGRAM, "trainer/aot", "trainer/compile.py", "benchmarks/compile_presets.py"],
+    "compile_vs_maxtext": [*_PROGRAM, "trainer/aot", "trainer/compile.py", "benchmarks/compile_vs_maxtext.py"],
     "elastic_recovery": [
         "trainer/elastic",
         "trainer/runtime",
@@ -156,3 +183,30 @@ def write_record(
 
 def load(record_id: str) -> dict:
     return json.loads((RECORDS / f"{record_id}.json").read_text())
+
+
+def redeclare(record_id: str) -> Path:
+    """Give a record the modules its benchmark now declares (MEASURES narrowed or widened), without
+    re-measuring: allowed only when every file it now declares is committed and unchanged since the
+    record's commit, so the record still names the code it measured. Otherwise: re-run the benchmark."""
+    record = load(record_id)
+    paths = MEASURES[record["benchmark"]]
+    dirty = _git("status", "--porcelain", "--", *paths)
+    changed = _git("diff", "--name-only", record["commit"], "HEAD", "--", *paths)
+    if dirty or changed:
+        raise SystemExit(
+            f"{record_id}: the modules its benchmark measures changed since {record['commit'][:10]}:\n"
+            f"{dirty or changed}\nre-run `{record['command']}` instead"
+        )
+    record["modules"], record["digest"] = paths, digest(record["benchmark"])
+    path = RECORDS / f"{record_id}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+if __name__ == "__main__":
+    # python benchmarks/records.py redeclare RECORD_ID...
+    if len(sys.argv) < 3 or sys.argv[1] != "redeclare":
+        raise SystemExit("usage: python benchmarks/records.py redeclare RECORD_ID...")
+    for rid in sys.argv[2:]:
+        print(f"redeclared: {redeclare(rid).relative_to(REPO)}")

@@ -138,3 +138,60 @@ def test_a_change_to_a_measured_module_changes_the_digest(tmp_path, monkeypatch)
     before = RECORDS.digest("b")
     (tmp_path / "m" / "a.py").write_text("x = 2\n")
     assert RECORDS.digest("b") != before
+
+
+def test_the_compiled_program_is_measured_through_the_runtime_modules_the_layout_imports(tmp_path, monkeypatch):
+    rt = tmp_path / "trainer" / "runtime"
+    rt.mkdir(parents=True)
+    (rt / "layout.py").write_text("from trainer.runtime.step import f\nimport trainer.runtime.optim\nimport os\n")
+    (rt / "step.py").write_text("from trainer.runtime.state import s\n")
+    (rt / "state.py").write_text("from trainer.model import m\n")
+    (rt / "optim.py").write_text("")
+    (rt / "attempt.py").write_text("from trainer.runtime.layout import x\n")  # builds on it, not in it
+    monkeypatch.setattr(RECORDS, "REPO", tmp_path)
+    assert RECORDS._runtime_imports("trainer/runtime/layout.py") == [
+        f"trainer/runtime/{m}.py" for m in ("layout", "optim", "state", "step")
+    ]
+
+
+def test_a_record_takes_newly_declared_modules_only_if_they_did_not_change_since_it_was_measured(
+    tmp_path, monkeypatch
+):
+    import subprocess
+
+    def git(*args):
+        subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=tmp_path,
+            check=True,
+            capture_output=True,
+        )
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "a.py").write_text("x = 1\n")
+    (tmp_path / "m" / "b.py").write_text("y = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "measured")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout
+    monkeypatch.setattr(RECORDS, "REPO", tmp_path)
+    monkeypatch.setattr(RECORDS, "RECORDS", tmp_path / "records")
+    monkeypatch.setitem(RECORDS.MEASURES, "bench", ["m"])
+    (tmp_path / "records").mkdir()
+    record = {
+        "record": "r",
+        "benchmark": "bench",
+        "commit": commit.strip(),
+        "command": "python x.py",
+        "modules": ["m"],
+        "digest": RECORDS.digest("bench"),
+    }
+    (tmp_path / "records" / "r.json").write_text(json.dumps(record))
+    (tmp_path / "m" / "b.py").write_text("y = 2\n")  # a module the benchmark will stop declaring changes
+    git("commit", "-qam", "b changed")
+    monkeypatch.setitem(RECORDS.MEASURES, "bench", ["m/b.py"])
+    with pytest.raises(SystemExit, match="re-run `python x.py`"):
+        RECORDS.redeclare("r")
+    monkeypatch.setitem(RECORDS.MEASURES, "bench", ["m/a.py"])  # unchanged since the record's commit
+    RECORDS.redeclare("r")
+    assert RECORDS.load("r")["modules"] == ["m/a.py"] and RECORDS.load("r")["digest"] == RECORDS.digest("bench")

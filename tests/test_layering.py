@@ -63,6 +63,7 @@ LAYERS = [
         "attempt",
         [
             "trainer.runtime.restore",
+            "trainer.runtime.compile_ahead",
             "trainer.runtime.attempt",
             "trainer.runtime.loop",
             "trainer.hf",

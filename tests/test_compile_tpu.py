@@ -215,8 +215,10 @@ def test_across_slices_only_the_gradient_shard_travels_and_no_logits_are_reduced
     dcn = layout["collectives"]["dcn"]
     assert set(dcn) <= {"all-reduce", "reduce-scatter"}, dcn
     sent = sum(v["bytes"] for v in dcn.values())
+    # Every gradient crosses (at least the shards' bytes), and nothing else (at most their lane-padded bytes;
+    # the compiler packs some minor dimensions instead of padding them).
     assert (
-        0.95 * gradient_shard_bytes(cfg, layout["mesh"])
+        gradient_shard_bytes(cfg, layout["mesh"], lanes=1)
         <= sent
         <= 1.05 * gradient_shard_bytes(cfg, layout["mesh"])
     )

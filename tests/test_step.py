@@ -119,7 +119,7 @@ def _mesh(data: int, fsdp: int):
     )
 
 
-def _replicated_step(cfg, micro_steps, batch, compiled_text: list | None = None):
+def _replicated_step(cfg, micro_steps, batch, compiled_text: list | None = None, *, data: int = 2, fsdp: int = 2):
     """One step on a data=2 x fsdp=2 mesh: gradients per replica in a shard_map over the data axis. The
     lowered and compiled programs' texts are appended to `compiled_text` when given."""
     from jax.sharding import NamedSharding
@@ -127,7 +127,7 @@ def _replicated_step(cfg, micro_steps, batch, compiled_text: list | None = None)
 
     from trainer.parallel.activations import ActivationSharding
 
-    mesh = _mesh(2, 2)
+    mesh = _mesh(data, fsdp)
     opt, state = fresh_state_on_one_device(cfg)
     rows = P(("data", "fsdp"))
     step = make_train_step(
@@ -177,3 +177,41 @@ def test_the_moe_balance_loss_is_the_mean_over_data_parallel_replicas():
     halves = [_one_step(cfg, 1, {k: v[i : i + 4] for k, v in batch.items()})[1]["aux_loss"] for i in (0, 4)]
     _, m_four = _replicated_step(cfg, 1, batch)
     assert float(m_four["aux_loss"]) == pytest.approx(float(np.mean(halves)), rel=1e-5)
+
+
+def test_the_loss_splits_the_vocabulary_over_the_axes_it_divides_and_the_rows_over_the_rest():
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from trainer.parallel.activations import ActivationSharding
+    from trainer.runtime.step import _logits_layout, _rows_per_device
+
+    rules = micro_config().mesh.logical_axis_rules
+    axes = ("data", "fsdp", "tensor", "expert")
+
+    def layout(data, fsdp, tensor, vocab, manual=()):
+        mesh = Mesh(np.array(jax.devices()[: data * fsdp * tensor]).reshape(data, fsdp, tensor, 1), axes)
+        shard = ActivationSharding(mesh, rules).within(manual) if manual else ActivationSharding(mesh, rules)
+        return _logits_layout(shard, 8, vocab), _rows_per_device(shard, 8, vocab)
+
+    # fsdp: every device computes all rows' logits for a quarter of the vocabulary: as many logits as
+    # two whole-vocabulary rows, which is what row-sharded logits held.
+    assert layout(1, 4, 1, 256) == ((P(None, None, None), P(None, None, "fsdp")), 2.0)
+    assert layout(2, 2, 2, 256) == ((P("data", None, None), P("data", None, ("tensor", "fsdp"))), 1.0)
+    # Inside the per-replica region the data axis is manual: only fsdp is left to split.
+    assert layout(2, 2, 1, 256, manual=("data",))[0] == (P(None, None, None), P(None, None, "fsdp"))
+    # A vocabulary fsdp does not divide stays whole on each device, its rows split as before.
+    assert layout(1, 4, 1, 250) == ((P("fsdp", None, None), P("fsdp", None, None)), 2.0)
+
+
+def test_the_output_projection_never_crosses_devices():
+    """Vocabulary-parallel loss over fsdp: no collective carries an array with a dimension of the
+    vocabulary (whole or split), neither the tied embedding nor its gradient nor [tokens, V] logits."""
+    cfg = micro_config("vocab_size=384")  # 384 and 96 are no other dimension of the micro model
+    texts: list[str] = []
+    _replicated_step(cfg, 1, synthetic_batch(cfg, rows=8), texts, data=1, fsdp=4)
+    vocab = cfg.model.vocab_size
+    moved = [c.shape for c in hlo.collectives(texts[1], devices_per_slice=4, num_slices=1)]
+    assert moved, "the step has collectives"
+    sizes = {vocab, vocab // 4}
+    assert not [s for s in moved if sizes & {int(d) for d in re.findall(r"\d+", s)}], moved

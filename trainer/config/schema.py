@@ -43,6 +43,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 # Logical-axis -> mesh-axes rules. Params and activations are annotated with the logical names on
 # the left; each maps to the mesh axes on the right (in order, as many as divide the dimension).
+# The vocabulary takes fsdp too: the embedding table is stored split by rows, and the loss splits
+# the vocabulary over the devices (trainer/runtime/step.py), so the table never moves.
 DEFAULT_LOGICAL_AXIS_RULES = [
     ["activation_batch", ["data", "fsdp", "expert"]],
     ["activation_length", []],
@@ -50,9 +52,9 @@ DEFAULT_LOGICAL_AXIS_RULES = [
     ["activation_heads", ["tensor"]],
     ["activation_kv_heads", ["tensor"]],
     ["activation_mlp", ["tensor"]],
-    ["activation_vocab", ["tensor"]],
+    ["activation_vocab", ["tensor", "fsdp"]],
     ["activation_exp", ["expert"]],
-    ["vocab", ["tensor"]],
+    ["vocab", ["tensor", "fsdp"]],
     ["embed", ["fsdp"]],
     ["heads", ["tensor"]],
     ["kv_heads", ["tensor"]],

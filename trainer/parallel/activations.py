@@ -56,9 +56,12 @@ class ActivationSharding:
             return x
         return self.pin(x, self.spec(names, x.shape))
 
-    def spec(self, names: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
-        """The spec for a value of `shape` (as seen here: per replica inside a manual region)."""
-        return logical_to_spec(names, shape, self.mesh, self.rules, skip=self.manual)
+    def spec(
+        self, names: Sequence[str | None], shape: Sequence[int], *, skip: Sequence[str] = ()
+    ) -> PartitionSpec:
+        """The spec for a value of `shape` (as seen here: per replica inside a manual region), using no
+        mesh axis of `skip` (those another dim of the value already takes)."""
+        return logical_to_spec(names, shape, self.mesh, self.rules, skip=(*self.manual, *skip))
 
     def pin(self, x: jax.Array, spec: PartitionSpec) -> jax.Array:
         """with_sharding_constraint to `spec` (a spec over the whole mesh; manual axes are left out)."""
@@ -70,7 +73,7 @@ class ActivationSharding:
         """`spec` without the manual axes: how a value is split inside the manual region."""
         if not self.manual:
             return spec
-        kept = [tuple(a for a in _axes(e) if a not in self.manual) for e in spec]
+        kept = [tuple(a for a in axes_of(e) if a not in self.manual) for e in spec]
         return PartitionSpec(*(None if not e else e[0] if len(e) == 1 else e for e in kept))
 
     def context_mesh(self):
@@ -85,10 +88,10 @@ class ActivationSharding:
         """How many ways a dim of `size` (as seen here) named `names[0]` is split (1 without a mesh)."""
         if self.mesh is None:
             return 1
-        return math.prod(self.mesh.shape[a] for a in _axes(self.spec(names[:1], (size,))[0]))
+        return math.prod(self.mesh.shape[a] for a in axes_of(self.spec(names[:1], (size,))[0]))
 
 
-def _axes(entry) -> tuple[str, ...]:
+def axes_of(entry) -> tuple[str, ...]:
     """A PartitionSpec entry (None, an axis or a tuple of axes) as a tuple of axes."""
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 

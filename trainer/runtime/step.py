@@ -6,6 +6,7 @@ device arrays that the loop reads one step late. No logging, host syncs or globa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -18,39 +19,75 @@ from jax.sharding import PartitionSpec
 from trainer import model as qwen3
 from trainer.config.schema import ModelConfig
 from trainer.model.layers import BTD
-from trainer.parallel.activations import UNSHARDED, ActivationSharding
+from trainer.parallel.activations import UNSHARDED, ActivationSharding, axes_of
 
 BATCH = ("activation_batch",)
 DATA = "data"  # the mesh axis of data-parallel replicas (slices x ici_data_parallelism)
-LOGITS = ("activation_batch", "activation_length", "activation_vocab")
+VOCAB = ("activation_vocab",)
 
 # Logits are computed for at most this many tokens per device at once (rematerialised in the backward
 # pass): 512 x 151936 x 4 B ~ 311 MB of float32 logits per device at most, ~67 MB for a 32k vocab.
 LOSS_CHUNK_TOKENS = 512
 
 
+def _logits_layout(shard: ActivationSharding, rows: int, vocab: int) -> tuple[PartitionSpec, PartitionSpec]:
+    """(hidden [B, c, D] spec, logits [B, c, V] spec) of the vocabulary-parallel loss.
+
+    The vocabulary is split over the mesh axes `activation_vocab` gives (tensor and fsdp by default),
+    the batch rows over the batch axes left: each device computes the logits of every row of its group
+    for its slice of the vocabulary, from the hidden states gathered over those axes. What crosses
+    devices is activation-sized (the hidden states, the log-sum-exp's partial max and sum per token, the
+    hidden states' gradient), never the [V, D] output projection or a [tokens, V] partial sum, and the
+    projection's gradient stays on the device that holds its rows."""
+    v = shard.spec(VOCAB, (vocab,))[0]
+    b = shard.spec(BATCH, (rows,), skip=axes_of(v))[0]
+    return PartitionSpec(b, None, None), PartitionSpec(b, None, v)
+
+
 def _chunk_losses(params, cfg: ModelConfig, shard: ActivationSharding, hidden, targets, mask):
-    """(ce sum, z sum) of a [B, c, D] chunk; the logits stay sharded by batch rows like the hidden states."""
-    logits = shard(qwen3.logits_from_hidden(params, cfg, hidden), LOGITS)  # float32 [B, c, vocab]
+    """(ce sum, z sum) of a [B, c, D] chunk, vocabulary-parallel (`_logits_layout`)."""
+    hidden = hidden.astype(cfg.dtype)  # gathered in the compute dtype
+    logits = qwen3.logits_from_hidden  # float32 [B, c, V]
+    if shard.mesh is None:
+        logits = logits(params, cfg, hidden)
+    else:
+        hidden_spec, logits_spec = _logits_layout(shard, hidden.shape[0], cfg.vocab_size)
+        logits = shard.pin(logits(params, cfg, shard.pin(hidden, hidden_spec)), logits_spec)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    # The target's logit as a masked sum over the vocabulary: a reduction over the split dim, where a
+    # gather at the target index would gather the logits.
+    hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == targets[..., None]
+    target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
     return jnp.sum((lse - target_logit) * mask), jnp.sum(jnp.square(lse) * mask)
 
 
 def output_params(params, cfg: ModelConfig, shard: ActivationSharding) -> dict:
-    """The output projection (the tied embedding or lm_head) in the compute dtype, gathered whole on each
-    device once per step (outside the loss's chunk loop).
+    """The output projection (the tied embedding or lm_head) in the compute dtype, split by vocabulary
+    rows as the loss's logits are (`_logits_layout`), once per step (outside the loss's chunk loop).
 
-    Every device then computes its own rows' logits over the whole vocabulary (its tensor shard of it),
-    so no [tokens, vocab] partial sum is ever reduced across devices, as it is when the compiler splits
-    the contraction over the fsdp-sharded model dimension instead."""
+    With the default rules the tied embedding is stored that way, so this moves nothing; an untied
+    lm_head (stored split over its model dimension) is redistributed once, a fraction of gathering it."""
     dt = jnp.dtype(cfg.dtype)
+    if shard.mesh is None:
+        key = "embed_tokens" if cfg.logits_via_embedding else "lm_head"
+        return {key: params[key].astype(dt)}
+    v = shard.spec(VOCAB, (cfg.vocab_size,))[0]
     if cfg.logits_via_embedding:
-        return {"embed_tokens": shard(params["embed_tokens"].astype(dt), ("vocab", None))}
-    return {"lm_head": shard(params["lm_head"].astype(dt), (None, "vocab"))}
+        return {"embed_tokens": shard.pin(params["embed_tokens"].astype(dt), PartitionSpec(v, None))}
+    return {"lm_head": shard.pin(params["lm_head"].astype(dt), PartitionSpec(None, v))}
 
 
-def _sequence_chunks(rows_per_device: int, length: int) -> int:
+def _rows_per_device(shard: ActivationSharding, rows: int, vocab: int) -> float:
+    """A device's share of the logits, in rows of the whole vocabulary: the rows it computes (of its
+    group) times the fraction of the vocabulary it holds."""
+    if shard.mesh is None:
+        return rows
+    _, (b, _, v) = _logits_layout(shard, rows, vocab)
+    ways = [math.prod(shard.mesh.shape[a] for a in axes_of(e)) for e in (b, v)]
+    return -(-rows // ways[0]) / ways[1]
+
+
+def _sequence_chunks(rows_per_device: float, length: int) -> int:
     """Fewest chunks, dividing `length`, whose logits hold at most LOSS_CHUNK_TOKENS tokens per device."""
     for n in range(1, length + 1):
         if length % n == 0 and rows_per_device * (length // n) <= LOSS_CHUNK_TOKENS:
@@ -61,13 +98,13 @@ def _sequence_chunks(rows_per_device: int, length: int) -> int:
 def token_losses(params, cfg: ModelConfig, hidden, targets, mask, *, shard: ActivationSharding = UNSHARDED):
     """Sum over tokens of cross-entropy and of log(Z)^2, with the mask applied, in float32.
 
-    The sequence is cut into chunks (the batch rows stay where they are, so no device ever exchanges
-    activations or logits for the loss), each checkpointed so the backward pass recomputes its logits
-    instead of keeping them; a device holds at most LOSS_CHUNK_TOKENS tokens' logits at once.
+    The logits are vocabulary-parallel (`_logits_layout`). The sequence is cut into chunks, each
+    checkpointed so the backward pass recomputes its logits instead of keeping them; a device holds at
+    most as many logits at once as LOSS_CHUNK_TOKENS tokens have over the whole vocabulary.
     """
     b, t = targets.shape
     m = mask.astype(jnp.float32)
-    chunks = _sequence_chunks(-(-b // shard.shards(BATCH, b)), t)
+    chunks = _sequence_chunks(_rows_per_device(shard, b, cfg.vocab_size), t)
     fn = jax.checkpoint(partial(_chunk_losses, params, cfg, shard))
     if chunks == 1:
         return fn(hidden, targets, m)

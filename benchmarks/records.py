@@ -26,7 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 RECORDS = REPO / "benchmarks" / "records"
 
 
-
 def _runtime_imports(entry: str) -> list[str]:
     """`entry` and the trainer/runtime modules it imports, directly or through each other."""
     seen, todo = set(), [entry]
@@ -78,6 +77,7 @@ MEASURES = {
         "trainer/run.py",
         "trainer/hostmem.py",
         "benchmarks/train_throughput.py",
+        "benchmarks/maxtext_cpu.py",
     ],
     "compile_presets": [*_PROGRAM, "trainer/aot", "trainer/compile.py", "benchmarks/compile_presets.py"],
     "compile_vs_maxtext": [*_PROGRAM, "trainer/aot", "trainer/compile.py", "benchmarks/compile_vs_maxtext.py"],

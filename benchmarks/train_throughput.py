@@ -10,9 +10,12 @@ CPUs have no spec-sheet peak. Several `--devices` counts are measured one after 
 invocation, so they compare like with like; `--global-batch` keeps the global batch the same for each
 (per_device_batch_size = B / devices). `--hugepages on off` measures each device count with the trainer's
 host malloc on huge pages and without (trainer/hostmem.py; off runs it with TRAINER_HUGEPAGE_MALLOC=0),
-one column per setting, and refuses a run whose start event says otherwise. It writes the record
-benchmarks/records/train_throughput-<model>.json, or train_throughput-hugepages.json with `--hugepages`
-(benchmarks/records.py), from which the README's tables are rendered. TRAINER_SMOKE=1 runs it all at
+one column per setting, and refuses a run whose start event says otherwise. `--maxtext-python PY` also
+trains the same model, shape and batch with MaxText's own trainer on the same devices (an interpreter with
+MaxText installed and this one's jax; see maxtext_cpu.py) and reports the speed-up over it. It writes the
+record benchmarks/records/train_throughput-<model>.json, train_throughput-<model>-vs-maxtext.json with
+`--maxtext-python`, or train_throughput-hugepages.json with `--hugepages` (benchmarks/records.py), from
+which the README's tables are rendered. TRAINER_SMOKE=1 runs it all at
 minimal sizes (see cli_runs) and records nothing.
 """
 
@@ -41,7 +44,9 @@ from cli_runs import (
     smoke_overrides,
     step_records,
 )
-from records import write_record  # noqa: E402
+from records import REPO, write_record  # noqa: E402
+
+sys.path.insert(0, str(REPO))
 
 
 def matmul_peak_gflops(n: int = 2048, repeats: int = 20) -> float:
@@ -153,14 +158,48 @@ def table(runs: list[dict], peak: float | None) -> str:
             ),
         ),
     ]
+    if any("maxtext_median_step_time_s" in r for r in runs):
+        lines += [
+            row(
+                f"{runs[0]['maxtext']}: median step time, same model and batch, fsdp over the devices",
+                lambda r: f"{r['maxtext_median_step_time_s']:.3f} s",
+            ),
+            row("this trainer's speed-up over MaxText", lambda r: f"**{r['speedup_vs_maxtext']:.2f}×**"),
+        ]
     if peak is not None:
         lines.append(row("float32 matmul peak of the machine", lambda r: f"{peak:.1f} GFLOP/s"))
     return "\n".join(lines)
 
 
-def record_id(model: str, hugepages: list[str] | None) -> str:
-    """train_throughput-<model>, or train_throughput-hugepages for the huge-pages comparison."""
-    return "train_throughput-hugepages" if hugepages else f"train_throughput-{model}"
+def record_id(model: str, hugepages: list[str] | None, maxtext: bool = False) -> str:
+    """train_throughput-<model> (-vs-maxtext with MaxText's runs), or train_throughput-hugepages for the
+    huge-pages comparison."""
+    if hugepages:
+        return "train_throughput-hugepages"
+    return f"train_throughput-{model}" + ("-vs-maxtext" if maxtext else "")
+
+
+def measure_maxtext(python: str, overrides: list[str], devices: int, skip: int) -> dict:
+    """MaxText on the same devices, model, shape, batch and number of steps as this trainer's `overrides`."""
+    from maxtext_cpu import maxtext_overrides, maxtext_version, median_after, run_maxtext
+
+    from trainer.config import load_config
+
+    cfg = load_config("base.yml", overrides)
+    args = maxtext_overrides(
+        cfg.model,
+        max_target_length=cfg.data.max_target_length,
+        per_device_batch_size=cfg.data.per_device_batch_size,
+        steps=cfg.train.steps,
+        devices=devices,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        times = run_maxtext(python, args, devices, Path(tmp))
+    return {
+        "maxtext": maxtext_version(python),
+        "maxtext_overrides": args,
+        "maxtext_median_step_time_s": round(median_after(times, skip), 4),
+    }
 
 
 def main() -> None:
@@ -177,6 +216,7 @@ def main() -> None:
         help="measure with the host malloc on huge pages (on) and without (off), in turn (default: as the "
         "environment has it)",
     )
+    p.add_argument("--maxtext-python", help="also train with MaxText, installed in this interpreter")
     argv = sys.argv[1:]
     args = p.parse_args()
     args.overrides = smoke_overrides(args.overrides, steps=4, **SMOKE_SHAPE)
@@ -192,6 +232,11 @@ def main() -> None:
             overrides.append(f"per_device_batch_size={args.global_batch // devices}")
         for hugepages in args.hugepages or [None]:
             runs.append(measure(overrides, devices, args.skip, hugepages))
+            if args.maxtext_python:
+                runs[-1].update(measure_maxtext(args.maxtext_python, overrides, devices, args.skip))
+                runs[-1]["speedup_vs_maxtext"] = round(
+                    runs[-1]["maxtext_median_step_time_s"] / runs[-1]["median_step_time_s"], 2
+                )
     peak = None if args.no_peak else matmul_peak_gflops(peak_n, peak_repeats)
     for r in runs:
         if peak is not None:
@@ -202,7 +247,7 @@ def main() -> None:
     model = next((o.split("=", 1)[1] for o in reversed(args.overrides) if o.startswith("model=")), "qwen3-tiny")
     print(table(runs, peak))
     write_record(
-        record_id(model, args.hugepages),
+        record_id(model, args.hugepages, bool(args.maxtext_python)),
         "train_throughput",
         argv,
         tables={"steps": table(runs, peak)},

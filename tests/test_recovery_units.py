@@ -174,12 +174,18 @@ def test_a_retry_on_slices_seen_before_reuses_their_layout_and_builds_fresh_stat
     assert log.count("compile_done") == 4
 
 
-def test_survivor_layouts_compiled_ahead_serve_the_first_resize_from_the_cache(tmp_path):
-    cfg = load_config("base.yml", [*NANO_MODEL, "num_slices=2", "enable_checkpointing=false"])
-    slices = group_into_slices(jax.devices()[:4], 2)
+def _built_on_all_slices(tmp_path, num_slices: int):
+    """(slices of 2 devices, event log, an AttemptBuilder that built one attempt on all of them)."""
+    cfg = load_config("base.yml", [*NANO_MODEL, f"num_slices={num_slices}", "enable_checkpointing=false"])
+    slices = group_into_slices(jax.devices()[: 2 * num_slices], num_slices)
     log = []
     build = AttemptBuilder(train_spec(cfg), checkpoint_dir=tmp_path / "ckpt", events=_Events(log))
     build(slices).close()
+    return slices, log, build
+
+
+def test_survivor_layouts_compiled_ahead_serve_the_first_resize_from_the_cache(tmp_path):
+    slices, log, build = _built_on_all_slices(tmp_path, 2)
     done = build.compile_ahead([slices[:1], slices[1:]])
     resized = build(slices[1:])  # may come while the background compile runs: it waits, never compiles twice
     resized.close()
@@ -196,11 +202,7 @@ def test_an_attempt_on_survivors_moves_their_sets_ahead_of_those_with_the_lost_s
 
     from trainer.runtime.attempt import slice_set_key
 
-    cfg = load_config("base.yml", [*NANO_MODEL, "num_slices=3", "enable_checkpointing=false"])
-    slices = group_into_slices(jax.devices()[:6], 3)
-    log = []
-    build = AttemptBuilder(train_spec(cfg), checkpoint_dir=tmp_path / "ckpt", events=_Events(log))
-    build(slices).close()
+    slices, log, build = _built_on_all_slices(tmp_path, 3)
     release, busy = threading.Event(), threading.Event()
     build.ahead.submit("busy", [], lambda: (busy.set(), release.wait(600)))  # hold the worker
     assert busy.wait(600)

@@ -10,9 +10,10 @@ from helpers import fresh_state_on_one_device, micro_config, synthetic_batch
 
 from trainer import model as qwen3
 from trainer.aot import hlo
+from trainer.parallel.activations import UNSHARDED
 from trainer.runtime.layout import BatchLayout, batch_layout
 from trainer.runtime.optim import learning_rate_schedule
-from trainer.runtime.step import LOSS_CHUNK_TOKENS, make_train_step, token_losses
+from trainer.runtime.step import LOSS_CHUNK_TOKENS, make_train_step, output_params, token_losses
 
 _STEPS: dict = {}  # (config, micro_steps) -> jitted step: tests of one config share its compiles
 
@@ -58,17 +59,49 @@ def test_masked_tokens_do_not_contribute_to_the_loss():
     assert float(m1["loss"]) == float(m2["loss"])
 
 
-def test_chunked_loss_equals_full_logits_loss(monkeypatch):
-    cfg = micro_config()
-    params = qwen3.init_params(cfg.model, jax.random.key(1))
-    hidden = jax.random.normal(jax.random.key(2), (4, 16, cfg.model.base_emb_dim))
-    targets = jax.random.randint(jax.random.key(3), (4, 16), 0, cfg.model.vocab_size)
-    mask = jnp.ones((4, 16))
-    full = token_losses(params, cfg.model, hidden, targets, mask)
-    monkeypatch.setattr("trainer.runtime.step.LOSS_CHUNK_TOKENS", 24)  # 64 tokens -> 3 chunks, one padded
-    chunked = token_losses(params, cfg.model, hidden, targets, mask)
-    np.testing.assert_allclose(np.array(chunked), np.array(full), rtol=1e-5)
-    assert LOSS_CHUNK_TOKENS > 24
+def _reference_objective(proj, cfg, hidden, targets, mask, z_loss_multiplier):
+    """The objective by plain autodiff: whole-sequence logits, logsumexp, the target's logit gathered."""
+    logits = qwen3.logits_from_hidden(proj, cfg, hidden)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum((lse - target) * mask) + z_loss_multiplier * jnp.sum(jnp.square(lse) * mask)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("chunk_tokens", [LOSS_CHUNK_TOKENS, 24])  # 24: 64 tokens -> 4 chunks of 4 x 4
+def test_the_loss_and_its_gradient_equal_plain_autodiff(monkeypatch, tied, chunk_tokens):
+    """The loss computes its gradient in the forward pass, chunk by chunk (custom VJP): value and
+    gradients (projection, hidden states) equal autodiff of the whole-sequence loss, masked, with z-loss."""
+    cfg = micro_config(f"logits_via_embedding={str(tied).lower()}").model
+    monkeypatch.setattr("trainer.runtime.step.LOSS_CHUNK_TOKENS", chunk_tokens)
+    proj = output_params(qwen3.init_params(cfg, jax.random.key(1)), cfg, UNSHARDED)
+    hidden = jax.random.normal(jax.random.key(2), (4, 16, cfg.base_emb_dim))
+    targets = jax.random.randint(jax.random.key(3), (4, 16), 0, cfg.vocab_size)
+    mask = (jax.random.uniform(jax.random.key(4), (4, 16)) > 0.3).astype(jnp.float32)
+
+    def ours(p, h):
+        objective, ce, z = token_losses(p, cfg, h, targets, mask, z_loss_multiplier=1e-2)
+        return objective, (ce, z)
+
+    (value, (ce, z)), grads = jax.value_and_grad(ours, argnums=(0, 1), has_aux=True)(proj, hidden)
+    want, want_grads = jax.value_and_grad(_reference_objective, argnums=(0, 2))(
+        proj, cfg, hidden, targets, mask, 1e-2
+    )
+    np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
+    np.testing.assert_allclose(float(ce + 1e-2 * z), float(want), rtol=1e-5)
+    for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-4, atol=1e-6)
+
+
+def test_the_step_computes_each_chunks_logits_once():
+    """Three vocabulary-wide matmuls per step (logits, their pull-back to the hidden states and to the
+    projection), none computed again in the backward pass, and no [tokens, V] array kept for it."""
+    cfg = micro_config("vocab_size=384")
+    texts: list[str] = []
+    _replicated_step(cfg, 1, synthetic_batch(cfg, rows=8), texts, data=1, fsdp=1)
+    vocab = cfg.model.vocab_size
+    dots = [line for line in texts[0].splitlines() if "dot_general" in line and f"{vocab}x" in line]
+    assert len(dots) == 3, dots
 
 
 def test_learning_rate_warms_up_then_decays_to_the_final_fraction():

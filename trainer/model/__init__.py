@@ -6,6 +6,8 @@ abstract_params(cfg)             -> same structure, jax.ShapeDtypeStruct (no all
 forward(params, cfg, inputs, positions, segment_ids, *, shard=UNSHARDED)
                                  -> (hidden [B,T,D] in cfg.dtype, f32 aux loss)
 logits_from_hidden(params, cfg, hidden)              -> float32 logits [..., vocab]
+logits_pullback(params, cfg, hidden, d_logits)      -> (d params, d hidden) of logits_from_hidden
+output_rows(params, cfg, ids)    -> [..., D] the projection's rows of vocabulary ids (one logit each)
 count_params(cfg)                -> (total, active per token)
 training_flops_per_token(cfg, seq_len) -> float
 recompute_flops_per_token(cfg, seq_len) -> float
@@ -18,6 +20,8 @@ from trainer.model.transformer import (
     forward,
     init_params,
     logits_from_hidden,
+    logits_pullback,
+    output_rows,
     param_logical_axes,
 )
 
@@ -28,6 +32,8 @@ __all__ = [
     "forward",
     "init_params",
     "logits_from_hidden",
+    "logits_pullback",
+    "output_rows",
     "param_logical_axes",
     "recompute_flops_per_token",
     "training_flops_per_token",

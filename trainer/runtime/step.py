@@ -25,9 +25,10 @@ BATCH = ("activation_batch",)
 DATA = "data"  # the mesh axis of data-parallel replicas (slices x ici_data_parallelism)
 VOCAB = ("activation_vocab",)
 
-# Logits are computed for at most this many tokens per device at once (rematerialised in the backward
-# pass): 512 x 151936 x 4 B ~ 311 MB of float32 logits per device at most, ~67 MB for a 32k vocab.
-LOSS_CHUNK_TOKENS = 512
+# Logits are computed for at most this many tokens per device at once: 256 x 151936 x 4 B ~ 156 MB of
+# float32 logits per device at most (~34 MB for a 32k vocab), next to their gradient in the compute dtype.
+# No chunk's logits outlive its iteration.
+LOSS_CHUNK_TOKENS = 256
 
 
 def _logits_layout(shard: ActivationSharding, rows: int, vocab: int) -> tuple[PartitionSpec, PartitionSpec]:
@@ -44,21 +45,49 @@ def _logits_layout(shard: ActivationSharding, rows: int, vocab: int) -> tuple[Pa
     return PartitionSpec(b, None, None), PartitionSpec(b, None, v)
 
 
-def _chunk_losses(params, cfg: ModelConfig, shard: ActivationSharding, hidden, targets, mask):
-    """(ce sum, z sum) of a [B, c, D] chunk, vocabulary-parallel (`_logits_layout`)."""
-    hidden = hidden.astype(cfg.dtype)  # gathered in the compute dtype
-    logits = qwen3.logits_from_hidden  # float32 [B, c, V]
+def _chunk_loss_and_grads(
+    proj, cfg: ModelConfig, shard: ActivationSharding, z_loss_multiplier, hidden, targets, mask
+):
+    """(ce sum, z sum, d objective / d proj, d objective / d hidden) of a [B, c, D] chunk,
+    vocabulary-parallel (`_logits_layout`), objective = ce + z_loss_multiplier * z.
+
+    The logits' gradient is known once the log-sum-exp is: (1 + 2 z lse) softmax - onehot per masked
+    token. It is pulled back through the projection right here, so the chunk's logits die with the
+    chunk: nothing [tokens, V] is kept for the backward pass and nothing is computed twice."""
+    dt = jnp.dtype(cfg.dtype)
     if shard.mesh is None:
-        logits = logits(params, cfg, hidden)
+        hidden_spec = logits_spec = None
     else:
         hidden_spec, logits_spec = _logits_layout(shard, hidden.shape[0], cfg.vocab_size)
-        logits = shard.pin(logits(params, cfg, shard.pin(hidden, hidden_spec)), logits_spec)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    # The target's logit as a masked sum over the vocabulary: a reduction over the split dim, where a
-    # gather at the target index would gather the logits.
-    hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == targets[..., None]
-    target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
-    return jnp.sum((lse - target_logit) * mask), jnp.sum(jnp.square(lse) * mask)
+
+    h = hidden.astype(dt)  # gathered in the compute dtype
+    h = h if hidden_spec is None else shard.pin(h, hidden_spec)
+    pin = (lambda x: x) if logits_spec is None else partial(shard.pin, spec=logits_spec)
+    logits = pin(qwen3.logits_from_hidden(proj, cfg, h))  # float32 [B, c, V]
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - top)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    lse = (jnp.log(total) + top)[..., 0]
+    d_logits = (e / total) * (mask * (1.0 + 2.0 * z_loss_multiplier * lse))[..., None]  # the softmax's part
+    if logits_spec is not None and logits_spec[2] is not None:
+        # The vocabulary is split: the target's logit as a masked sum over it, a reduction over the split
+        # dim (gathering the targets' rows of the split projection costs more than the step's largest
+        # ICI all-gather on TPU).
+        hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == targets[..., None]
+        target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+        d_logits = d_logits - jnp.where(hit, mask[..., None], 0.0)
+        d_proj, d_hidden = qwen3.logits_pullback(proj, cfg, h, pin(d_logits))
+    else:
+        # The whole vocabulary is here: the target's logit, and the "- onehot" of its gradient, through
+        # the target's row of the projection, a local gather, without another pass over the logits.
+        rows, pull_rows = jax.vjp(lambda p: qwen3.output_rows(p, cfg, targets), proj)
+        target_logit = jnp.einsum("bcd,bcd->bc", h, rows, preferred_element_type=jnp.float32)
+        d_proj, d_hidden = qwen3.logits_pullback(proj, cfg, h, pin(d_logits))
+        minus = -mask[..., None]
+        (d_target_rows,) = pull_rows((minus * h).astype(rows.dtype))
+        d_proj = jax.tree.map(jnp.add, d_proj, d_target_rows)
+        d_hidden = d_hidden + (minus * rows).astype(d_hidden.dtype)
+    return jnp.sum((lse - target_logit) * mask), jnp.sum(jnp.square(lse) * mask), d_proj, d_hidden
 
 
 def output_params(params, cfg: ModelConfig, shard: ActivationSharding) -> dict:
@@ -95,27 +124,62 @@ def _sequence_chunks(rows_per_device: float, length: int) -> int:
     return length
 
 
-def token_losses(params, cfg: ModelConfig, hidden, targets, mask, *, shard: ActivationSharding = UNSHARDED):
-    """Sum over tokens of cross-entropy and of log(Z)^2, with the mask applied, in float32.
+def token_losses(
+    params,
+    cfg: ModelConfig,
+    hidden,
+    targets,
+    mask,
+    *,
+    z_loss_multiplier: float = 0.0,
+    shard: ActivationSharding = UNSHARDED,
+):
+    """(objective, ce sum, z sum) over the masked tokens, in float32: cross-entropy, log(Z)^2 and
+    objective = ce + z_loss_multiplier * z. `params` holds the output projection (`output_params`).
 
-    The logits are vocabulary-parallel (`_logits_layout`). The sequence is cut into chunks, each
-    checkpointed so the backward pass recomputes its logits instead of keeping them; a device holds at
-    most as many logits at once as LOSS_CHUNK_TOKENS tokens have over the whole vocabulary.
+    The logits are vocabulary-parallel (`_logits_layout`), computed a chunk of the sequence at a time (a
+    device holds at most as many logits at once as LOSS_CHUNK_TOKENS tokens have over the whole
+    vocabulary), and the objective's gradient is computed with them in the forward pass
+    (`_chunk_loss_and_grads`): the backward pass only scales the kept gradients of the projection and of
+    the hidden states, so the logits are neither kept nor computed a second time (three
+    [tokens, V, D] matmuls per chunk, not four). Only the objective is differentiable; ce and z are
+    reported as they are.
     """
     b, t = targets.shape
-    m = mask.astype(jnp.float32)
     chunks = _sequence_chunks(_rows_per_device(shard, b, cfg.vocab_size), t)
-    fn = jax.checkpoint(partial(_chunk_losses, params, cfg, shard))
-    if chunks == 1:
-        return fn(hidden, targets, m)
     c = t // chunks
+    one = partial(_chunk_loss_and_grads, cfg=cfg, shard=shard, z_loss_multiplier=z_loss_multiplier)
 
-    def one(i):
-        cut = partial(jax.lax.dynamic_slice_in_dim, start_index=i * c, slice_size=c, axis=1)
-        return fn(shard(cut(hidden), BTD), cut(targets), cut(m))
+    def forward(proj, hidden, targets, m):
+        if chunks == 1:
+            ce, z, d_proj, d_hidden = one(proj, hidden=hidden, targets=targets, mask=m)
+            d_hidden = shard(d_hidden, BTD)  # reduced over the vocabulary's axes into the model's layout
+        else:
 
-    ce, z = jax.lax.map(one, jnp.arange(chunks))
-    return jnp.sum(ce), jnp.sum(z)
+            def body(acc, i):
+                cut = partial(jax.lax.dynamic_slice_in_dim, start_index=i * c, slice_size=c, axis=1)
+                ce, z, dp, dh = one(proj, hidden=shard(cut(hidden), BTD), targets=cut(targets), mask=cut(m))
+                return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, (ce, z, dp)), shard(dh, BTD)
+
+            zero = jnp.zeros((), jnp.float32)
+            init = (zero, zero, jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), proj))
+            (ce, z, d_proj), d_hidden = jax.lax.scan(body, init, jnp.arange(chunks))
+            d_hidden = shard(jnp.moveaxis(d_hidden, 0, 1).reshape(hidden.shape), BTD)
+            d_proj = jax.tree.map(lambda d, p: d.astype(p.dtype), d_proj, proj)
+        return (ce + z_loss_multiplier * z, ce, z), (d_proj, d_hidden.astype(hidden.dtype))
+
+    @jax.custom_vjp
+    def losses(proj, hidden, targets, m):
+        return forward(proj, hidden, targets, m)[0]
+
+    def backward(kept, cotangents):
+        (d_proj, d_hidden), g = kept, cotangents[0]  # ce and z leave as stop_gradient: no cotangent
+        scale = lambda d: (d * g).astype(d.dtype)  # noqa: E731
+        return jax.tree.map(scale, d_proj), scale(d_hidden), None, None
+
+    losses.defvjp(forward, backward)
+    objective, ce, z = losses(params, hidden, targets, mask.astype(jnp.float32))
+    return objective, jax.lax.stop_gradient(ce), jax.lax.stop_gradient(z)
 
 
 def loss_sums(
@@ -126,11 +190,16 @@ def loss_sums(
     hidden, aux_loss = qwen3.forward(
         params, cfg, batch["inputs"], batch["positions"], batch["segment_ids"], shard=shard
     )
-    ce, z = token_losses(
-        output_params(params, cfg, shard), cfg, hidden, batch["targets"], batch["loss_mask"], shard=shard
+    objective, ce, z = token_losses(
+        output_params(params, cfg, shard),
+        cfg,
+        hidden,
+        batch["targets"],
+        batch["loss_mask"],
+        z_loss_multiplier=z_loss_multiplier,
+        shard=shard,
     )
     tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
-    objective = ce + z_loss_multiplier * z
     return objective, {"ce_sum": ce, "z_sum": z, "tokens": tokens, "aux_loss": aux_loss}
 
 

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from records import REPO, write_record  # noqa: E402
+from records import REPO, package_versions, write_record  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 from trainer.aot import hlo  # noqa: E402
@@ -33,10 +33,7 @@ BATCHES = (1, 2)  # per_device_batch_size: the reference run's, and the presets'
 
 
 def _versions(python: str) -> str:
-    code = "import jax, importlib.metadata as m; print(jax.__version__, m.version('libtpu'))"
-    jax_version, libtpu = subprocess.run(
-        [python, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.split()
+    jax_version, libtpu = package_versions(python, "jax", "libtpu")
     return f"jax {jax_version}, libtpu {libtpu}"
 
 

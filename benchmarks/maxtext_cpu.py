@@ -18,24 +18,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from records import REPO, package_versions
+
+sys.path.insert(0, str(REPO))
+from trainer.config.schema import ARCHITECTURE_KEYS  # noqa: E402
+
 # This trainer's model keys that MaxText reads under the same name and meaning.
-SHARED_MODEL_KEYS = (
-    "base_num_decoder_layers",
-    "base_emb_dim",
-    "base_num_query_heads",
-    "base_num_kv_heads",
-    "head_dim",
-    "base_mlp_dim",
-    "vocab_size",
-    "rope_max_timescale",
-    "normalization_layer_epsilon",
-    "use_qk_norm",
-    "logits_via_embedding",
-    "dtype",
-    "weight_dtype",
-    "scan_layers",
-    "remat_policy",
-)
+SHARED_MODEL_KEYS = (*ARCHITECTURE_KEYS, "dtype", "weight_dtype", "scan_layers", "remat_policy")
 
 
 def _value(v) -> str:
@@ -90,10 +79,7 @@ def run_maxtext(python: str, overrides: list[str], devices: int, workdir: Path) 
 
 
 def maxtext_version(python: str) -> str:
-    code = "import importlib.metadata as m, jax; print(m.version('maxtext'), jax.__version__)"
-    version, jax_version = subprocess.run(
-        [python, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.split()
+    version, jax_version = package_versions(python, "maxtext", "jax")
     return f"MaxText {version} (jax {jax_version})"
 
 

@@ -65,6 +65,29 @@ DEFAULT_LOGICAL_AXIS_RULES = [
     ["norm", []],
 ]
 
+# The ModelConfig keys that fix a dense Qwen3's architecture (a checkpoint's shapes and its numerics), by
+# the names MaxText gives them; an MoE model adds MOE_ARCHITECTURE_KEYS.
+ARCHITECTURE_KEYS = (
+    "base_num_decoder_layers",
+    "base_emb_dim",
+    "base_num_query_heads",
+    "base_num_kv_heads",
+    "head_dim",
+    "base_mlp_dim",
+    "vocab_size",
+    "rope_max_timescale",
+    "normalization_layer_epsilon",
+    "use_qk_norm",
+    "logits_via_embedding",
+)
+MOE_ARCHITECTURE_KEYS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "base_moe_mlp_dim",
+    "norm_topk_prob",
+    "load_balance_loss_weight",
+)
+
 
 @dataclass(frozen=True)
 class ModelConfig:

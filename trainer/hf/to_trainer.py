@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainer.config.schema import ARCHITECTURE_KEYS, MOE_ARCHITECTURE_KEYS
 from trainer.hf.checkpoints import save_params
 from trainer.hf.load import load_hf
 from trainer.hf.outputs import check_output
@@ -58,27 +59,7 @@ def model_yaml(cfg, *, source, output_dir: Path, tokenizer: Path | None) -> str:
     capacity and the copied tokenizer, each group with a comment saying where it came from."""
     import yaml
 
-    arch = [
-        "base_num_decoder_layers",
-        "base_emb_dim",
-        "base_num_query_heads",
-        "base_num_kv_heads",
-        "head_dim",
-        "base_mlp_dim",
-        "vocab_size",
-        "rope_max_timescale",
-        "normalization_layer_epsilon",
-        "use_qk_norm",
-        "logits_via_embedding",
-    ]
-    if cfg.num_experts > 1:
-        arch += [
-            "num_experts",
-            "num_experts_per_tok",
-            "base_moe_mlp_dim",
-            "norm_topk_prob",
-            "load_balance_loss_weight",
-        ]
+    arch = [*ARCHITECTURE_KEYS, *(MOE_ARCHITECTURE_KEYS if cfg.num_experts > 1 else ())]
 
     def dump(keys):
         return yaml.safe_dump({k: getattr(cfg, k) for k in keys}, sort_keys=False).rstrip()

@@ -100,7 +100,9 @@ class ModelConfig:
     base_num_kv_heads: int = key(2, "Attention key/value heads (GQA); must divide the query heads.", minimum=1)
     head_dim: int = key(64, "Dimension of each attention head (need not be emb_dim / heads).", minimum=1)
     base_mlp_dim: int = key(768, "SwiGLU hidden size of the dense MLP.", minimum=1)
-    vocab_size: int = key(32768, "Vocabulary size (rows of the embedding table).", minimum=1)
+    vocab_size: int = key(
+        32768, "Vocabulary size (rows of the embedding table), below 2^24.", minimum=1, maximum=2**24 - 1
+    )
     rope_max_timescale: float = key(1_000_000.0, "RoPE theta.", minimum=1.0)
     normalization_layer_epsilon: float = key(1e-6, "RMSNorm epsilon.", minimum=0.0)
     use_qk_norm: bool = key(True, "Per-head RMSNorm on queries and keys before RoPE (Qwen3).")

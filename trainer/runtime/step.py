@@ -72,10 +72,13 @@ def _chunk_loss_and_grads(
     if logits_spec is not None and logits_spec[2] is not None:
         # The vocabulary is split: the target's logit as a masked sum over it, a reduction over the split
         # dim (gathering the targets' rows of the split projection costs more than the step's largest
-        # ICI all-gather on TPU).
-        hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == targets[..., None]
-        target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
-        d_logits = d_logits - jnp.where(hit, mask[..., None], 0.0)
+        # ICI all-gather on TPU). The one-hot is arithmetic, max(0, 1 - |v - target|) (exact while the
+        # vocabulary is below 2^24), which XLA:CPU fuses into the reduction; a compare-and-select it
+        # writes out first (17 ms against 4 for 512 tokens x 16k vocab on one core).
+        vocab = jax.lax.broadcasted_iota(jnp.float32, logits.shape, 2)
+        hit = jnp.maximum(0.0, 1.0 - jnp.abs(vocab - targets[..., None].astype(jnp.float32)))
+        target_logit = jnp.sum(logits * hit, axis=-1)
+        d_logits = d_logits - hit * mask[..., None]
         d_proj, d_hidden = qwen3.logits_pullback(proj, cfg, h, pin(d_logits))
     else:
         # The whole vocabulary is here: the target's logit, and the "- onehot" of its gradient, through

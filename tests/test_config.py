@@ -59,6 +59,25 @@ def test_config_argument_accepts_a_path(tmp_path):
     assert cfg.train.steps == 7 and cfg.model.base_emb_dim == 512
 
 
+def test_a_copy_of_base_yml_does_not_put_the_base_architecture_under_a_presets_name(tmp_path):
+    """A user's file beats the preset: a copied base.yml with model=qwen3-0.6b would train the tiny default
+    architecture named qwen3-0.6b. It stops before any compute, naming the keys and the fix."""
+    copy = tmp_path / "mine.yml"
+    copy.write_text((configs_dir() / "base.yml").read_text())
+    with pytest.raises(ConfigError) as e:
+        load_config(str(copy), ["model=qwen3-0.6b"])
+    message = str(e.value)
+    assert "base_emb_dim=256 (preset: 1024)" in message and "delete these keys" in message
+    # The same value on the command line overrides the preset on purpose; a value of the user's own in
+    # the file (not base.yml's) does too.
+    assert load_config(str(copy), ["model=qwen3-tiny"]).model.base_emb_dim == 256
+    own = tmp_path / "own.yml"
+    own.write_text("model: qwen3-0.6b\nbase_num_decoder_layers: 2\n")
+    assert load_config(str(own)).model.base_num_decoder_layers == 2
+    cli = load_config("base.yml", ["model=qwen3-0.6b", "base_emb_dim=256", "head_dim=64"])
+    assert cli.model.base_emb_dim == 256
+
+
 def test_overrides_are_yaml_scalars():
     cfg = load_config("base.yml", ["learning_rate=1e-3", "enable_tensorboard=false", "run_name=123"])
     assert cfg.optim.learning_rate == pytest.approx(1e-3)

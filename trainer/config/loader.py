@@ -24,7 +24,14 @@ from typing import Any
 import yaml
 
 from trainer.config.errors import ConfigError
-from trainer.config.schema import AUTO, RunConfig, flat_fields, section_classes
+from trainer.config.schema import (
+    ARCHITECTURE_KEYS,
+    AUTO,
+    MOE_ARCHITECTURE_KEYS,
+    RunConfig,
+    flat_fields,
+    section_classes,
+)
 from trainer.config.validate import validate
 from trainer.config.values import coerce, from_text
 
@@ -202,7 +209,28 @@ def load_layers(config_arg: str = "base.yml", overrides: Iterable[str] = ()) -> 
         f"model preset {model}" if preset_path.parent == configs_dir() / "models" else f"model file {model}",
         read_yaml(preset_path).values,
     )
+    if user is not None:
+        _check_not_a_copy_of_base(user, base, preset)
     return [base, preset] + ([user] if user else []) + [cli]
+
+
+def _check_not_a_copy_of_base(user: Layer, base: Layer, preset: Layer) -> None:
+    """A user's file beats the preset, so a copy of base.yml would put base.yml's architecture (the tiny
+    default's) under the preset's name. Architecture keys the file sets to base.yml's value over a preset
+    that sets another stop the run; on the command line they still win."""
+    copied = [
+        k
+        for k in (*ARCHITECTURE_KEYS, *MOE_ARCHITECTURE_KEYS)
+        if k in user.values and k in preset.values and user.values[k] == base.values.get(k) != preset.values[k]
+    ]
+    if copied:
+        sets = ", ".join(f"{k}={user.values[k]!r} (preset: {preset.values[k]!r})" for k in copied)
+        raise ConfigError(
+            f"{user.name} sets base.yml's own values of architecture keys over the {preset.name}: {sets}. "
+            f"A copy of base.yml would train the base architecture under the preset's name: delete these keys "
+            f"from {user.name} to train the preset's architecture, or pass them as key=value on the command "
+            "line to override the preset on purpose"
+        )
 
 
 def merge(layers: list[Layer]) -> dict[str, Any]:

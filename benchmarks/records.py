@@ -153,8 +153,7 @@ def package_versions(python: str, *packages: str) -> list[str]:
     """The installed versions of `packages` in another interpreter (one that runs a peer, MaxText, or
     this trainer under a different jax), as the record names what measured it."""
     code = f"import importlib.metadata as m; print(*(m.version(p) for p in {list(packages)!r}))"
-    out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    return out
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.split()
 
 
 def write_record(

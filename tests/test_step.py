@@ -67,23 +67,29 @@ def _reference_objective(proj, cfg, hidden, targets, mask, z_loss_multiplier):
     return jnp.sum((lse - target) * mask) + z_loss_multiplier * jnp.sum(jnp.square(lse) * mask)
 
 
+@pytest.mark.parametrize("fsdp", [1, 2])  # 2: the vocabulary split over two devices (the masked-sum path)
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("chunk_tokens", [LOSS_CHUNK_TOKENS, 24])  # 24: 64 tokens -> 4 chunks of 4 x 4
-def test_the_loss_and_its_gradient_equal_plain_autodiff(monkeypatch, tied, chunk_tokens):
+def test_the_loss_and_its_gradient_equal_plain_autodiff(monkeypatch, tied, chunk_tokens, fsdp):
     """The loss computes its gradient in the forward pass, chunk by chunk (custom VJP): value and
-    gradients (projection, hidden states) equal autodiff of the whole-sequence loss, masked, with z-loss."""
-    cfg = micro_config(f"logits_via_embedding={str(tied).lower()}").model
+    gradients (projection, hidden states) equal autodiff of the whole-sequence loss, masked, with z-loss,
+    with the whole vocabulary on the device and with it split."""
+    from trainer.parallel.activations import ActivationSharding
+
+    run = micro_config(f"logits_via_embedding={str(tied).lower()}")
+    cfg = run.model
     monkeypatch.setattr("trainer.runtime.step.LOSS_CHUNK_TOKENS", chunk_tokens)
+    shard = UNSHARDED if fsdp == 1 else ActivationSharding(_mesh(1, fsdp), run.mesh.logical_axis_rules)
     proj = output_params(qwen3.init_params(cfg, jax.random.key(1)), cfg, UNSHARDED)
     hidden = jax.random.normal(jax.random.key(2), (4, 16, cfg.base_emb_dim))
     targets = jax.random.randint(jax.random.key(3), (4, 16), 0, cfg.vocab_size)
     mask = (jax.random.uniform(jax.random.key(4), (4, 16)) > 0.3).astype(jnp.float32)
 
     def ours(p, h):
-        objective, ce, z = token_losses(p, cfg, h, targets, mask, z_loss_multiplier=1e-2)
+        objective, ce, z = token_losses(p, cfg, h, targets, mask, z_loss_multiplier=1e-2, shard=shard)
         return objective, (ce, z)
 
-    (value, (ce, z)), grads = jax.value_and_grad(ours, argnums=(0, 1), has_aux=True)(proj, hidden)
+    (value, (ce, z)), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1), has_aux=True))(proj, hidden)
     want, want_grads = jax.value_and_grad(_reference_objective, argnums=(0, 2))(
         proj, cfg, hidden, targets, mask, 1e-2
     )

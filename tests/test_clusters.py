@@ -178,6 +178,7 @@ def test_a_slice_down_event_is_counted_and_retried_on_the_slices_the_cluster_giv
     assert attempts.built[0][1] == {
         "snapshots": sup.snapshots,
         "wrap_step": "guard",
+        "wrap_replay": None,
         "checkpoint_multiprocessing": None,
         "checkpoint_barrier": None,
     }

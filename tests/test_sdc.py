@@ -1,11 +1,14 @@
-"""Silent-data-corruption check by replay: a slice that computes wrong numbers is named and undone.
+"""Silent-data-corruption check: faults injected on a slice's devices are found, named and undone.
 
-Units: the row rotation, the bitwise comparison and who it implicates (`trainer.runtime.sdc`), the config
-and `corrupt` entries, and that an unchecked corruption does change the step's update (so the end-to-end
-equality below means the check undid it). End to end on 3 virtual slices: a one-shot corruption of slice
-2 at step 9 with `sdc_check_period=3` is detected at step 9 (by step 12), names slice 2, rolls back, and
-the final parameters are bitwise equal to an uninterrupted run's; with `sdc_quarantine=true` the run
-goes on without slice 2.
+Units: the row rotation, the bitwise comparison and who it implicates, the replicas' digests and the
+majority that names an odd replica (`trainer.runtime.sdc`); the replay checksums of the real compiled
+program differ per replica and change when one slice's devices compute on wrong numbers; a bit flipped in
+one slice's copy of the parameters is found and names it; the config entries; an unchecked corruption
+does change the step's update. End to end on 3 virtual slices with `sdc_check_period=3`: a bit flipped in
+slice 2's copy of the parameters after step 10 lands in the loss, the check of step 12 names slice 2, the
+run rolls back to the state verified clean (step 8) and ends bitwise equal to an uninterrupted run; a
+bad chip on slice 2 from step 10 on is found by the replay at step 12 and, with `sdc_quarantine=true`,
+its slice taken out, the run ending with the clean run's parameters within the resize's tolerance.
 """
 
 from __future__ import annotations
@@ -15,14 +18,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cli_harness import assert_same_params, events, metrics, run_cli
+from helpers import NANO_MODEL
 
 from trainer.config import ConfigError, load_config
 from trainer.config.fault_schedule import parse_fault_schedule
+from trainer.data.pipeline import make_train_iterator
+from trainer.elastic.device_faults import flip_bits, wrong_inputs
 from trainer.elastic.faults import FaultInjector, Outages
 from trainer.observe.events import EventLog
 from trainer.observe.runlog import load_run, summarize
+from trainer.parallel.mesh import group_into_slices
 from trainer.report import format_summary
-from trainer.runtime.sdc import compare, corrupt_rows, rotate
+from trainer.runtime.layout import lower_step, slice_layout, train_spec
+from trainer.runtime.sdc import Verdict, compare, odd_replicas, replica_digests, rotate
+from trainer.runtime.state import init_state
+
+
+def corrupt_rows(results: np.ndarray, rows: range) -> np.ndarray:
+    """`results` with the given replicas' rows off by one unit in the last place."""
+    out = np.array(results, copy=True)
+    out[rows.start : rows.stop] = np.nextafter(out[rows.start : rows.stop], np.inf, dtype=out.dtype)
+    return out
 
 
 def _results(replicas: int) -> np.ndarray:
@@ -75,53 +91,129 @@ def test_settings_and_entries_are_checked():
         parse_fault_schedule("step=9,slice=3,corrupt=1", num_slices=3)
 
 
-def test_a_corruption_the_check_does_not_see_changes_the_update_once(tmp_path):
-    injector = FaultInjector(
-        parse_fault_schedule("step=2,slice=0,corrupt=1", 1), Outages(), tmp_path / "chaos", EventLog(None)
+def _on_three_slices():
+    """(spec, layout, params, device batch, slices) of the nano model on 3 slices of one CPU device each."""
+    cfg = load_config("base.yml", [*NANO_MODEL, "num_slices=3", "sdc_check_period=3"])
+    slices = group_into_slices(jax.devices()[:3], 3)
+    spec = train_spec(cfg)
+    layout = slice_layout(spec, slices)
+    state = init_state(spec.model, layout.optimizer, layout.shardings, seed=0)
+    iterator = make_train_iterator(
+        spec.data, vocab_size=spec.model.vocab_size, global_batch_size=layout.batch.global_batch_size
     )
-    state = {"params": {"w": jnp.ones(3)}}
-    step = injector.guard(lambda s, b: ({"params": jax.tree.map(lambda p: p * 2, s["params"])}, {}), [0])
+    host = next(iterator)
+    iterator.close()
+    batch = {k: jax.make_array_from_process_local_data(layout.batch_sharding, v) for k, v in host.items()}
+    return spec, layout, state["params"], batch, slices
+
+
+def test_replay_checksums_differ_per_replica_and_change_with_one_devices_numbers():
+    spec, layout, params, batch, slices = _on_three_slices()
+    checksums = lower_step(spec, layout, "sdc").compile()
+    clean = np.asarray(checksums(params, batch))
+    assert clean.shape[0] == 3 and np.isfinite(clean).all()
+    assert len({row.tobytes() for row in clean}) == 3  # each replica's own rows, its own gradients
+    np.testing.assert_array_equal(np.asarray(checksums(params, batch)), clean)  # bitwise repeatable
+    off = np.asarray(checksums(params, wrong_inputs(batch, slices[1])))  # slice 1's devices compute wrong
+    assert [np.array_equal(off[r], clean[r]) for r in range(3)] == [True, False, True]
+
+
+def test_a_flipped_bit_in_one_slices_copy_of_the_params_is_found_and_names_that_slice():
+    _, layout, params, _, slices = _on_three_slices()
+    digests = replica_digests(layout.mesh)
+    assert odd_replicas(np.asarray(digests(params)), 3) == Verdict((), ())
+    flipped = flip_bits(params, slices[2])
+    assert odd_replicas(np.asarray(digests(flipped)), 3) == Verdict((2,), (2,))
+    two = odd_replicas(np.asarray(digests(flipped))[1:], 2)  # two replicas: no majority, both suspects
+    assert two == Verdict((0, 1), (0, 1))
+    one = next(iter(jax.tree.leaves(flipped)))  # only slice 2's buffer changed, by one bit of one element
+    shards = {s.device: np.asarray(s.data) for s in one.addressable_shards}
+    a, b = shards[slices[0][0]], shards[slices[2][0]]
+    assert np.array_equal(a, shards[slices[1][0]]) and (a != b).sum() == 1
+
+
+def test_a_corruption_the_check_does_not_see_changes_the_update_once(tmp_path):
+    _, layout, params, batch, slices = _on_three_slices()
+    injector = FaultInjector(
+        parse_fault_schedule("step=2,slice=1,corrupt=1", 3), Outages(), tmp_path / "chaos", EventLog(None)
+    )
+
+    def fake_step(state, b):  # an update that depends on every device's inputs
+        total = jnp.sum(b["inputs"].astype(jnp.float32))
+        return {"params": jax.tree.map(lambda p: p + total, state["params"])}, {}
+
+    step = injector.guard(fake_step, dict(enumerate(slices)))
+    injector.at_step_boundary(1)
+    clean, _ = step({"params": params}, batch)
     injector.at_step_boundary(2)
-    off, _ = step(state, None)
-    assert not np.array_equal(off["params"]["w"], np.full(3, 2.0))
-    again, _ = step(state, None)  # once per run
-    np.testing.assert_array_equal(again["params"]["w"], np.full(3, 2.0))
+    off, _ = step({"params": params}, batch)
+    leaf = lambda s: np.asarray(next(iter(jax.tree.leaves(s["params"]))))  # noqa: E731
+    assert not np.array_equal(leaf(off), leaf(clean))  # slice 1's inputs were wrong: the update is off
+    again, _ = step({"params": params}, batch)  # once per run
+    np.testing.assert_array_equal(leaf(again), leaf(clean))
 
 
-SLICES = ["steps=15", "num_slices=3", "elastic_enabled=true", "snapshot_period=2"]
+SLICES = ["steps=15", "num_slices=3", "elastic_enabled=true", "snapshot_period=2", "checkpoint_period=4"]
+CHECKED = [*SLICES, "sdc_check_period=3"]
 
 
-def test_a_corrupted_slice_is_named_rolled_back_and_the_run_ends_bitwise_equal(tmp_path):
-    base = run_cli(tmp_path, "base", *SLICES)
+def _losses_at(run_dir, step: int) -> list[float]:
+    return [r["loss"] for r in metrics(run_dir) if r.get("step") == step and "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sdc")
+    base = run_cli(root, "base", *SLICES)
     assert base.returncode == 0, base.stderr[-3000:]
+    return root / "base"
 
-    out = run_cli(tmp_path, "checked", *SLICES, "sdc_check_period=3", "fault_schedule=step=9,slice=2,corrupt=1")
+
+def test_a_flipped_replica_lands_is_named_rolled_back_to_a_verified_state_and_ends_bitwise_equal(
+    tmp_path, clean_run
+):
+    out = run_cli(tmp_path, "flipped", *CHECKED, "fault_schedule=step=10,slice=2,flip=1")
     assert out.returncode == 0, out.stderr[-3000:]
-    run_dir = tmp_path / "checked"
-    (detected,) = [e for e in events(run_dir) if e["event"] == "sdc_detected"]
-    assert detected["step"] == 9 and detected["slices"] == [2]  # detected by step 12, naming slice 2
-    rollback = next(e for e in events(run_dir) if e["event"] == "rollback")
-    assert rollback["cause"] == "silent_data_corruption"
-    checked = [r["step"] for r in metrics(run_dir) if "sdc_check_s" in r]
-    assert {3, 6, 9, 12, 15} <= set(checked)  # every third step, step 9 again after the rollback
-    assert_same_params(run_dir, tmp_path / "base")
+    run_dir = tmp_path / "flipped"
+    evs = events(run_dir)
+    (injected,) = [e for e in evs if e["event"] == "sdc_injected"]
+    assert (injected["step"], injected["slice"], injected["where"]) == (10, 2, "memory")
+    (detected,) = [e for e in evs if e["event"] == "sdc_detected"]
+    assert detected["step"] == 12 and detected["slices"] == [2] and detected["kind"] == "replicas_differ"
+    assert detected["verified_step"] == 8  # the check of step 9 passed: the state after step 8 is clean
+    rollback = next(e for e in evs if e["event"] == "rollback")
+    assert rollback["cause"] == "silent_data_corruption" and rollback["not_after"] == 8
+    after = [e for e in evs if e["event"] == "attempt_start"][-1]
+    assert after["start_step"] == 8  # checkpoint 8, not the newer snapshot of step 10 (unverified)
+    first, *_, last = _losses_at(run_dir, 11)
+    (clean,) = _losses_at(clean_run, 11)
+    assert first != clean and last == clean  # the fault landed in the loss; the rollback undid it
+    assert_same_params(run_dir, clean_run)
     run = load_run(run_dir)  # what trainer.report prints
     assert "silent data corruption 1" in format_summary(summarize(run), run.events)
     assert summarize(run).goodput["badput_s"]["sdc_check"] > 0
 
+
+def test_a_bad_chip_is_found_by_the_replay_its_slice_quarantined_and_the_run_ends_with_the_clean_params(
+    tmp_path, clean_run
+):
     quarantined = run_cli(
         tmp_path,
         "quarantined",
-        *SLICES,
-        "sdc_check_period=3",
+        *CHECKED,
         "sdc_quarantine=true",
         "elastic_min_slice_count=2",
-        "fault_schedule=step=9,slice=2,corrupt=1",
+        "fault_schedule=step=10,slice=2,corrupt=persistent",
     )
     assert quarantined.returncode == 0, quarantined.stderr[-3000:]
-    evs = events(tmp_path / "quarantined")
+    run_dir = tmp_path / "quarantined"
+    evs = events(run_dir)
+    (detected,) = [e for e in evs if e["event"] == "sdc_detected"]  # the two slices left check clean
+    assert detected["step"] == 12 and detected["slices"] == [2] and detected["kind"] == "replay_differs"
     assert [e["slice"] for e in evs if e["event"] == "sdc_quarantined"] == [2]
     after = [e for e in evs if e["event"] == "attempt_start"][-1]
-    assert after["slices"] == [0, 1] and after["start_step"] < 9
+    assert after["slices"] == [0, 1] and after["start_step"] == 8
+    (clean,) = _losses_at(clean_run, 11)
+    assert _losses_at(run_dir, 11)[0] != clean  # steps 10 and 11 trained on slice 2's wrong numbers
     assert "STATUS: finished step=15" in quarantined.stdout
-    assert len([e for e in evs if e["event"] == "sdc_detected"]) == 1  # the two slices left check clean
+    assert_same_params(run_dir, clean_run, rtol=1e-4, atol=1e-5)  # on 2 slices: the resize's tolerance

@@ -206,10 +206,7 @@ def sdc_check(cfg: RunConfig, cluster: Cluster, events) -> SdcCheck | None:
             f"sdc_check_period={cfg.elastic.sdc_check_period} needs one controller (Pathways or one local "
             f"process); this job has {jax.process_count()} processes: set sdc_check_period=0"
         )
-    injector = getattr(cluster, "injector", None)
-    return SdcCheck(
-        cfg.elastic.sdc_check_period, events, faulty=injector.faulty if injector is not None else lambda step: None
-    )
+    return SdcCheck(cfg.elastic.sdc_check_period, events)
 
 
 def build_cluster(

@@ -165,7 +165,13 @@ class NoCheckpoints:
     def latest_committed_step(self) -> int | None:
         return None
 
-    def restore(self, abstract_state):
+    def committed_steps(self) -> list[int]:
+        return []
+
+    def set_aside_after(self, step: int, why: str) -> list[int]:
+        return []
+
+    def restore(self, abstract_state, step: int | None = None):
         raise CheckpointRestoreError("enable_checkpointing=false: this run keeps no checkpoints")
 
 
@@ -257,6 +263,15 @@ class Checkpointer:
     def latest_committed_step(self) -> int | None:
         steps = self.committed_steps()
         return steps[-1] if steps else None
+
+    def set_aside_after(self, step: int, why: str) -> list[int]:
+        """Set aside every committed step after `step` (`_set_aside`: kept for inspection, saved again when
+        training reaches it): states a rollback to `step` found unverified (`why`)."""
+        self._finish_inflight()
+        newer = [s for s in self.committed_steps() if s > step]
+        for s in newer:
+            self._set_aside(s, RuntimeError(why), "unverified")
+        return newer
 
     def cleanup_partial(self) -> list[str]:
         """Remove this trainer's own unfinished writes (`commit.partial_step_paths`: Orbax's tmp dirs, and

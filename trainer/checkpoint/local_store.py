@@ -99,6 +99,14 @@ class LocalStore:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def discard_after(self, step: int) -> list[int]:
+        """Remove the local steps after `step` (states a rollback to `step` found unverified)."""
+        with self._writing:
+            dropped = [s for s in self.steps() if s > step]
+            for s in dropped:
+                shutil.rmtree(self.root / str(s), ignore_errors=True)
+        return dropped
+
     def write(self, step: int, state, data_state: dict, *, started: float | None = None) -> None:
         """Write one host snapshot (numpy pytree) as committed step `step`, then prune old steps."""
         with self._writing:

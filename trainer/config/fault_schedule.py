@@ -7,7 +7,9 @@ Entries are separated by ';':
     step=40,slice=1,down_s=5 | step=N,slice=K,down_steps=M | step=N,nan=1 | step=N,slow_s=S
     step=N,hang_s=S                                       (step N's dispatch blocks S seconds, once per run)
     step=N,spike=F                                        (step N's loss and update times F, once per run)
-    step=N,slice=K,corrupt=1                              (slice K computes wrong numbers in step N, once)
+    step=N,slice=K,corrupt=1                              (slice K's devices compute wrong numbers in step N, once)
+    step=N,slice=K,corrupt=persistent                     (... in every step from N on: a bad chip)
+    step=N,slice=K,flip=1                                 (slice K's copy of the params changes after step N)
     rate=R,seed=S[,slice=K][,down_s=D][,step=N]           (local slices: trainer.elastic.faults)
     step=N,process=P,error=oom|bug                        (several processes: trainer.elastic.process_faults)
     storage=restore|save[,count=N]                        (either: trainer.checkpoint.storage_faults)
@@ -39,7 +41,9 @@ class Fault:
     slow_s: float = 0.0  # > 0: no failure; the host stalls this long after step `step` (a slow step)
     hang_s: float = 0.0  # > 0: no failure raised; step `step`'s dispatch blocks this long (a hang)
     spike: float = 0.0  # > 0: step `step`'s loss and update are multiplied by this (a loss spike)
-    corrupt: bool = False  # slice `slice` computes wrong numbers in step `step` (silent data corruption)
+    corrupt: bool = False  # slice `slice`'s devices compute wrong numbers in step `step` (silent data corruption)
+    persistent: bool = False  # with corrupt: in every step from `step` on (a bad chip), not only in `step`
+    flip: bool = False  # slice `slice`'s copy of the parameters changes after step `step`'s update (memory fault)
 
 
 def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
@@ -75,7 +79,7 @@ def parse_fault_schedule(text: str, num_slices: int) -> list[Fault]:
 
 
 def _fixed_entry(entry: str, fields: dict[str, str]) -> Fault:
-    if "corrupt" in fields:
+    if "corrupt" in fields or "flip" in fields:
         return _corrupt_entry(entry, fields)
     unknown = set(fields) - {"step", "slice", "down_s", "down_steps", "nan"}
     if unknown or "step" not in fields or ("slice" in fields) == ("nan" in fields):
@@ -121,15 +125,27 @@ def _stall_entry(entry: str, fields: dict[str, str], name: str) -> Fault:
 
 
 def _corrupt_entry(entry: str, fields: dict[str, str]) -> Fault:
-    """step=N,slice=K,corrupt=1: slice K computes wrong numbers during step N, once per run (what
-    sdc_check_period is for): the replay check sees them when it checks step N, else step N's update is off."""
+    """Silent data corruption on slice K's devices (what sdc_check_period is for):
+    step=N,slice=K,corrupt=1           slice K computes wrong numbers during step N, once per run;
+    step=N,slice=K,corrupt=persistent  ... during every step from N on (a bad chip);
+    step=N,slice=K,flip=1              slice K's copy of the parameters changes after step N's update, once
+                                       per run (a memory fault: the replicas diverge)."""
+    kind = "corrupt" if "corrupt" in fields else "flip"
+    values = ("1", "persistent") if kind == "corrupt" else ("1",)
     try:
-        if set(fields) != {"step", "slice", "corrupt"} or fields["corrupt"] != "1":
+        if set(fields) != {"step", "slice", kind} or fields[kind] not in values:
             raise ValueError
-        fault = Fault(int(fields["step"]), int(fields["slice"]), corrupt=True)
+        fault = Fault(
+            int(fields["step"]),
+            int(fields["slice"]),
+            corrupt=kind == "corrupt",
+            persistent=fields[kind] == "persistent",
+            flip=kind == "flip",
+        )
     except ValueError:
         raise ConfigError(
-            f"fault_schedule entry {entry!r}: silent data corruption is step=N,slice=K,corrupt=1 (integers)"
+            f"fault_schedule entry {entry!r}: silent data corruption is step=N,slice=K,corrupt=1, "
+            "step=N,slice=K,corrupt=persistent or step=N,slice=K,flip=1 (N, K integers)"
         ) from None
     if fault.step < 1 or fault.slice < 0:
         raise ConfigError(f"fault_schedule entry {entry!r}: step must be >= 1 and slice >= 0")

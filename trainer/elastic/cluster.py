@@ -46,12 +46,14 @@ class AttemptParts:
 
     snapshots                   where host-RAM snapshots are restored from (`runtime.restore.SnapshotSource`)
     wrap_step                   wraps the compiled step (a fault injector's or the membership's guard), or None
+    wrap_replay                 wraps the compiled replay check (the fault injector's), or None
     checkpoint_multiprocessing  Orbax MultiprocessingOptions when only some processes take part, or None
     checkpoint_barrier          Orbax's barrier between processes (one that notices a dead peer), or None
     """
 
     snapshots: Any = None
     wrap_step: Callable | None = None
+    wrap_replay: Callable | None = None
     checkpoint_multiprocessing: Any = None
     checkpoint_barrier: Any = None
 

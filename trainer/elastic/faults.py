@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from trainer.config.fault_schedule import Fault
 from trainer.elastic.chaos_requests import attempt_of, names_attempt
+from trainer.elastic.device_faults import flip_bits, wrong_inputs
 from trainer.io.jsonl import read_jsonl
 from trainer.observe import catalogue
 
@@ -105,13 +106,15 @@ class FaultInjector:
 
     def __init__(self, faults: list[Fault], outages: Outages, chaos_dir: Path | None, events):
         self.pending = sorted(
-            (f for f in faults if not (f.nan or f.rate or f.slow_s or f.hang_s or f.spike or f.corrupt)),
+            (f for f in faults if not (f.nan or f.rate or f.slow_s or f.hang_s or f.spike or f.corrupt or f.flip)),
             key=lambda f: f.step,
         )
         self.stalls = {f.step: f.slow_s for f in faults if f.slow_s}  # step -> seconds the host stalls after it
         self.hangs = {f.step: f.hang_s for f in faults if f.hang_s}  # step -> seconds its dispatch blocks
         self.spikes = {f.step: f.spike for f in faults if f.spike}  # step -> factor on its loss and update
-        self.corrupt = {f.step: f.slice for f in faults if f.corrupt}  # step -> the slice computing wrong numbers
+        self.corrupt = [f for f in faults if f.corrupt]  # slices whose devices compute wrong numbers
+        self.flips = {f.step: f.slice for f in faults if f.flip}  # step -> the slice whose params copy changes
+        self._corrupting: dict[int, int] = {}  # one-shot corruptions under way: step -> slice (this attempt)
         self.random_sources = [PoissonFaults(f) for f in faults if f.rate]
         self.nan_steps = {f.step for f in faults if f.nan}
         self.outages = outages
@@ -232,14 +235,44 @@ class FaultInjector:
             self._own_attempt = attempt_of(mine[-1]) if mine else None
         return self._own_attempt
 
-    def faulty(self, step: int, where: str = "sdc_check") -> int | None:
-        """The slice an injected fault makes compute wrong numbers at `step`, the first time anything
-        computes that step in the run (the replay check, or the step itself); else None."""
-        bad = self.corrupt.pop(step, None)
-        if bad is None or not self._once_per_run(f"corrupt_at_step_{step}"):
-            return None
-        self.events.emit(catalogue.SDC_INJECTED, step=step, slice=bad, where=where)
-        return bad
+    def corrupting(self, step: int, where: str) -> int | None:
+        """The slice whose devices compute wrong numbers while `step` is computed (by the replay check, then
+        by the step itself): a persistent fault's slice from its step on; a one-shot fault's slice the first
+        time the run computes its step (both the check and the step of that attempt), never again."""
+        for f in self.corrupt:
+            if f.persistent and step >= f.step:
+                if self._once_per_run(f"corrupt_from_step_{f.step}_slice_{f.slice}"):
+                    emit = self.events.emit
+                    emit(catalogue.SDC_INJECTED, step=step, slice=f.slice, where=where, persistent=True)
+                return f.slice
+        if step in self._corrupting:
+            return self._corrupting[step]
+        for f in self.corrupt:
+            if not f.persistent and f.step == step and self._once_per_run(f"corrupt_at_step_{step}"):
+                self.events.emit(catalogue.SDC_INJECTED, step=step, slice=f.slice, where=where)
+                self._corrupting[step] = f.slice
+                return f.slice
+        return None
+
+    def _flip(self, step: int, state, slice_devices: dict[int, list]):
+        """After `step`'s update: a scheduled memory fault changes one slice's copy of the parameters."""
+        bad = self.flips.get(step)
+        if bad is None or bad not in slice_devices or not self._once_per_run(f"flip_at_step_{step}"):
+            return state
+        self.events.emit(catalogue.SDC_INJECTED, step=step, slice=bad, where="memory")
+        return dict(state, params=flip_bits(state["params"], slice_devices[bad]))
+
+    def guard_replay(self, check_fn, slice_devices: dict[int, list]):
+        """The replay check's program as it runs on the slices: a slice with a corruption due computes it
+        on wrong numbers, as the step does (`guard`)."""
+
+        def guarded(params, batch):
+            bad = self.corrupting(self.next_step, where="sdc_check")
+            if bad is not None and bad in slice_devices:
+                batch = wrong_inputs(batch, slice_devices[bad])
+            return check_fn(params, batch)
+
+        return guarded
 
     def _spike(self, factor: float, before, state, metrics):
         """A loss spike: the step's loss and gradient norm times `factor`, and its update to the params
@@ -250,27 +283,33 @@ class FaultInjector:
         metrics = dict(metrics, loss=metrics["loss"] * factor, grad_norm=metrics["grad_norm"] * factor)
         return dict(state, params=params), metrics
 
-    def guard(self, step_fn, active_slices: list[int]):
-        """`step_fn` that raises the Pathways slice-down error while any of `active_slices` is down."""
+    def guard(self, step_fn, slice_devices: dict[int, list]):
+        """`step_fn` as it runs on the active slices (`slice_devices`: each one's devices): it raises the
+        Pathways slice-down error while any of them is down, and a corruption or memory fault scheduled
+        for the step lands on its slice's devices."""
+        self._corrupting.clear()  # a one-shot corruption belongs to the attempt that first computed it
+        active_slices = list(slice_devices)
 
-        def guarded(*args, **kwargs):
+        def guarded(state, batch):
             down = self.outages.take_failures(active_slices)
             if down:
                 raise slice_down_error(down, self.last_cause or "slice down")
-            factor = self.spikes.pop(self.next_step, 0.0)
-            if factor and not self._once_per_run(f"spike_at_step_{self.next_step}"):
+            step = self.next_step
+            factor = self.spikes.pop(step, 0.0)
+            if factor and not self._once_per_run(f"spike_at_step_{step}"):
                 factor = 0.0
-            before = jax.tree.map(jnp.copy, args[0]["params"]) if factor else None  # the step donates its input
-            state, metrics = step_fn(*args, **kwargs)
+            before = jax.tree.map(jnp.copy, state["params"]) if factor else None  # the step donates its input
+            bad = self.corrupting(step, where="step")
+            if bad is not None and bad in slice_devices:
+                batch = wrong_inputs(batch, slice_devices[bad])
+            state, metrics = step_fn(state, batch)
+            self._corrupting.pop(step, None)  # the step computed it: a replay of the step is clean
             if factor:
                 state, metrics = self._spike(factor, before, state, metrics)
-            if (
-                self.faulty(self.next_step, where="step") is not None
-            ):  # the check did not see it: the update is off
-                state = dict(state, params=jax.tree.map(lambda p: p + jnp.asarray(1e-3, p.dtype), state["params"]))
-            if self.next_step in self.nan_steps:
-                self.nan_steps.discard(self.next_step)  # fires once, like a slice fault
-                self.events.emit(catalogue.NAN_INJECTED, step=self.next_step)
+            state = self._flip(step, state, slice_devices)
+            if step in self.nan_steps:
+                self.nan_steps.discard(step)  # fires once, like a slice fault
+                self.events.emit(catalogue.NAN_INJECTED, step=step)
                 metrics = dict(metrics, loss=metrics["loss"] * float("nan"), finite=metrics["finite"] & False)
             return state, metrics
 

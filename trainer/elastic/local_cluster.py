@@ -99,8 +99,14 @@ class LocalCluster:
     def attempt_parts(self, active: list[int], snapshots: HostSnapshots) -> AttemptParts:
         injector = self.injector
         self._snapshots = snapshots
-        guard = None if injector is None else (lambda fn: injector.guard(fn, active))
-        return AttemptParts(snapshots=snapshots, wrap_step=guard)
+        if injector is None:
+            return AttemptParts(snapshots=snapshots)
+        on = {i: self.slice_to_devices[i] for i in active}
+        return AttemptParts(
+            snapshots=snapshots,
+            wrap_step=lambda fn: injector.guard(fn, on),
+            wrap_replay=lambda fn: injector.guard_replay(fn, on),
+        )
 
     def at_step_boundary(self, next_step: int, in_flight=None) -> None:
         if self.injector is not None:

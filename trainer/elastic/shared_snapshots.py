@@ -45,10 +45,10 @@ class SharedSnapshots:
         self._best: int | None = None
         self._source_row: int | None = None  # data row to send from; None: every process holds it
 
-    def newest_step(self, abstract_state, checkpoint_step: int | None) -> int | None:
+    def newest_step(self, abstract_state, checkpoint_step: int | None, not_after: int | None = None) -> int | None:
         self.barrier()
         self.mesh = jax.tree.leaves(abstract_state)[0].sharding.mesh
-        mine = self.snapshots.newest_step(abstract_state, checkpoint_step)
+        mine = self.snapshots.newest_step(abstract_state, checkpoint_step, not_after)
         serves = int(mine is not None and self.snapshots.can_serve(abstract_state))
         ckpt = -1 if checkpoint_step is None else checkpoint_step
         local = int(mine is not None and self.snapshots.origin() == "local")

@@ -252,14 +252,27 @@ class HostSnapshots:
             self._thread.join()
             self._thread = None
 
-    def newest_step(self, abstract_state=None, checkpoint_step: int | None = None) -> int | None:
+    def newest_step(
+        self, abstract_state=None, checkpoint_step: int | None = None, not_after: int | None = None
+    ) -> int | None:
         """Step of the newest complete snapshot (after any in-flight copy), in RAM or, when newer than
         RAM and `checkpoint_step`, in the local tier; `trainer.runtime.restore` decides whether it beats the
-        checkpoint."""
+        checkpoint. `not_after`: snapshots and local steps of later steps are dropped first."""
         self.wait_for_copy()
+        if not_after is not None:
+            self.discard_after(not_after)
         if self.store is not None and abstract_state is not None:
             self._adopt_local(abstract_state, checkpoint_step)
         return None if self.latest is None else self.latest.step
+
+    def discard_after(self, step: int) -> None:
+        """Forget the snapshot and local steps of steps after `step` (unverified states a rollback leaves)."""
+        if self.latest is not None and self.latest.step > step:
+            log.warning("snapshot of step %d dropped: newer than step %d, verified clean", self.latest.step, step)
+            self.latest = None
+        if self.store is not None:
+            for dropped in self.store.discard_after(step):
+                log.warning("local checkpoint of step %d dropped: newer than the state verified clean", dropped)
 
     def origin(self) -> str:
         """Where the newest snapshot came from: "snapshot" (this process's RAM) or "local" (disk)."""

@@ -118,6 +118,7 @@ class Supervisor:
         self.stats = RecoveryStats()
         self._failure_seen_at: float | None = None
         self._failure_marks: list[int] = []  # the run's furthest step at each failure
+        self._not_after: int | None = None  # a rollback's bound on the next attempt's restored step
 
     # ---- the retry loop ----------------------------------------------------------------------------
 
@@ -161,6 +162,8 @@ class Supervisor:
                 why = outcome.cause or "non-finite loss/gradients"
                 log.warning("%s at step %d: rolling back to the newest saved state", why, outcome.step)
                 cause = {"cause": outcome.cause} if outcome.cause else {}
+                if outcome.not_after is not None:
+                    self._not_after = cause["not_after"] = outcome.not_after
                 self.events.emit(catalogue.ROLLBACK, step=outcome.step, last_step=self.stats.last_step, **cause)
             else:
                 self.snapshots.wait_for_copy()
@@ -231,7 +234,9 @@ class Supervisor:
     def run_attempt(self, number: int, active: list[int]) -> Outcome:
         with phase("building_attempt"):
             parts = self.cluster.attempt_parts(active, self.snapshots)
-            attempt = self.attempts(self.cluster.devices(active), **parts.kwargs())
+            bound = {} if self._not_after is None else {"not_after": self._not_after}
+            attempt = self.attempts(self.cluster.devices(active), **parts.kwargs(), **bound)
+            self._not_after = None
         if number == 1:
             self._compile_ahead(active)
         with contextlib.closing(attempt):

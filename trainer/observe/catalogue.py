@@ -143,7 +143,8 @@ CHECKPOINT_RESTORE_FAILED = Event(
 CHECKPOINT_SET_ASIDE = Event(
     "checkpoint_set_aside",
     "step path check reason",
-    "a committed step whose own files failed verification (`check`) was renamed to `path`",
+    "a committed step whose own files failed verification (`check`), or one newer than the state a "
+    "silent-data-corruption rollback restores (`check` unverified), was renamed to `path`",
 )
 CHECKPOINT_PARTIAL_REMOVED = Event(
     "checkpoint_partial_removed", "path", "an unfinished write of this trainer's was removed"
@@ -285,22 +286,26 @@ SCALE_UP_REQUESTED = Event(
 SCALE_UP = Event("scale_up", "step detail", "the next attempt runs on the larger set of slices")
 ROLLBACK = Event(
     "rollback",
-    "step last_step cause?",
-    "the next attempt restores the newest saved state: nan_policy=rollback skips this step's batch; cause "
-    "`loss_spike`: loss_spike_threshold, see loss_spike_rollback",
+    "step last_step cause? not_after?",
+    "the next attempt restores the newest saved state (of at most step `not_after`, when set: the newest "
+    "verified clean): nan_policy=rollback skips this step's batch; cause `loss_spike`: "
+    "loss_spike_threshold, see loss_spike_rollback; cause `silent_data_corruption`: see sdc_detected",
 )
 SDC_DETECTED = Event(
     "sdc_detected",
-    "step slices mismatched seconds",
-    "the silent-data-corruption check of `step` (before it ran) found the results for the rows of the "
-    "`mismatched` slices differ between two slices computing them: `slices` are the suspects; the run "
-    "rolls back to the newest state saved before `step`",
+    "step slices mismatched kind verified_step seconds",
+    "the silent-data-corruption check of `step` (before it ran) found a mismatch, `kind` replicas_differ "
+    "(the replicas' copies of the parameters differ: `mismatched` slices hold copies unlike the majority's) "
+    "or replay_differs (the results for the rows of the `mismatched` slices differ between two slices "
+    "computing them); `slices` are the suspects; the run rolls back to the newest state of at most "
+    "`verified_step`, the state the last passing check started from (null: none passed yet)",
 )
 SDC_INJECTED = Event(
     "sdc_injected",
-    "step slice where",
-    "an injected fault (fault_schedule corrupt=1) made `slice` compute wrong numbers at `step`, seen by "
-    "`where`: the replay check, or the step itself (its update)",
+    "step slice where persistent?",
+    "an injected fault made `slice` compute wrong numbers at `step` (fault_schedule corrupt=1; "
+    "corrupt=persistent: from `step` on, `persistent` true), seen by `where`: the replay check or the step "
+    "itself; or changed `slice`'s copy of the parameters after `step` (flip=1, `where` memory)",
 )
 SDC_QUARANTINED = Event(
     "sdc_quarantined",

@@ -173,13 +173,17 @@ class AttemptBuilder:
         *,
         snapshots: SnapshotSource | None = None,
         wrap_step: Callable | None = None,
+        wrap_replay: Callable | None = None,
         checkpoint_multiprocessing=None,
+        not_after: int | None = None,
         checkpoint_barrier=None,
     ) -> Attempt:
         """Everything one attempt needs, on the mesh over `slices` (the active ones), fresh except the layout.
 
         `snapshots`: host-RAM snapshots to restore from (see `trainer.runtime.restore`).
-        `wrap_step` wraps the compiled step (the fault injector's or the membership's guard).
+        `wrap_step` wraps the compiled step (the fault injector's or the membership's guard), `wrap_replay`
+        the compiled replay check (the fault injector's).
+        `not_after`: restore the newest saved state of at most this step (a rollback to a verified state).
         `checkpoint_multiprocessing`: Orbax MultiprocessingOptions when only some processes take part.
         `checkpoint_barrier`: Orbax's barrier between processes (one that notices a dead peer), or None.
         """
@@ -194,13 +198,16 @@ class AttemptBuilder:
             iterator, eval_iterator = self._iterators(layout, stack)
             layout = self._compiled(key, layout)
             checkpointer = self._checkpointer(stack, checkpoint_multiprocessing, checkpoint_barrier)
-            restored = self._restore(layout, checkpointer, snapshots)
+            restored = self._restore(layout, checkpointer, snapshots, not_after)
             if restored.data_state is not None:
                 iterator.set_state(restored.data_state)
             step_fn = layout.step_fn if wrap_step is None else wrap_step(layout.step_fn)
             evaluator = self._evaluator(layout, eval_iterator)
             attempt = self._attempt(layout, restored, step_fn, iterator, checkpointer, evaluator, stack)
-            return dataclasses.replace(attempt, num_slices=len(slices))
+            sdc_fn = attempt.sdc_fn
+            if wrap_replay is not None and sdc_fn is not None:
+                sdc_fn = wrap_replay(sdc_fn)
+            return dataclasses.replace(attempt, num_slices=len(slices), sdc_fn=sdc_fn)
         except BaseException:
             stack.close()
             raise
@@ -279,7 +286,9 @@ class AttemptBuilder:
         stack.callback(partial(checkpointer.close, timeout_s=close_s))
         return checkpointer
 
-    def _restore(self, layout: SliceLayout, checkpointer, snapshots: SnapshotSource | None) -> Restored:
+    def _restore(
+        self, layout: SliceLayout, checkpointer, snapshots: SnapshotSource | None, not_after: int | None = None
+    ) -> Restored:
         """The train state by the one restore order (`trainer.runtime.restore`), on the devices."""
         spec = self.spec
         t0 = time.perf_counter()
@@ -292,6 +301,7 @@ class AttemptBuilder:
                 load_full_state_path=spec.checkpoint.load_full_state_path,
                 load_parameters_path=spec.checkpoint.load_parameters_path,
                 fresh_state=partial(self._fresh_state, layout),
+                not_after=not_after,
             )
             jax.block_until_ready(restored.state)
         seconds = round(time.perf_counter() - t0, 4)

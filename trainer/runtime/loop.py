@@ -43,8 +43,8 @@ class Outcome:
     scale_up   slices in `returning` came back after `step`; `state` is the live state at `step`
     rollback   `step` produced a non-finite update and nan_policy=rollback asks to restore and skip it;
                with `cause` loss_spike, its loss spiked (trainer.runtime.loss_spikes); with `cause`
-               silent_data_corruption, the replay check of `step` failed (trainer.runtime.sdc), naming
-               the `suspects`
+               silent_data_corruption, the check of `step` failed (trainer.runtime.sdc), naming the
+               `suspects`; `not_after`, when set, bounds the state restored (the newest verified clean)
     target_eval_loss_reached  the eval at `step` gave `eval_loss` <= target_eval_loss; a checkpoint was saved
     """
 
@@ -55,6 +55,7 @@ class Outcome:
     eval_loss: float | None = None
     cause: str = ""
     suspects: tuple[int, ...] = ()
+    not_after: int | None = None
 
 
 class Boundary(Protocol):
@@ -188,6 +189,8 @@ def train_loop(
     boundary = boundary or _NoBoundary()
     spikes = spikes or LossSpikePolicy(0.0, 1, 1, 1, events)
     spikes.attempt_started(attempt.start_step)
+    if sdc is not None:
+        sdc.attempt_started(attempt.start_step)
     records = _step_records(attempt, peak_tflops_per_device)
 
     ckpt = attempt.checkpointer
@@ -309,7 +312,7 @@ def _sdc_check(sdc: SdcCheck, attempt: Attempt, state, host_batch, step: int, re
     verdict, seconds = sdc(attempt, state["params"], host_batch, step)
     records.exclude(seconds)
     if verdict.slices:
-        return Outcome(ROLLBACK, step, cause=SDC, suspects=verdict.suspects)
+        return Outcome(ROLLBACK, step, cause=SDC, suspects=verdict.suspects, not_after=sdc.verified_step)
     return round(seconds, 4)
 
 

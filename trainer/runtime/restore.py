@@ -61,9 +61,10 @@ class SnapshotSource(Protocol):
     """Host snapshots (in RAM, or read back from the local tier) as a restore source (every process
     of the attempt calls both, in order)."""
 
-    def newest_step(self, abstract_state, checkpoint_step: int | None) -> int | None:
+    def newest_step(self, abstract_state, checkpoint_step: int | None, not_after: int | None = None) -> int | None:
         """The step of the newest snapshot the attempt can restore (the same on every process); the
-        abstract state names the attempt's mesh."""
+        abstract state names the attempt's mesh. With `not_after`, snapshots of later steps are dropped
+        (a rollback to a verified state) and the newest of at most that step is the one."""
 
     def origin(self) -> str:
         """Where that snapshot was: SNAPSHOT (host RAM) or LOCAL (the local checkpoint tier)."""
@@ -77,9 +78,11 @@ class SavedState(Protocol):
 
     def cleanup_partial(self) -> list[str]: ...
 
-    def latest_committed_step(self) -> int | None: ...
+    def committed_steps(self) -> list[int]: ...
 
-    def restore(self, abstract_state): ...
+    def set_aside_after(self, step: int, why: str) -> list[int]: ...
+
+    def restore(self, abstract_state, step: int | None = None): ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,12 +100,20 @@ def restore_state(
     load_full_state_path: str,
     load_parameters_path: str,
     fresh_state: Callable[[Any], Any],
+    not_after: int | None = None,
 ) -> Restored:
     """The attempt's starting state by `choose_source`. `fresh_state(params or None)`: a full train state
-    around loaded params (new optimizer state, step 0), or wholly initialised when None."""
+    around loaded params (new optimizer state, step 0), or wholly initialised when None.
+
+    `not_after`: a rollback to the newest state verified clean (trainer.runtime.sdc): saved states of later
+    steps are unverified, so they are set aside (checkpoints) or dropped (snapshots, local steps) before
+    the order above picks among the rest."""
     checkpoints.cleanup_partial()
+    if not_after is not None:
+        checkpoints.set_aside_after(not_after, f"newer than step {not_after}, the newest state verified clean")
     checkpoint_step = checkpoints.latest_committed_step()
-    snapshot_step = None if snapshots is None else snapshots.newest_step(abstract_state, checkpoint_step)
+    bound = {} if not_after is None else {"not_after": not_after}
+    snapshot_step = None if snapshots is None else snapshots.newest_step(abstract_state, checkpoint_step, **bound)
     local = snapshot_step is not None and snapshots.origin() == LOCAL
     source = choose_source(
         snapshot_step=None if local else snapshot_step,

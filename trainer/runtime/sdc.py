@@ -1,17 +1,30 @@
-"""Silent-data-corruption check by replay (`sdc_check_period`): a chip that computes wrong numbers is caught.
+"""Silent-data-corruption check (`sdc_check_period`): a chip that computes wrong numbers, or a replica
+whose copy of the parameters changed, is caught and its slice named.
 
-Every `period` steps, before the step runs (its input state is still there: the step donates it), each
-data-parallel replica computes its part of that step twice from the same state and batch
-(`trainer.runtime.step.make_replica_checksums`: the objective's parts and every gradient leaf's sum, before
-the reduction across replicas): once on its own rows, once with the batch rotated by one slice, so that
-each slice computes the next slice's rows. Steps are bitwise deterministic, so on healthy devices the two
-results for any rows are equal bit for bit wherever they were computed. Rows whose results differ were
-computed by their own slice in one run and by the previous slice in the other; the slice common to every
-mismatch is the suspect (with two slices both are). A mismatch emits `sdc_detected` and the loop returns a
-rollback: the newest state saved before that step is restored and the run goes on (with `sdc_quarantine`
-the suspect slice is treated as lost first). The check costs about two steps' forward and backward
-passes per `period` steps; each checked step's record carries it as `sdc_check_s`, which goodput counts
-as its own cause.
+Every `period` steps, before the step runs (its input state is still there: the step donates it):
+
+1. The replicas are compared. Data-parallel replicas hold the same parameters bit for bit; each computes
+   a digest of its own copy (`replica_digests`: per leaf, the wrapping sum of its bit patterns, so any
+   flipped bit changes it), and a replica that differs from the majority names its slice (with two
+   slices both are suspects). This finds a memory fault that already landed, at any step since the
+   last check.
+2. The step is replayed. Each data-parallel replica computes its part of the step twice from the same
+   state and batch (`trainer.runtime.step.make_replica_checksums`: the objective's parts and every
+   gradient leaf's sum, before the reduction across replicas): once on its own rows, once with the batch
+   rotated by one slice, so that each slice computes the next slice's rows. Steps are bitwise
+   deterministic, so on healthy devices the two results for any rows are equal bit for bit wherever
+   they were computed. Rows whose results differ were computed by their own slice in one run and by the
+   previous slice in the other; the slice common to every mismatch is the suspect (with two slices both
+   are). This finds a chip computing wrong numbers at the checked step.
+
+A mismatch emits `sdc_detected` and the loop returns a rollback to the newest state verified clean: the
+state after the step before the last check that passed (`SdcCheck.verified_step`), not merely the newest
+one saved (with `sdc_quarantine` the suspect slice is treated as lost first). What the check cannot see:
+a one-shot wrong gradient at an unchecked step is summed into every replica's update, so the replicas
+stay identical and no later replay finds it; only a fault that persists until a check (a bad chip), or
+one that makes the replicas differ, is found. The check costs about two steps' forward and backward
+passes and one pass over the parameters per `period` steps; each checked step's record carries it as
+`sdc_check_s`, which goodput counts as its own cause.
 """
 
 from __future__ import annotations
@@ -22,7 +35,9 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
 from trainer.observe import catalogue
 
@@ -58,30 +73,72 @@ def compare(original: np.ndarray, rotated: np.ndarray, slices: int) -> Verdict:
     return Verdict(tuple(bad), tuple(sorted(suspects)))
 
 
-def corrupt_rows(results: np.ndarray, rows: range) -> np.ndarray:
-    """`results` with the given replicas' rows off by one unit in the last place (an injected fault)."""
-    out = np.array(results, copy=True)
-    out[rows.start : rows.stop] = np.nextafter(out[rows.start : rows.stop], np.inf, dtype=out.dtype)
-    return out
+def _leaf_digest(x: jax.Array) -> jax.Array:
+    """The wrapping uint32 sum of `x`'s bit patterns: exact and order-free, and any one flipped bit
+    changes it."""
+    width = jnp.dtype(x.dtype).itemsize * 8
+    if width > 32 or width not in (8, 16, 32):
+        x = x.astype(jnp.float32)
+        width = 32
+    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{width}")).astype(jnp.uint32)
+    return jnp.sum(bits, dtype=jnp.uint32)
+
+
+def replica_digests(mesh: Mesh, axis: str = "data") -> Callable:
+    """`digests(params) -> uint32 [replicas, leaves]`: each data-parallel replica's digest of its own copy
+    of the parameters (their shardings replicate them over `axis`), row r from replica r."""
+
+    def per_replica(params):
+        row = jnp.stack([_leaf_digest(leaf) for leaf in jax.tree.leaves(params)])
+        return jax.lax.all_gather(row, axis)
+
+    if mesh.shape.get(axis, 1) == 1:
+        return jax.jit(lambda params: jnp.stack([_leaf_digest(leaf) for leaf in jax.tree.leaves(params)])[None])
+    return jax.jit(
+        jax.shard_map(
+            per_replica,
+            mesh=mesh,
+            in_specs=PartitionSpec(),
+            out_specs=PartitionSpec(),
+            axis_names={axis},
+            check_vma=False,
+        )
+    )
+
+
+def odd_replicas(digests: np.ndarray, slices: int) -> Verdict:
+    """The slices whose replicas' digests differ from the majority's (all that differ when no digest is
+    held by more than half of the replicas)."""
+    per_slice = digests.shape[0] // slices
+    rows = [d.tobytes() for d in np.ascontiguousarray(digests)]
+    counts = {r: rows.count(r) for r in rows}
+    if len(counts) == 1:
+        return Verdict((), ())
+    common, n = max(counts.items(), key=lambda kv: kv[1])
+    majority = common if n * 2 > len(rows) else None
+    if majority is None:
+        bad = sorted({r // per_slice for r in range(len(rows))})
+    else:
+        bad = sorted({r // per_slice for r, row in enumerate(rows) if row != majority})
+    return Verdict(tuple(bad), tuple(bad))
 
 
 class SdcCheck:
-    """Runs the check at the steps it is due and reports a mismatch (`sdc_detected`).
+    """Runs the check at the steps it is due, reports a mismatch (`sdc_detected`) and knows the newest
+    step verified clean (`verified_step`: the state the last passing check started from)."""
 
-    `faulty(step)` -> the slice an injected fault makes compute wrong numbers at `step`, or None."""
-
-    def __init__(
-        self,
-        period: int,
-        events,
-        *,
-        faulty: Callable[[int], int | None] = lambda step: None,
-        clock: Callable[[], float] = time.perf_counter,
-    ):
+    def __init__(self, period: int, events, *, clock: Callable[[], float] = time.perf_counter):
         self.period = period
         self.events = events
-        self.faulty = faulty
         self.clock = clock
+        self.verified_step: int | None = None
+        self._digests: dict[Mesh, Callable] = {}
+
+    def attempt_started(self, start_step: int) -> None:
+        """An attempt starts from `start_step`: its state is the one the run goes on from, and no state after
+        it is verified any more (it is computed again)."""
+        if self.verified_step is None or self.verified_step > start_step:
+            self.verified_step = start_step
 
     def due(self, step: int, slices: int) -> bool:
         """Whether `step` is checked (on one slice there is nothing to compare)."""
@@ -91,28 +148,33 @@ class SdcCheck:
         """Check `step` (not yet run) from `params` and its batch; returns the verdict and its seconds."""
         t0 = self.clock()
         slices = attempt.num_slices
-        original = attempt.sdc_fn(params, attempt.device_batch(host_batch))
-        rotated = attempt.sdc_fn(params, attempt.device_batch(rotate(host_batch, slices)))
-        original, rotated = (np.asarray(x) for x in jax.device_get((original, rotated)))
-        bad = self.faulty(step)
-        if bad is not None:  # what that slice computed, in both runs, is wrong
-            per_slice = original.shape[0] // slices
-            original = corrupt_rows(original, range(bad * per_slice, (bad + 1) * per_slice))
-            rotated = corrupt_rows(rotated, range(bad * per_slice, (bad + 1) * per_slice))
-        verdict = compare(original, rotated, slices)
+        digests = self._digests.setdefault(attempt.mesh, replica_digests(attempt.mesh))
+        verdict, kind = odd_replicas(np.asarray(jax.device_get(digests(params))), slices), "replicas_differ"
+        if not verdict.slices:
+            original = attempt.sdc_fn(params, attempt.device_batch(host_batch))
+            rotated = attempt.sdc_fn(params, attempt.device_batch(rotate(host_batch, slices)))
+            original, rotated = (np.asarray(x) for x in jax.device_get((original, rotated)))
+            verdict, kind = compare(original, rotated, slices), "replay_differs"
         seconds = self.clock() - t0
-        if verdict.slices:
-            self.events.emit(
-                catalogue.SDC_DETECTED,
-                step=step,
-                slices=list(verdict.suspects),
-                mismatched=list(verdict.slices),
-                seconds=round(seconds, 4),
-            )
-            log.error(
-                "silent data corruption at step %d: results of slices %s's rows differ; suspect slice(s) %s",
-                step,
-                list(verdict.slices),
-                list(verdict.suspects),
-            )
+        if not verdict.slices:
+            self.verified_step = step - 1
+            return verdict, seconds
+        self.events.emit(
+            catalogue.SDC_DETECTED,
+            step=step,
+            slices=list(verdict.suspects),
+            mismatched=list(verdict.slices),
+            kind=kind,
+            verified_step=self.verified_step,
+            seconds=round(seconds, 4),
+        )
+        log.error(
+            "silent data corruption at step %d (%s): slices %s differ; suspect slice(s) %s; newest state "
+            "verified clean: step %s",
+            step,
+            kind.replace("_", " "),
+            list(verdict.slices),
+            list(verdict.suspects),
+            self.verified_step,
+        )
         return verdict, seconds

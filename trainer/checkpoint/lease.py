@@ -6,8 +6,9 @@ across elastic retries until the run ends:
 
     <run dir>/lease/<generation>.json   owner (host, pid, job, start), heartbeat time, released flag
 
-The lease is the newest generation. Taking it writes generation g+1 *create-only* (O_EXCL on a local
-disk; `ifGenerationMatch=0` on Cloud Storage, which is atomic there), so of two jobs racing for it
+The lease is the newest generation. Taking it writes generation g+1 *create-only* (a hard link of the
+whole record on a local disk; `ifGenerationMatch=0` on Cloud Storage, which is atomic there), so of two
+jobs racing for it
 exactly one wins. A newer generation may be taken when the current one is
 - released (its job ended: finished, preempted, failed, gave up);
 - this job's own (a restarted pod or task of the same job: $TRAINER_JOB_ID, $JOBSET_NAME, or
@@ -17,7 +18,7 @@ Otherwise the start exits 2 naming the owner. The holder renews its own generati
 a holder that finds a newer generation (it was frozen, and its run was taken over) has lost the lease:
 its saves no longer commit (`trainer.checkpoint.fence`) and it stops.
 
-What the stores guarantee: a local or NFS disk gives O_EXCL creation; Cloud Storage gives
+What the stores guarantee: a local or NFS disk gives create-only hard links; Cloud Storage gives
 preconditioned (generation 0) creation and strongly consistent listing, which is all the protocol uses.
 """
 
@@ -147,14 +148,20 @@ class LeaseFiles:
                 return False
             return True
         self.dir.mkdir(parents=True, exist_ok=True)
+        # The record is written whole to a private name, then linked to the generation's name: a link
+        # refuses an existing name (as O_EXCL does), and the file never appears without its record (an
+        # O_EXCL file is visible empty until written, which a racing reader would take for a torn lease).
+        tmp = self.dir / f".{generation}.json.{os.getpid()}.{threading.get_ident()}.new"
         try:
-            fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(os.fspath(tmp), os.fspath(path))
         except FileExistsError:
             return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        finally:
+            tmp.unlink(missing_ok=True)
         return True
 
     def write(self, generation: int, record: dict) -> None:

@@ -11,6 +11,16 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 
 import pytest  # noqa: E402
+import skip_policy  # noqa: E402
+
+
+def pytest_addoption(parser):
+    """--strict-skips: tests/skip_policy.py (unexpected skips fail the run; CI=true implies it)."""
+    skip_policy.addoption(parser)
+
+
+def pytest_configure(config):
+    skip_policy.install(config)
 
 
 @pytest.fixture(scope="session")

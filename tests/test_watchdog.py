@@ -4,7 +4,9 @@ Units: the bounds per phase (`HangTimeouts`), what counts as progress (`Progress
 clock and phase), and that the loop's save and evaluation phases keep SIGTERM at the step boundary. End
 to end: the CLI with a hang injected at step 13 (`fault_schedule=step=13,hang_s=...`) and the local tier
 on exits 75 within the bound plus a few seconds, leaves every thread's stack in its log, and the same
-command resumes from the local tier to the parameters of an uninterrupted run, bitwise.
+command resumes from the local tier to the parameters of an uninterrupted run, bitwise. With snapshots on,
+the hang's emergency write puts the newest host snapshot (newer than every save) in the local tier, and the
+rerun resumes from that step.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 import pytest
 from cli_harness import assert_same_data_order, assert_same_params, events, run_cli
 
+from trainer.checkpoint.local_store import committed_steps
 from trainer.config import ConfigError
 from trainer.config.fault_schedule import parse_fault_schedule
 from trainer.observe.runlog import load_run, summarize
@@ -182,6 +185,55 @@ def test_a_hung_step_exits_75_within_the_bound_and_the_same_command_resumes_bitw
     summary = summarize(load_run(run_dir))  # what trainer.report prints
     assert summary.goodput["badput_s"]["hang"] == detected["seconds"]
     assert "hangs             1" in format_summary(summary)
+
+
+def test_a_hang_writes_the_newest_host_snapshot_to_the_local_tier_and_the_rerun_resumes_from_it(tmp_path):
+    """Snapshots every 2 steps, the local tier every 5, the persistent tier only at the end: when step 14's
+    dispatch hangs, the newest host snapshot (12) is newer than anything saved (local 10), and only the
+    watchdog's emergency write puts it on disk. The rerun restores step 12 from the local tier."""
+    node = tmp_path / "node"
+    # Without loss-spike rollback a step's metrics row is written once the next step is dispatched, and the
+    # local tier commits a step only with its row: snapshot 12's row exists once 13 is dispatched.
+    common = ["steps=20", f"local_checkpoint_directory={node}", "local_checkpoint_period=5", "snapshot_period=2"]
+    common.append("loss_spike_threshold=0")
+    base = run_cli(tmp_path, "base", *common, devices=1)
+    assert base.returncode == 0, base.stderr[-3000:]
+
+    hang = [*common, "hang_timeout_seconds=5", "fault_schedule=step=14,hang_s=600"]
+    first = run_cli(tmp_path, "hung", *hang, devices=1)
+    assert first.returncode == 75, first.stderr[-3000:]
+    run_dir = tmp_path / "hung"
+    evs = events(run_dir)
+    names = [e["event"] for e in evs]
+    at = names.index("hang_detected")
+    detected = evs[at]
+    assert detected["step"] == 12  # step 12's row is written once 13 is dispatched; 14's dispatch blocked
+    before, after = evs[:at], evs[at + 1 :]
+    assert [e["step"] for e in before if e["event"] == "snapshot_taken"][-1] == 12
+    assert [e["step"] for e in before if e["event"] == "local_checkpoint_save_committed"] == [5, 10]
+    assert not (run_dir / "checkpoints").exists() or not [
+        p for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()
+    ]  # nothing in the persistent tier: the newest snapshot is strictly newer than every save
+    # The emergency write: after hang_detected, before the process's finish (exit 75).
+    assert [(e["event"], e.get("step")) for e in after if e["event"].startswith("local_checkpoint")] == [
+        ("local_checkpoint_save_start", 12),
+        ("local_checkpoint_save_committed", 12),
+    ]
+    assert after[-1]["event"] == "finish" and after[-1]["exit_code"] == 75
+    assert committed_steps(node / "hung")[-1] == 12
+
+    second = run_cli(tmp_path, "hung", *hang, devices=1)  # the same command, as the scheduler reruns it
+    assert second.returncode == 0, second.stderr[-3000:]
+    rerun = events(run_dir)[len(evs) :]
+    (read,) = [e for e in rerun if e["event"] == "local_checkpoint_read"]
+    assert read["step"] == 12
+    (restored,) = [e for e in rerun if e["event"] == "restore_end"]
+    assert restored["source"] == "local:12"
+    (resumed,) = [e for e in rerun if e["event"] == "restart_resumed"]
+    assert resumed["start_step"] == 12 and resumed["source"] == "local:12" and resumed["steps_lost"] == 0
+    assert [e["event"] for e in events(run_dir)].count("hang_injected") == 1  # once per run
+    assert_same_params(run_dir, tmp_path / "base")
+    assert_same_data_order(run_dir, tmp_path / "base", steps=20)
 
 
 def test_hang_timeout_zero_runs_no_watchdog(tmp_path):

@@ -1,0 +1,541 @@
+"""Mutation check of the recovery-critical lines: each one, broken on purpose, must fail a named test.
+
+    python scripts/mutation_check.py                 # every breakage, one at a time
+    python scripts/mutation_check.py --list          # what each breakage breaks, and its tests
+    python scripts/mutation_check.py --only NAME ... # a subset (repeatable); --jobs N runs N at once
+
+For each breakage in `BREAKAGES` the script copies the repository's files (git's tracked and untracked,
+not ignored, files; no .venv, no .git) into a temporary directory, replaces the breakage's `old` text
+by its `new` text in that copy, and runs the breakage's tests there with this interpreter:
+`python -m pytest -q -x -p no:cacheprovider -rfE <tests>`, cwd the copy and the copy first on
+PYTHONPATH, so `import trainer` is the mutated copy and not the editable install of the checkout (a
+probe plugin, `-p _mutation_check_probe`, records where every `trainer` module came from; one from
+outside the copy is an error).
+The checkout is copied once at the start (a consistent snapshot while others edit it) and is never
+modified. One line per breakage, in declaration order:
+
+    caught  NAME  (by FAILING NODE IDS)   the tests failed (pytest exit 1): the protection is tested
+    missed  NAME                          the tests passed with the line broken: nothing guards it
+    error   NAME  (WHY)                   the check could not decide: `old` is not in the file exactly
+                                          once (a stale breakage), a test id is not found (exit 4), no
+                                          test ran (5), collection failed, pytest was interrupted or
+                                          failed internally (2, 3), the run passed `--timeout`, `trainer` came from
+                                          outside the copy, or a catching test fails without the
+                                          breakage too (the baseline run)
+
+then a summary line. The exit status is 0 only when every selected breakage is caught. The failing ids
+come from pytest's short summary (its FAILED and ERROR lines); since `-x` stops at the first failure,
+that is usually one id. After the breakages, the ids that caught them run once more on an unmodified
+copy (`--no-baseline` skips this): a test that fails there caught nothing, and its breakage is an error.
+Per-breakage runtimes go to stderr (with `--show-output`, each run's pytest output too: check there that
+a new breakage fails its test's assertion, not an unrelated crash).
+
+Adding a breakage: append a `Breakage` to `BREAKAGES` with
+- `name`: unique, kebab-case, says what is broken;
+- `file`: the path from the repository root;
+- `old`: text that occurs exactly once in that file (include enough of the line to make it unique);
+  when the code changes so it no longer matches, the check reports `error`, never `missed`/`caught`;
+- `new`: the replacement: one small change that genuinely disables the protection (a test that fails
+  only because the code no longer imports or runs does not count: keep it valid Python);
+- `tests`: the fewest, fastest pytest node ids that must catch it (unit tests over CLI runs; a
+  function id runs all its parametrizations);
+- `why`: one line, the protection this breaks.
+Then run `python scripts/mutation_check.py --only NAME` and keep it only if it says `caught`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TIMEOUT_S = 300.0
+PROBE_MODULE = "_mutation_check_probe"
+PROBE_OUTPUT = ".mutation_check_probe.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakage:
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    why: str
+
+
+_RESTORE = "tests/test_recovery_units.py::"
+_CHECKPOINT = "tests/test_checkpoint.py::"
+
+BREAKAGES: tuple[Breakage, ...] = (
+    Breakage(
+        name="commit-rule-ignores-marker",
+        file="trainer/checkpoint/commit.py",
+        old="return TMP_SUFFIX not in path.name and (path / COMMIT_MARKER).exists()",
+        new="return TMP_SUFFIX not in path.name",
+        tests=(
+            _CHECKPOINT
+            + "test_cleanup_removes_its_own_partial_steps_leaves_other_tools_steps_and_restore_reads_neither",
+        ),
+        why="a step directory without Orbax's commit marker (an unfinished save) counts as committed",
+    ),
+    Breakage(
+        name="restore-prefers-older-source",
+        file="trainer/runtime/restore.py",
+        old="return max(saved, key=lambda s: (s[0], -s[1]))[2]",
+        new="return min(saved, key=lambda s: (s[0], -s[1]))[2]",
+        tests=(_RESTORE + "test_one_restore_order_for_every_source",),
+        why="the restore order picks the oldest saved state instead of the newest",
+    ),
+    Breakage(
+        name="restore-ignores-snapshot",
+        file="trainer/runtime/restore.py",
+        old="[(snapshot_step, SNAPSHOT), (local_step, LOCAL), (checkpoint_step, CHECKPOINT)]",
+        new="[(local_step, LOCAL), (checkpoint_step, CHECKPOINT)]",
+        tests=(_RESTORE + "test_one_restore_order_for_every_source",),
+        why="a newer host snapshot is never restored: the attempt falls back to an older checkpoint",
+    ),
+    Breakage(
+        name="restore-tie-goes-to-slower-read",
+        file="trainer/runtime/restore.py",
+        old="return max(saved, key=lambda s: (s[0], -s[1]))[2]",
+        new="return max(saved, key=lambda s: (s[0], s[1]))[2]",
+        tests=(_RESTORE + "test_one_restore_order_for_every_source",),
+        why="at equal steps the checkpoint is read instead of the host snapshot or local tier",
+    ),
+    Breakage(
+        name="fence-hook-never-checks",
+        file="trainer/checkpoint/fence.py",
+        old="                check(int(final.name))\n",
+        new="                pass  # check(int(final.name))\n",
+        tests=(_CHECKPOINT + "test_a_save_of_an_older_attempt_is_fenced_and_never_commits",),
+        why="Orbax's commit of a step no longer asks the fence: a fenced save commits",
+    ),
+    Breakage(
+        name="fence-ignores-newer-attempt",
+        file="trainer/checkpoint/fence.py",
+        old="if epoch != current:",
+        new="if False:",
+        tests=(_CHECKPOINT + "test_a_save_of_an_older_attempt_is_fenced_and_never_commits",),
+        why="a save of an older attempt commits after a newer attempt has started",
+    ),
+    Breakage(
+        name="fence-ignores-lost-lease",
+        file="trainer/checkpoint/fence.py",
+        old="if self.lease is not None and not self.lease.still_ours():",
+        new="if False:",
+        tests=("tests/test_lease.py::test_a_holder_taken_over_while_frozen_finds_out_and_its_saves_are_fenced",),
+        why="a holder frozen past its lease, whose run was taken over, still commits saves",
+    ),
+    Breakage(
+        name="local-tier-commit-not-a-rename",
+        file="trainer/checkpoint/local_store.py",
+        old="os.rename(partial, final)  # the commit",
+        new="shutil.copytree(partial, final)  # the commit",
+        tests=("tests/test_local_tier.py::test_a_partial_write_never_counts_and_is_removed",),
+        why="a local step is committed by a non-atomic copy, not the atomic rename of its .partial directory",
+    ),
+    Breakage(
+        name="lease-create-not-exclusive",
+        file="trainer/checkpoint/lease.py",
+        old="os.link(os.fspath(tmp), os.fspath(path))",
+        new="os.replace(os.fspath(tmp), os.fspath(path))",
+        tests=("tests/test_lease_race.py::test_of_jobs_racing_for_one_local_lease_exactly_one_wins",),
+        why="taking the lease overwrites a generation another job just created: two jobs both win the race",
+    ),
+    Breakage(
+        name="lease-create-overwrites-on-gcs",
+        file="trainer/checkpoint/lease.py",
+        old='fs.pipe_file(key, data, mode="create")',
+        new="fs.pipe_file(key, data)",
+        tests=("tests/test_lease_race.py::test_of_jobs_racing_for_one_gcs_lease_exactly_one_wins",),
+        why="on Cloud Storage the lease's generation is written without its create precondition: two winners",
+    ),
+    Breakage(
+        name="replica-digests-never-differ",
+        file="trainer/runtime/sdc.py",
+        old="    if len(counts) == 1:\n        return Verdict((), ())",
+        new="    if len(counts) >= 1:\n        return Verdict((), ())",
+        tests=(
+            "tests/test_sdc.py::test_a_flipped_bit_in_one_slices_copy_of_the_params_is_found_and_names_that_slice",
+        ),
+        why="replicas whose copies of the parameters differ (a memory fault that landed) are never found",
+    ),
+    Breakage(
+        name="sdc-rollback-to-newest-not-verified",
+        file="trainer/runtime/loop.py",
+        old="suspects=verdict.suspects, not_after=sdc.verified_step)",
+        new="suspects=verdict.suspects, not_after=None)",
+        tests=(
+            "tests/test_sdc.py::test_a_flipped_replica_lands_is_named_rolled_back_to_a_verified_state_and_ends_bitwise_equal",
+        ),
+        why="a corruption rollback restores the newest saved state, which may hold the corruption",
+    ),
+    Breakage(
+        name="replay-checksums-all-zero",
+        file="trainer/runtime/step.py",
+        old='row = jnp.stack([parts["ce_sum"], parts["z_sum"], parts["tokens"], *sums])',
+        new='row = 0.0 * jnp.stack([parts["ce_sum"], parts["z_sum"], parts["tokens"], *sums])',
+        tests=("tests/test_sdc.py::test_replay_checksums_differ_per_replica_and_change_with_one_devices_numbers",),
+        why="the silent-data-corruption replay compares constants: a corrupted replica always matches",
+    ),
+    Breakage(
+        name="nonfinite-update-applied",
+        file="trainer/runtime/step.py",
+        old="return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)",
+        new="return new",
+        tests=("tests/test_nonfinite.py::test_a_non_finite_update_is_never_applied",),
+        why="a step with a non-finite loss or gradient writes its update into params and optimizer state",
+    ),
+    Breakage(
+        name="nonfinite-never-detected",
+        file="trainer/runtime/step.py",
+        old="finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)",
+        new="finite = jnp.isfinite(jnp.zeros(()))",
+        tests=("tests/test_nonfinite.py::test_a_non_finite_update_is_never_applied",),
+        why="a non-finite step is reported finite: it is applied and nan_policy never acts",
+    ),
+    Breakage(
+        name="loss-spike-reference-is-max",
+        file="trainer/runtime/loss_spikes.py",
+        old="median = statistics.median(self._losses)",
+        new="median = max(self._losses)",
+        tests=("tests/test_loss_spikes.py::test_a_loss_over_threshold_times_the_running_median_is_a_spike",),
+        why="a spike is measured against the window's largest loss, so one earlier outlier hides every spike",
+    ),
+    Breakage(
+        name="loss-spike-threshold-inclusive",
+        file="trainer/runtime/loss_spikes.py",
+        old="if loss <= self.threshold * median:",
+        new="if loss < self.threshold * median:",
+        tests=("tests/test_loss_spikes.py::test_a_loss_over_threshold_times_the_running_median_is_a_spike",),
+        why="a loss exactly at threshold x median (not over it) triggers a rollback",
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    status: str  # "caught", "missed" or "error"
+    name: str
+    detail: str = ""  # caught: the failing node ids; error: why
+    failing: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        if self.status == "caught":
+            return f"caught  {self.name}  (by {self.detail})"
+        if self.status == "error":
+            return f"error  {self.name}  ({self.detail})"
+        return f"missed  {self.name}"
+
+
+class StaleBreakage(Exception):
+    """The breakage's `old` text is not in its file exactly once (or the file is gone)."""
+
+
+def apply_breakage(breakage: Breakage, root: Path) -> None:
+    """Replace `old` by `new` in `root/file`; StaleBreakage unless `old` occurs there exactly once."""
+    path = root / breakage.file
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise StaleBreakage(f"{breakage.file} does not exist") from None
+    count = text.count(breakage.old)
+    if count != 1:
+        where = "not found" if count == 0 else f"found {count} times"
+        raise StaleBreakage(f"old text {where} in {breakage.file}: the breakage is stale")
+    path.write_text(text.replace(breakage.old, breakage.new))
+
+
+_SUMMARY = re.compile(r"^(FAILED|ERROR) (\S.*?)(?: - .*)?$")
+
+
+def failing_ids(output: str) -> list[str]:
+    """Node ids of pytest's short test summary (`-rfE`): its FAILED and ERROR lines, in order, unique."""
+    ids: list[str] = []
+    for line in output.splitlines():
+        m = _SUMMARY.match(line.rstrip())
+        if m and m.group(2) not in ids:
+            ids.append(m.group(2))
+    return ids
+
+
+def _reason(output: str, fallback: str) -> str:
+    """A one-line reason from pytest's output: its `ERROR:` usage lines, else the last line."""
+    usage = [ln.strip() for ln in output.splitlines() if ln.startswith("ERROR: ")]
+    if usage:
+        return "; ".join(usage)
+    errors = [ln.strip() for ln in output.splitlines() if _SUMMARY.match(ln.rstrip())]
+    if errors:
+        return f"{fallback}: " + "; ".join(errors)
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    return f"{fallback}: {lines[-1]}" if lines else fallback
+
+
+def verdict(name: str, returncode: int, output: str, seconds: float = 0.0) -> Result:
+    """caught (exit 1), missed (exit 0) or error (any other exit) from one pytest run's exit and output."""
+    if returncode == 0:
+        return Result("missed", name, seconds=seconds)
+    if returncode == 1:
+        ids = failing_ids(output)
+        if not ids:
+            return Result("error", name, _reason(output, "pytest exited 1 without a FAILED line"), seconds=seconds)
+        return Result("caught", name, ", ".join(ids), tuple(ids), seconds=seconds)
+    reasons = {
+        2: "pytest was interrupted (a collection error?)",
+        3: "pytest internal error",
+        4: "pytest usage error (a test id not found?)",
+        5: "no tests collected (deselected by a marker?)",
+    }
+    why = reasons.get(returncode, f"pytest exited {returncode}")
+    return Result("error", name, why if returncode == 5 else _reason(output, why), seconds=seconds)
+
+
+def repository_files(repo: Path) -> list[str]:
+    """Paths (relative to `repo`) of git's tracked and untracked-but-not-ignored files that exist; without
+    git, every file outside .git, virtualenvs, caches and build outputs."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            capture_output=True,
+            check=True,
+        ).stdout.decode()
+        names = sorted({n for n in out.split("\0") if n})
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", ".venv", ".venv312", "build", "__pycache__", ".pytest_cache", ".ruff_cache"}
+        names = []
+        for dirpath, dirnames, filenames in os.walk(repo):
+            dirnames[:] = [d for d in dirnames if d not in skip and not d.endswith(".egg-info")]
+            names += [os.path.relpath(os.path.join(dirpath, f), repo) for f in filenames]
+    return [n for n in names if os.path.lexists(repo / n) and not (repo / n).is_dir()]
+
+
+_PROBE = f'''"""Written by scripts/mutation_check.py: records where the `trainer` modules of this run came from."""
+import json, os, sys
+
+
+def pytest_sessionfinish(session, exitstatus):
+    root = os.path.dirname(os.path.realpath(__file__))
+    mods = {{
+        n: getattr(m, "__file__", None) or "" for n, m in list(sys.modules.items())
+        if n == "trainer" or n.startswith("trainer.")
+    }}
+    with open(os.path.join(root, {PROBE_OUTPUT!r}), "w") as f:
+        json.dump({{"root": root, "modules": mods}}, f)
+'''
+
+
+def snapshot_repository(repo: Path, files: Iterable[str], dest: Path) -> None:
+    """Copy `files` of `repo` into `dest`: the one state of the checkout every run starts from (others may
+    edit the checkout while the check runs)."""
+    for name in files:
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo / name, target, follow_symlinks=False)
+
+
+def make_copy(snapshot: Path, dest: Path) -> None:
+    """A private copy of `snapshot` in `dest`, with the probe plugin beside its files."""
+    shutil.copytree(snapshot, dest, symlinks=True)
+    (dest / f"{PROBE_MODULE}.py").write_text(_PROBE)
+
+
+def foreign_trainer_modules(copy: Path) -> list[str]:
+    """`trainer` modules the run imported from outside `copy` (per the probe); ['<no probe output>'] when
+    the probe did not write."""
+    try:
+        probe = json.loads((copy / PROBE_OUTPUT).read_text())
+    except (OSError, ValueError):
+        return ["<no probe output>"]
+    root = os.path.realpath(copy) + os.sep
+    return sorted(f for f in probe["modules"].values() if f and not os.path.realpath(f).startswith(root))
+
+
+def pytest_command(tests: Sequence[str], *, stop_first: bool = True) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", PROBE_MODULE, "-rfE"]
+    return cmd + (["-x"] if stop_first else []) + list(tests)
+
+
+_RUNNING: set[subprocess.Popen] = set()  # pytest runs in flight (their process groups end on Ctrl-C)
+
+
+_STOPPING = threading.Event()  # set on Ctrl-C: no new run starts
+
+
+def _end_running() -> None:
+    _STOPPING.set()
+    for proc in list(_RUNNING):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_pytest(
+    copy: Path, tests: Sequence[str], timeout_s: float, *, stop_first: bool = True
+) -> tuple[int | None, str]:
+    """(exit status, stdout+stderr) of pytest on `tests` in `copy`; status None on timeout."""
+    if _STOPPING.is_set():
+        raise KeyboardInterrupt
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(copy)] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.Popen(
+        pytest_command(tests, stop_first=stop_first),
+        cwd=copy,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: a timeout ends the tests' subprocesses too
+    )
+    _RUNNING.add(proc)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return None, out
+    finally:
+        _RUNNING.discard(proc)
+    return proc.returncode, out
+
+
+def check_breakage(breakage: Breakage, snapshot: Path, timeout_s: float, *, show_output: bool = False) -> Result:
+    """Apply `breakage` in a fresh copy of `snapshot` and run its tests there (`show_output`: pytest's
+    output to stderr)."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"mutation-{breakage.name}-") as tmp:
+        copy = Path(tmp) / "repo"
+        make_copy(snapshot, copy)
+        try:
+            apply_breakage(breakage, copy)
+        except StaleBreakage as e:
+            return Result("error", breakage.name, str(e), seconds=time.perf_counter() - t0)
+        rc, out = run_pytest(copy, breakage.tests, timeout_s)
+        seconds = time.perf_counter() - t0
+        if show_output:
+            print(f"----- {breakage.name}: pytest output -----\n{out}", file=sys.stderr, flush=True)
+        if rc is None:
+            return Result("error", breakage.name, f"timed out after {timeout_s:g} s", seconds=seconds)
+        result = verdict(breakage.name, rc, out, seconds)
+        foreign = foreign_trainer_modules(copy)
+        if result.status != "error" and foreign:
+            return Result(
+                "error", breakage.name, f"trainer imported from outside the copy: {foreign[0]}", seconds=seconds
+            )
+        return result
+
+
+def baseline(results: list[Result], snapshot: Path, timeout_s: float) -> list[Result]:
+    """Run the ids that caught breakages on an unmodified copy; a breakage whose catching test fails
+    there too becomes an error."""
+    ids = sorted({i for r in results if r.status == "caught" for i in r.failing})
+    if not ids:
+        return results
+    with tempfile.TemporaryDirectory(prefix="mutation-baseline-") as tmp:
+        copy = Path(tmp) / "repo"
+        make_copy(snapshot, copy)
+        rc, out = run_pytest(copy, ids, timeout_s * 2, stop_first=False)
+    if rc == 0:
+        return results
+    if rc != 1:
+        why = "timed out" if rc is None else _reason(out, f"exited {rc}")
+        return [
+            dataclasses.replace(r, status="error", detail=f"the baseline run of {r.detail} {why}", failing=())
+            if r.status == "caught"
+            else r
+            for r in results
+        ]
+    broken = set(failing_ids(out))
+    out_results = []
+    for r in results:
+        bad = [i for i in r.failing if i in broken]
+        if r.status == "caught" and bad:
+            r = dataclasses.replace(
+                r, status="error", detail=f"{bad[0]} fails without the breakage too", failing=()
+            )
+        out_results.append(r)
+    return out_results
+
+
+def summary(results: Sequence[Result], seconds: float) -> str:
+    counts = {s: sum(r.status == s for r in results) for s in ("caught", "missed", "error")}
+    verdict_ = "OK" if counts["caught"] == len(results) else "FAIL"
+    return (
+        f"{verdict_}: {counts['caught']} caught, {counts['missed']} missed, {counts['error']} error "
+        f"of {len(results)} breakages in {seconds:.0f} s"
+    )
+
+
+def main(argv: Sequence[str] | None = None, breakages: Sequence[Breakage] = BREAKAGES, repo: Path = REPO) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", action="append", metavar="NAME", help="run this breakage only (repeatable)")
+    parser.add_argument("--list", action="store_true", help="print the breakages and exit")
+    parser.add_argument("--jobs", type=int, default=1, help="breakages checked at once (default 1)")
+    parser.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per breakage; past it: error"
+    )
+    parser.add_argument("--show-output", action="store_true", help="print each run's pytest output to stderr")
+    parser.add_argument("--no-baseline", action="store_true", help="skip re-running the catching tests unmodified")
+    args = parser.parse_args(argv)
+
+    names = [b.name for b in breakages]
+    if len(set(names)) != len(names):
+        parser.error("breakage names are not unique")
+    unknown = [n for n in args.only or [] if n not in names]
+    if unknown:
+        parser.error(f"unknown breakage {', '.join(unknown)} (--list names them)")
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
+    selected = [b for b in breakages if not args.only or b.name in args.only]
+
+    if args.list:
+        for b in selected:
+            print(f"{b.name}  {b.file}  {' '.join(b.tests)}\n    {b.why}")
+        return 0
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mutation-check-") as tmp:
+        snapshot = Path(tmp) / "repo"
+        snapshot_repository(repo, repository_files(repo), snapshot)
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs)
+        try:
+            futures = {
+                b.name: pool.submit(check_breakage, b, snapshot, args.timeout, show_output=args.show_output)
+                for b in selected
+            }
+            for done, fut in enumerate(concurrent.futures.as_completed(futures.values()), 1):
+                r = fut.result()
+                progress = f"[{done}/{len(selected)}] {r.status} {r.name} in {r.seconds:.1f} s"
+                print(progress, file=sys.stderr, flush=True)
+            results = [futures[b.name].result() for b in selected]
+            if not args.no_baseline:
+                results = baseline(results, snapshot, args.timeout)
+        except KeyboardInterrupt:
+            pool.shutdown(wait=False, cancel_futures=True)
+            _end_running()  # the runs in flight end: no pytest outlives the check
+            raise
+        finally:
+            pool.shutdown(wait=True)
+    for r in results:
+        print(r.line())
+    print(summary(results, time.perf_counter() - t0))
+    return 0 if all(r.status == "caught" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,7 +18,7 @@ from trainer.errors import EXIT_GAVE_UP, exit_code_for
 from trainer.observe.events import EventLog
 from trainer.observe.runlog import load_run, summarize
 from trainer.report import format_summary
-from trainer.runtime.loss_spikes import LossSpikePolicy, LossSpikesPersist, skipped_fingerprints
+from trainer.runtime.loss_spikes import MIN_HISTORY, LossSpikePolicy, LossSpikesPersist, skipped_fingerprints
 
 
 def _policy(tmp_path, **kw) -> tuple[LossSpikePolicy, EventLog]:
@@ -38,6 +38,19 @@ def test_a_loss_over_threshold_times_the_running_median_is_a_spike(tmp_path):
     assert not policy.check(_record(5, 6.0))  # 3 x median 2.0 is not over the threshold
     assert not policy.check(_record(6, 5.0, finite=False))  # non-finite steps are nan_policy's
     assert policy.check(_record(7, 6.5))
+
+
+def test_a_spike_is_judged_once_min_history_losses_are_known_not_a_full_window(tmp_path):
+    policy, _ = _policy(tmp_path, window=32)  # min_history: the default, MIN_HISTORY
+    assert MIN_HISTORY == 4
+    assert not any(policy.check(_record(s, 2.0)) for s in range(1, 4))
+    assert not policy.check(_record(4, 100.0))  # 3 losses known: fewer than min_history, not judged
+    assert not policy.check(_record(5, 2.0))
+    assert policy.check(_record(6, 100.0))  # the 6th loss: judged on the 5 known (median 2.0), far from 32
+    assert not policy.check(_record(7, 50.0) | {"loss_tokens": 0})  # no loss tokens: no loss
+    short, _ = _policy(tmp_path / "short", window=2)
+    assert not short.check(_record(1, 2.0)) and not short.check(_record(2, 2.0))
+    assert short.check(_record(3, 100.0))  # never more than the window
 
 
 def test_the_rollback_skips_the_batches_from_the_restored_step_through_the_spike(tmp_path):

@@ -1,13 +1,18 @@
 """Loss-spike rollback (`loss_spike_threshold`): a step whose loss jumps is undone and its data skipped.
 
 A step whose loss exceeds `threshold` times the median of the previous `window` losses is a spike (the
-PaLM recipe): the loop returns a rollback outcome, the supervisor restores the newest held state (a
-snapshot, the local tier or a checkpoint, all from before the spike: with this on, the loop reads a
-step's loss before anything saves that step), and the next attempt skips the batches from the restored
-step through the spike. Those batches are named by their fingerprints in the `loss_spike_rollback`
-event; every later batch with one of them is skipped, in this process and in any restarted one (which
-reads them back from the run's events.jsonl), so they never reach the model again, whatever state a
-restart resumes from. Steps are bitwise deterministic, so the rolled-back run is reproducible.
+PaLM recipe). A step is judged once at least `min_history` (MIN_HISTORY, 4, or `window` if smaller) losses
+are known, against the median of those it has (up to `window`): a process's first steps, and the first
+steps after it starts again, are judged on a shorter history rather than trained blind. Early in training
+the loss falls, so a short median is above the current loss, not below it. A step with no loss tokens (an
+SFT batch of prompts only) has no loss: it is neither judged nor counted. On a spike the loop returns a
+rollback outcome, the supervisor restores the newest held state (a snapshot, the local tier or a
+checkpoint, all from before the spike: with this on, the loop reads a step's loss before anything saves
+that step), and the next attempt skips the batches from the restored step through the spike. Those batches
+are named by their fingerprints in the `loss_spike_rollback` event; every later batch with one of them is
+skipped, in this process and in any restarted one (which reads them back from the run's events.jsonl), so
+they never reach the model again, whatever state a restart resumes from. Steps are bitwise deterministic,
+so the rolled-back run is reproducible.
 
 `max_rollbacks` rollbacks within `rollback_window` steps mean the spikes are not a few bad batches:
 the run stops (`LossSpikesPersist`, exit 3) and says so.
@@ -25,6 +30,7 @@ from trainer.observe import catalogue
 
 log = logging.getLogger(__name__)
 
+MIN_HISTORY = 4  # losses known before a step is judged (at most `window`); see the module docstring
 FINGERPRINTS_KEPT = 100_000  # fingerprints of recent steps held to name a rollback's batches (~5 MB)
 
 
@@ -43,10 +49,12 @@ class LossSpikePolicy:
         rollback_window: int,
         events,
         *,
+        min_history: int = MIN_HISTORY,
         skipped: Iterable[str] = (),
     ):
         self.threshold = threshold
         self.window = window
+        self.min_history = max(1, min(min_history, window))
         self.max_rollbacks = max_rollbacks
         self.rollback_window = rollback_window
         self.events = events
@@ -70,7 +78,9 @@ class LossSpikePolicy:
             return False
         step, loss = record["step"], record["loss"]
         self._remember(step, record.get("batch_fingerprint"))
-        if len(self._losses) < self.window:
+        if record.get("loss_tokens", 1) == 0:  # nothing was trained on: no loss to judge or to remember
+            return False
+        if len(self._losses) < self.min_history:
             self._losses.append(loss)
             return False
         median = statistics.median(self._losses)

@@ -25,12 +25,22 @@ from trainer.config.fault_schedule import parse_fault_schedule
 from trainer.data.pipeline import make_train_iterator
 from trainer.elastic.device_faults import flip_bits, wrong_inputs
 from trainer.elastic.faults import FaultInjector, Outages
-from trainer.observe.events import EventLog
+from trainer.observe.events import EventLog, read_events
 from trainer.observe.runlog import load_run, summarize
 from trainer.parallel.mesh import group_into_slices
 from trainer.report import format_summary
+from trainer.run import sdc_period_plan
 from trainer.runtime.layout import lower_step, slice_layout, train_spec
-from trainer.runtime.sdc import Verdict, compare, odd_replicas, replica_digests, rotate
+from trainer.runtime.sdc import (
+    AUTO,
+    WARMUP_STEPS,
+    SdcCheck,
+    Verdict,
+    compare,
+    odd_replicas,
+    replica_digests,
+    rotate,
+)
 from trainer.runtime.state import init_state
 
 
@@ -89,6 +99,38 @@ def test_settings_and_entries_are_checked():
             parse_fault_schedule(bad, num_slices=3)
     with pytest.raises(ConfigError, match="slice must be in"):
         parse_fault_schedule("step=9,slice=3,corrupt=1", num_slices=3)
+
+
+def test_an_auto_period_is_planned_once_steps_are_measured_and_again_from_a_measured_check(tmp_path):
+    log = EventLog(tmp_path / "events.jsonl")
+    asked = []
+
+    def plan(step_s, check_s):
+        asked.append((step_s, check_s))
+        return 3 if check_s < 1.0 else 5
+
+    check = SdcCheck(AUTO, log, plan=plan)
+    check.attempt_started(0)
+    for s in range(1, WARMUP_STEPS):
+        check.step_timed(s, 0.1)
+        assert not check.due(s + 1, slices=3)  # not planned before WARMUP_STEPS step times
+    check.step_timed(WARMUP_STEPS, 0.1)
+    assert asked == [(0.1, pytest.approx(0.2))]  # a check taken as two steps until one ran
+    assert [check.due(s, slices=3) for s in (2, 3)] == [False, True]  # 3 steps after the attempt's start
+    assert not check.due(3, slices=1)  # one slice: nothing to compare
+    (planned,) = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "sdc_period_planned"]
+    assert (planned["period"], planned["measured"]) == (3, False)
+    check._since, check._check_s = 8, 2.0  # as a check at step 8 that took 2 s sets them
+    check._replan(8)
+    assert check._planned == 5 and check.due(13, slices=3) and not check.due(12, slices=3)
+
+
+def test_the_auto_plan_checks_as_often_as_its_overhead_allows_else_at_the_models_period():
+    cfg = load_config("base.yml", ["num_slices=3"])
+    plan = sdc_period_plan(cfg.elastic, chips=48)  # the seed's 3 x v5e-16
+    assert plan(0.2, 0.4) == 100  # two steps' check at 2% of step time; the model alone: tens of thousands
+    free = sdc_period_plan(load_config("base.yml", ["num_slices=3", "auto_sdc_max_overhead=0"]).elastic, chips=48)
+    assert free(0.2, 0.4) > 10_000
 
 
 def _on_three_slices():
@@ -217,3 +259,14 @@ def test_a_bad_chip_is_found_by_the_replay_its_slice_quarantined_and_the_run_end
     assert _losses_at(run_dir, 11)[0] != clean  # steps 10 and 11 trained on slice 2's wrong numbers
     assert "STATUS: finished step=15" in quarantined.stdout
     assert_same_params(run_dir, clean_run, rtol=1e-4, atol=1e-5)  # on 2 slices: the resize's tolerance
+
+
+def test_with_no_sdc_keys_three_slices_check_at_a_planned_period_and_a_flip_is_undone(tmp_path, clean_run):
+    out = run_cli(tmp_path, "auto", *SLICES, "auto_sdc_max_overhead=0.5", "fault_schedule=step=8,slice=1,flip=1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = tmp_path / "auto"
+    evs = events(run_dir)
+    assert [e["period"] for e in evs if e["event"] == "sdc_period_planned"][:1] == [4]  # 2 steps at 50%
+    (detected,) = [e for e in evs if e["event"] == "sdc_detected"]
+    assert detected["slices"] == [1] and detected["kind"] == "replicas_differ" and detected["step"] > 8
+    assert_same_params(run_dir, clean_run)

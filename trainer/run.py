@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -25,7 +26,7 @@ from trainer.checkpoint.storage_faults import StorageFaults
 from trainer.config.errors import ConfigError
 from trainer.config.fault_schedule import parse_fault_schedule, parse_process_faults
 from trainer.config.loader import to_flat_dict
-from trainer.config.schema import AUTO, RunConfig
+from trainer.config.schema import AUTO, ElasticConfig, RunConfig
 from trainer.distributed import DistributedSettings, coordination_client, initialize, leave, resolve_settings
 from trainer.distributed.communicators import (
     forget_rendezvous,
@@ -52,6 +53,7 @@ from trainer.observe.rundir import RunPaths
 from trainer.observe.sinks import JsonlSink, LogSink, ProgressSink, RecordedSteps, Sinks, TensorBoardSink
 from trainer.observe.slowsteps import CoordinationHostTimes, HostTimes, SlowStepMonitor
 from trainer.parallel.mesh import build_mesh, group_into_slices
+from trainer.plan import model as plan_model
 from trainer.plan.auto import AutoPeriods, FixedPeriods
 from trainer.runtime import watchdog
 from trainer.runtime.attempt import AttemptBuilder
@@ -197,16 +199,32 @@ def loss_spikes(cfg: RunConfig, paths: RunPaths, events) -> LossSpikePolicy:
 
 
 def sdc_check(cfg: RunConfig, cluster: Cluster, events) -> SdcCheck | None:
-    """The silent-data-corruption check (sdc_check_period > 0); one controller only: the check moves each
-    slice's rows to another slice, which several processes would have to exchange."""
-    if cfg.elastic.sdc_check_period == 0:
+    """The silent-data-corruption check (sdc_check_period, `auto` planned here); one controller only: the
+    check moves each slice's rows to another slice, which several processes would have to exchange."""
+    e = cfg.elastic
+    single = jax.process_count() == 1
+    if e.sdc_check_period == 0 or (e.sdc_check_period == AUTO and (cluster.num_slices < 2 or not single)):
         return None
-    if jax.process_count() > 1:
+    if not single:
         raise ConfigError(
-            f"sdc_check_period={cfg.elastic.sdc_check_period} needs one controller (Pathways or one local "
+            f"sdc_check_period={e.sdc_check_period} needs one controller (Pathways or one local "
             f"process); this job has {jax.process_count()} processes: set sdc_check_period=0"
         )
-    return SdcCheck(cfg.elastic.sdc_check_period, events)
+    return SdcCheck(e.sdc_check_period, events, plan=sdc_period_plan(e, chips=jax.device_count()))
+
+
+def sdc_period_plan(e: ElasticConfig, *, chips: int):
+    """`plan(step_s, check_s) -> period` of an auto sdc_check_period: the planner's best period for the
+    expected rate of bad chips, but at least as often as the checks cost `auto_sdc_max_overhead`."""
+    rate = chips / (e.expected_sdc_mtbf_per_chip_hours * 3600.0)
+
+    def plan(step_s: float, check_s: float) -> int:
+        best = plan_model.sdc_check_period(step_s, check_s, rate)
+        if e.auto_sdc_max_overhead > 0:
+            best = min(best, max(1, math.ceil(check_s / (e.auto_sdc_max_overhead * step_s))))
+        return best
+
+    return plan
 
 
 def build_cluster(

@@ -58,7 +58,7 @@ def _run_problems(cfg: RunConfig) -> list[str]:
             problems.append(f"{name}={getattr(o, name)} must be < 1")
     if o.learning_rate_schedule_steps == 0:
         problems.append("learning_rate_schedule_steps=0 must be >= 1 (or -1 = steps)")
-    if e.sdc_check_period and mesh.num_slices < 2:
+    if e.sdc_check_period > 0 and mesh.num_slices < 2:
         problems.append(
             f"sdc_check_period={e.sdc_check_period} compares what different slices compute: it needs "
             f"num_slices >= 2 (got {mesh.num_slices}); set sdc_check_period=0"

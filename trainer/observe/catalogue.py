@@ -307,6 +307,12 @@ SDC_INJECTED = Event(
     "corrupt=persistent: from `step` on, `persistent` true), seen by `where`: the replay check or the step "
     "itself; or changed `slice`'s copy of the parameters after `step` (flip=1, `where` memory)",
 )
+SDC_PERIOD_PLANNED = Event(
+    "sdc_period_planned",
+    "step period step_s check_s measured",
+    "sdc_check_period auto: the check now runs every `period` steps, planned from the median step time "
+    "`step_s` and a check's cost `check_s` (`measured` false: assumed two steps until a check ran)",
+)
 SDC_QUARANTINED = Event(
     "sdc_quarantined",
     "step slice",

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from trainer import model as qwen3
 from trainer.config.loader import to_flat_dict
 from trainer.config.schema import (
+    AUTO,
     CheckpointConfig,
     DataConfig,
     EvalConfig,
@@ -64,6 +65,7 @@ class TrainSpec:
     config_record: dict  # the resolved config, flat: saved with every checkpoint
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     sdc_check: bool = False  # sdc_check_period > 0: compile the replica checksums too (trainer.runtime.sdc)
+    sdc_lazy: bool = False  # sdc_check_period auto on 2+ slices: compile them at the first check
 
 
 def train_spec(cfg: RunConfig) -> TrainSpec:
@@ -80,6 +82,7 @@ def train_spec(cfg: RunConfig) -> TrainSpec:
         config_record=to_flat_dict(cfg),
         eval=cfg.eval,
         sdc_check=cfg.elastic.sdc_check_period > 0,
+        sdc_lazy=cfg.elastic.sdc_check_period == AUTO and cfg.mesh.num_slices > 1,
     )
 
 
@@ -177,6 +180,8 @@ class SliceLayout:
         step_fn, seconds = compile_step(spec, self, "train")
         eval_fn, eval_seconds = compile_step(spec, self, "eval") if self.eval_batch is not None else (None, 0.0)
         sdc_fn, sdc_seconds = compile_step(spec, self, "sdc") if spec.sdc_check else (None, 0.0)
+        if spec.sdc_lazy and not spec.sdc_check:
+            sdc_fn = _CompiledOnFirstCall(lambda: compile_step(spec, self, "sdc")[0])
         return dataclasses.replace(
             self,
             step_fn=step_fn,
@@ -304,6 +309,19 @@ def lower_step(spec: TrainSpec, layout: SliceLayout, step: Step = "train") -> ja
         k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout.batch_sharding) for k in BATCH_KEYS
     }
     return jitted.lower(program.state, abstract_batch)
+
+
+class _CompiledOnFirstCall:
+    """A program compiled when it is first called (a check that may never run in a short job)."""
+
+    def __init__(self, compile_now: Callable[[], Callable]):
+        self._compile_now = compile_now
+        self._fn: Callable | None = None
+
+    def __call__(self, *args):
+        if self._fn is None:
+            self._fn = self._compile_now()
+        return self._fn(*args)
 
 
 def compile_step(spec: TrainSpec, layout: SliceLayout, step: Step = "train"):

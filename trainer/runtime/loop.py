@@ -209,6 +209,8 @@ def train_loop(
             record["last"] = True
         sinks.write(record)
         watchdog.beat(done.step)
+        if sdc is not None:
+            sdc.step_timed(done.step, record["step_time_s"])
         if nonfinite.check(record):
             return Outcome(ROLLBACK, done.step)
         return Outcome(ROLLBACK, done.step, cause=LOSS_SPIKE) if spikes.check(record) else None

@@ -29,8 +29,10 @@ passes and one pass over the parameters per `period` steps; each checked step's 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import statistics
 import time
 from collections.abc import Callable
 
@@ -123,31 +125,85 @@ def odd_replicas(digests: np.ndarray, slices: int) -> Verdict:
     return Verdict(tuple(bad), tuple(bad))
 
 
+AUTO = -1  # sdc_check_period auto: planned from measured step and check times
+WARMUP_STEPS = 5  # step times measured before an auto period is planned
+PLANNED_CHECK_STEPS = 2.0  # a check's cost, in steps, until one was measured (two forward and backward passes)
+
+
 class SdcCheck:
     """Runs the check at the steps it is due, reports a mismatch (`sdc_detected`) and knows the newest
-    step verified clean (`verified_step`: the state the last passing check started from)."""
+    step verified clean (`verified_step`: the state the last passing check started from).
 
-    def __init__(self, period: int, events, *, clock: Callable[[], float] = time.perf_counter):
+    `period` > 0: every `period` steps (at multiples of it). AUTO: `plan(step_s, check_s) -> period` is
+    asked once WARMUP_STEPS step times are measured (the median of the recent ones; a check's cost is
+    taken as PLANNED_CHECK_STEPS steps until one ran on a mesh whose programs were already compiled) and
+    again after each check; the check is due `period` steps after the previous one (or after the
+    attempt's start). Event `sdc_period_planned`."""
+
+    def __init__(
+        self,
+        period: int,
+        events,
+        *,
+        plan: Callable[[float, float], int] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        if period == AUTO and plan is None:
+            raise ValueError("an auto sdc_check_period needs a plan")
         self.period = period
         self.events = events
+        self.plan = plan
         self.clock = clock
         self.verified_step: int | None = None
         self._digests: dict[Mesh, Callable] = {}
+        self._planned = 0  # AUTO: the period in use (0: not planned yet)
+        self._since = 0  # AUTO: the step of the last check, or of the attempt's start
+        self._step_times: collections.deque[float] = collections.deque(maxlen=50)
+        self._check_s: float | None = None
 
     def attempt_started(self, start_step: int) -> None:
         """An attempt starts from `start_step`: its state is the one the run goes on from, and no state after
         it is verified any more (it is computed again)."""
         if self.verified_step is None or self.verified_step > start_step:
             self.verified_step = start_step
+        self._since = start_step
+
+    def step_timed(self, step: int, seconds: float) -> None:
+        """A step's measured time (its metrics record): what an auto period is planned from."""
+        if self.period != AUTO:
+            return
+        self._step_times.append(seconds)
+        if not self._planned and len(self._step_times) >= WARMUP_STEPS:
+            self._replan(step)
+
+    def _replan(self, step: int) -> None:
+        step_s = statistics.median(self._step_times)
+        check_s = PLANNED_CHECK_STEPS * step_s if self._check_s is None else self._check_s
+        period = max(1, int(self.plan(step_s, check_s)))
+        if period != self._planned:
+            self._planned = period
+            self.events.emit(
+                catalogue.SDC_PERIOD_PLANNED,
+                step=step,
+                period=period,
+                step_s=round(step_s, 6),
+                check_s=round(check_s, 6),
+                measured=self._check_s is not None,
+            )
 
     def due(self, step: int, slices: int) -> bool:
         """Whether `step` is checked (on one slice there is nothing to compare)."""
-        return self.period > 0 and step % self.period == 0 and slices > 1
+        if slices < 2 or self.period == 0:
+            return False
+        if self.period > 0:
+            return step % self.period == 0
+        return self._planned > 0 and step - self._since >= self._planned
 
     def __call__(self, attempt, params, host_batch: dict[str, np.ndarray], step: int) -> tuple[Verdict, float]:
         """Check `step` (not yet run) from `params` and its batch; returns the verdict and its seconds."""
         t0 = self.clock()
         slices = attempt.num_slices
+        fresh = attempt.mesh not in self._digests  # its programs compile now: the time is not a check's
         digests = self._digests.setdefault(attempt.mesh, replica_digests(attempt.mesh))
         verdict, kind = odd_replicas(np.asarray(jax.device_get(digests(params))), slices), "replicas_differ"
         if not verdict.slices:
@@ -156,6 +212,11 @@ class SdcCheck:
             original, rotated = (np.asarray(x) for x in jax.device_get((original, rotated)))
             verdict, kind = compare(original, rotated, slices), "replay_differs"
         seconds = self.clock() - t0
+        self._since = step
+        if not fresh:
+            self._check_s = seconds
+        if self.period == AUTO and self._step_times:
+            self._replan(step)
         if not verdict.slices:
             self.verified_step = step - 1
             return verdict, seconds

@@ -188,9 +188,9 @@ def train_loop(
     the steps it is due at."""
     boundary = boundary or _NoBoundary()
     spikes = spikes or LossSpikePolicy(0.0, 1, 1, 1, events)
+    sdc = sdc or SdcCheck(0, events)  # period 0: never due
     spikes.attempt_started(attempt.start_step)
-    if sdc is not None:
-        sdc.attempt_started(attempt.start_step)
+    sdc.attempt_started(attempt.start_step)
     records = _step_records(attempt, peak_tflops_per_device)
 
     ckpt = attempt.checkpointer
@@ -209,8 +209,7 @@ def train_loop(
             record["last"] = True
         sinks.write(record)
         watchdog.beat(done.step)
-        if sdc is not None:
-            sdc.step_timed(done.step, record["step_time_s"])
+        sdc.step_timed(done.step, record["step_time_s"])
         if nonfinite.check(record):
             return Outcome(ROLLBACK, done.step)
         return Outcome(ROLLBACK, done.step, cause=LOSS_SPIKE) if spikes.check(record) else None
@@ -223,7 +222,7 @@ def train_loop(
                 boundary.before_step(step + 1)
                 host_batch, fp = _next_batch(iterator, spikes)
                 checked = None
-                if sdc is not None and sdc.due(step + 1, attempt.num_slices):  # the check waits for the state
+                if sdc.due(step + 1, attempt.num_slices):  # the check waits for the state
                     checked = record_pending() or _sdc_check(sdc, attempt, state, host_batch, step + 1, records)
                     if isinstance(checked, Outcome):
                         return checked

@@ -101,6 +101,16 @@ MEASURES = {
     ],
     # The planner's prediction (trainer/plan) from the costs of a real elastic run with injected failures
     # (fault_schedule.py draws them), and the goodput the report measures in it (trainer/observe).
+    # The losses of clean runs on real text: the step (model, optimizer, schedule), the data pipeline and
+    # the defaults; the detector is off in these runs (its judgement is recomputed offline).
+    "spike_false_positives": [
+        "trainer/runtime",
+        "trainer/model",
+        "trainer/data",
+        "trainer/config/schema.py",
+        "configs",
+        "benchmarks/spike_false_positives.py",
+    ],
     "goodput_planner": [
         "trainer/plan",
         "trainer/elastic",

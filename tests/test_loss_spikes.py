@@ -4,13 +4,16 @@ Units: `LossSpikePolicy` (the running median, the batches a rollback skips, the 
 config checks and the `spike` fault entry. End to end: the CLI with `fault_schedule=step=14,spike=50`
 rolls back to the snapshot of step 12 and skips the batches of steps 13 and 14; the same run killed by a
 hang after the rollback and restarted from the checkpoint of step 10 (from before the rollback) skips
-them too, and ends with the parameters of the run that was not interrupted, bitwise.
+them too, and ends with the parameters of the run that was not interrupted, bitwise. With no loss_spike_*
+key at all, the elastic command rolls back a 1000x spike at step 18 (judged on the few losses it has).
 """
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
-from cli_harness import assert_same_params, events, metrics, run_cli
+from cli_harness import assert_same_params, events, final_by_step, metrics, run_cli
 
 from trainer.config import ConfigError, load_config
 from trainer.config.fault_schedule import parse_fault_schedule
@@ -137,3 +140,19 @@ def test_a_spike_is_rolled_back_and_its_batches_never_return_also_after_a_restar
     ]  # the same batches, rolled back once
     assert not skipped & set(_trained_after_rollback(restarted))
     assert_same_params(restarted, run_dir)
+
+
+def test_the_default_elastic_command_rolls_back_a_gross_spike_with_no_spike_keys(tmp_path):
+    """The issue's run: a 1000x spike at step 18 of `base.yml elastic_enabled=true` and no loss_spike_* key
+    (the default window is 32: judged on a full window only, the run trained through it at 5x the loss)."""
+    out = run_cli(
+        tmp_path, "default", "steps=24", "elastic_enabled=true", "fault_schedule=step=18,spike=1000", devices=1
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = tmp_path / "default"
+    (rollback,) = [e for e in events(run_dir) if e["event"] == "loss_spike_rollback"]
+    assert rollback["step"] == 18 and rollback["restored_step"] < 18, rollback
+    steps = [r for r in metrics(run_dir) if "step_time_s" in r]
+    before = [r["loss"] for r in steps if r["time"] < rollback["time"] and 12 <= r["step"] <= 17]
+    after = [r["loss"] for s, r in final_by_step(steps).items() if s > 18]
+    assert len(after) == 6 and max(after) < 1.5 * statistics.median(before), (before, after)  # not 5x or more

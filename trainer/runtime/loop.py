@@ -232,23 +232,19 @@ def train_loop(
                     return rollback
                 pending = _Pending(step, metrics, fp, checked)
                 final = step == steps
-                if spikes.enabled and (ckpt.should_save(step, final=final) or boundary.saves_at(step)):
+                saving = ckpt.should_save(step, final=final)  # asked once: a planned period counts its saves
+                if spikes.enabled and (saving or boundary.saves_at(step)):
                     if rollback := record_pending(last=final):  # no state of a spike's step is ever saved
                         return rollback
                 # The iterator has yielded exactly `step` batches: its state pairs with this model state.
-                if ckpt.should_save(step, final=final):
+                if saving:
                     _save(attempt, step, state, records, events)
                 # Evaluate after the save and before the boundary (snapshot, injected fault): a restore to
                 # this step finds it evaluated; a rewind to before it trains and evaluates it again.
                 if attempt.evaluator is not None and attempt.evaluator.due(step):
                     row = _evaluate(attempt.evaluator, step, state, records, sinks, interrupt_eval)
                     if row is not None and attempt.evaluator.reached_target(row) and not final:
-                        if rollback := record_pending(last=True):
-                            return rollback
-                        ckpt.save(step, state, iterator.get_state(), attempt.checkpoint_metadata)
-                        ckpt.wait()
-                        events.emit(catalogue.TARGET_EVAL_LOSS_REACHED, step=step, eval_loss=row["eval_loss"])
-                        return Outcome(TARGET_REACHED, step, eval_loss=row["eval_loss"])
+                        return record_pending(last=True) or _target_reached(attempt, step, state, row, events)
                 returning = boundary.after_step(step, state, iterator.get_state)
                 if returning:
                     return record_pending() or Outcome(SCALE_UP, step, state, tuple(sorted(returning)))
@@ -264,6 +260,14 @@ def train_loop(
         # A failure ends the attempt; the step before it did complete: keep its record.
         _write_best_effort(records, sinks, nonfinite, pending)
         raise
+
+
+def _target_reached(attempt: Attempt, step: int, state, row: dict, events) -> Outcome:
+    """The eval at `step` reached target_eval_loss: save that step, wait for its commit, and end."""
+    attempt.checkpointer.save(step, state, attempt.iterator.get_state(), attempt.checkpoint_metadata)
+    attempt.checkpointer.wait()
+    events.emit(catalogue.TARGET_EVAL_LOSS_REACHED, step=step, eval_loss=row["eval_loss"])
+    return Outcome(TARGET_REACHED, step, eval_loss=row["eval_loss"])
 
 
 def _save(attempt: Attempt, step: int, state, records: StepRecords, events) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from cli_harness import assert_same_data_order, assert_same_params, events, run_cli
+from cli_harness import assert_same_data_order, assert_same_params, events, metrics, run_cli
 
 from trainer.checkpoint.local_store import committed_steps
 from trainer.config import ConfigError
@@ -231,6 +231,55 @@ def test_a_hang_writes_the_newest_host_snapshot_to_the_local_tier_and_the_rerun_
     assert restored["source"] == "local:12"
     (resumed,) = [e for e in rerun if e["event"] == "restart_resumed"]
     assert resumed["start_step"] == 12 and resumed["source"] == "local:12" and resumed["steps_lost"] == 0
+    assert [e["event"] for e in events(run_dir)].count("hang_injected") == 1  # once per run
+    assert_same_params(run_dir, tmp_path / "base")
+    assert_same_data_order(run_dir, tmp_path / "base", steps=20)
+
+
+def test_a_hang_whose_newest_snapshot_has_no_metrics_row_writes_nothing_newer_and_says_why_at_once(tmp_path):
+    """Snapshots every step: when step 13's dispatch hangs, the newest host snapshot is step 12, whose
+    metrics row is written only once 13 is dispatched, so never. A local step must have its row (a resumed
+    run's metrics.jsonl has no gap), so the emergency write leaves the local tier at its newest step with a
+    row (10), says why it wrote nothing newer, and the process exits 75 at once instead of waiting
+    stop_timeout_seconds (20 s) for the row. The rerun resumes from local step 10, bitwise."""
+    node = tmp_path / "node"
+    common = ["steps=20", f"local_checkpoint_directory={node}", "local_checkpoint_period=5", "snapshot_period=1"]
+    common.append("loss_spike_threshold=0")
+    base = run_cli(tmp_path, "base", *common, devices=1)
+    assert base.returncode == 0, base.stderr[-3000:]
+
+    hang = [*common, "hang_timeout_seconds=5", "fault_schedule=step=13,hang_s=600"]
+    first = run_cli(tmp_path, "hung", *hang, devices=1)
+    assert first.returncode == 75, first.stderr[-3000:]
+    run_dir = tmp_path / "hung"
+    evs = events(run_dir)
+    names = [e["event"] for e in evs]
+    at = names.index("hang_detected")
+    detected, before, after = evs[at], evs[:at], evs[at + 1 :]
+    assert detected["step"] == 11  # 12 was dispatched (and snapshotted), 13's dispatch blocked
+    newest_snapshot = [e["step"] for e in before if e["event"] == "snapshot_taken"][-1]
+    assert newest_snapshot == 12
+    rows = {r["step"] for r in metrics(run_dir) if "loss" in r}
+    assert newest_snapshot not in rows and max(rows) == 11  # its row waits for 13's dispatch: never
+    committed = [e["step"] for e in before if e["event"] == "local_checkpoint_save_committed"]
+    assert committed == [5, 10] and all(s in rows for s in committed)
+    # The emergency write: one event naming the snapshot it did not write and why; nothing committed.
+    local = [e for e in after if e["event"].startswith("local_checkpoint")]
+    assert [(e["event"], e["step"]) for e in local] == [("local_checkpoint_save_failed", newest_snapshot)]
+    assert "metrics row" in local[0]["error"] and "local step 10" in local[0]["error"]
+    assert committed_steps(node / "hung")[-1] == committed[-1] == 10
+    finish = after[-1]
+    assert finish["event"] == "finish" and finish["exit_code"] == 75
+    # Promptly: not after stop_timeout_seconds (20 s) spent waiting for a row that never comes.
+    assert finish["time"] - detected["time"] < 10, finish["time"] - detected["time"]
+
+    second = run_cli(tmp_path, "hung", *hang, devices=1)  # the same command, as the scheduler reruns it
+    assert second.returncode == 0, second.stderr[-3000:]
+    rerun = events(run_dir)[len(evs) :]
+    (read,) = [e for e in rerun if e["event"] == "local_checkpoint_read"]
+    assert read["step"] == 10
+    (restored,) = [e for e in rerun if e["event"] == "restore_end"]
+    assert restored["source"] == "local:10"
     assert [e["event"] for e in events(run_dir)].count("hang_injected") == 1  # once per run
     assert_same_params(run_dir, tmp_path / "base")
     assert_same_data_order(run_dir, tmp_path / "base", steps=20)

@@ -99,6 +99,10 @@ class LocalStore:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def has_row(self, step: int) -> bool:
+        """Whether step `step` may commit now: its metrics row is written (always, with no `recorded`)."""
+        return self.recorded is None or self.recorded.has(step)
+
     def discard_after(self, step: int) -> list[int]:
         """Remove the local steps after `step` (states a rollback to `step` found unverified)."""
         with self._writing:

@@ -134,17 +134,15 @@ class PinnedSnapshots(HostSnapshots):
             return False
         return self._write_local_copy(step, host_copy(replicas[0]), data_state, started=started)
 
-    def persist_latest(self) -> int | None:
-        snap = self.latest
-        if snap is None or snap.state is not PINNED:
-            return super().persist_latest()
-        if self.store is None:
-            return None
-        newest = self.store.newest_step()
-        if newest is not None and newest >= snap.step:
-            return None
-        self.events.emit(catalogue.LOCAL_CHECKPOINT_SAVE_START, step=snap.step)
-        return snap.step if self._write_local(snap.step, snap.data_state) else None
+    def _unpersistable(self, snap: Snapshot) -> str | None:
+        if snap.state is not PINNED:
+            return super()._unpersistable(snap)
+        return None if self._snapshotter.alive() else "every replica of it was lost"
+
+    def _persist(self, snap: Snapshot) -> bool:
+        if snap.state is not PINNED:
+            return super()._persist(snap)
+        return self._write_local(snap.step, snap.data_state)
 
     def lose(self, devices: Iterable) -> None:
         """The hosts of `devices` lost their memory (a failed slice): their replicas are gone. On Pathways

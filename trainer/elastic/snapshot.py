@@ -223,18 +223,40 @@ class HostSnapshots:
     def persist_latest(self) -> int | None:
         """Write the newest complete snapshot to the local tier when it is newer than every local step
         (a stop outside a step boundary: the fastest save of the newest state this process holds);
-        returns the step written, or None. Does not wait for a copy still in flight."""
+        returns the step written, or None. Waits for nothing: not for a copy still in flight, nor for the
+        snapshot's metrics row. A local step must have its row (a resumed run's metrics.jsonl has no gap),
+        and the row of the step dispatched last is written only once the next one is dispatched: when the
+        loop is stuck (a hang) it never comes, so that snapshot is not written. A newer snapshot left
+        unwritten is reported (`local_checkpoint_save_failed`, with the reason and the local step kept)."""
         snap = self.latest
         if self.store is None or snap is None or snap.origin == "local":
             return None
         newest = self.store.newest_step()
         if newest is not None and newest >= snap.step:
             return None
-        if any(isinstance(leaf, Blocks) for leaf in jax.tree.leaves(snap.state)):
-            return None  # this process holds part of the state: the local tier needs all of it
+        why = self._unpersistable(snap)
+        if why is None and not self.store.has_row(snap.step):
+            why = "its metrics row is not written (the loop stopped before writing it) and a local step needs it"
+        if why is not None:
+            kept = "no local step" if newest is None else f"local step {newest}"
+            log.warning(
+                "host snapshot of step %d not written to the local tier: %s; it keeps %s", snap.step, why, kept
+            )
+            self.events.emit(
+                catalogue.LOCAL_CHECKPOINT_SAVE_FAILED, step=snap.step, error=f"{why}; the local tier keeps {kept}"
+            )
+            return None
         self.events.emit(catalogue.LOCAL_CHECKPOINT_SAVE_START, step=snap.step)
-        self.store.write(snap.step, snap.state, snap.data_state)
-        return snap.step
+        return snap.step if self._persist(snap) else None
+
+    def _unpersistable(self, snap: Snapshot) -> str | None:
+        """Why `snap` cannot go to the local tier, or None."""
+        if any(isinstance(leaf, Blocks) for leaf in jax.tree.leaves(snap.state)):
+            return "this process holds part of the state and the local tier needs all of it"
+        return None
+
+    def _persist(self, snap: Snapshot) -> bool:
+        return self._write_local_copy(snap.step, snap.state, snap.data_state)
 
     def attempt_started(self) -> None:
         """An attempt's loop starts: local steps commit as its metrics rows are written."""
@@ -273,6 +295,13 @@ class HostSnapshots:
         if self.store is not None:
             for dropped in self.store.discard_after(step):
                 log.warning("local checkpoint of step %d dropped: newer than the state verified clean", dropped)
+
+    def unusable_local_steps(self) -> list[int]:
+        """With no snapshot adopted, every local step left on disk was read and skipped by `_adopt_local`
+        (it stops only at a usable step, at RAM's step, or below the checkpoint's)."""
+        if self.latest is not None or self.store is None:
+            return []
+        return self.store.steps()
 
     def origin(self) -> str:
         """Where the newest snapshot came from: "snapshot" (this process's RAM) or "local" (disk)."""

@@ -67,6 +67,11 @@ class RecordedSteps:
             self._open = False
             self._cond.notify_all()
 
+    def has(self, step: int) -> bool:
+        """Whether step `step`'s row is written (now, without waiting)."""
+        with self._cond:
+            return self._step >= step
+
     def wait(self, step: int) -> bool:
         """Block until step `step`'s row is written (True) or the attempt ended without it (False)."""
         with self._cond:

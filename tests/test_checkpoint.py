@@ -460,6 +460,29 @@ def test_load_full_state_reads_a_step_directory_and_refuses_a_partial_one(tmp_pa
         load_full_state(tmp_path / "ckpt" / "7", abstract)
 
 
+def test_an_orbax_tmp_directory_is_never_committed_even_with_every_file_and_the_marker(tmp_path, mesh4):
+    """A save killed after Orbax wrote the commit marker but before its rename leaves a tmp directory
+    that looks complete: it is not committed, and neither load path reads it (directory scans filter
+    the name out before asking; a path given by hand does not)."""
+    state = _state(mesh4, P("fsdp"))
+    ckpt = Checkpointer(tmp_path / "ckpt", _cfg())
+    ckpt.save(7, state, {}, {})
+    ckpt.close()
+    save_parameters(tmp_path / "params", state["params"])
+    step_tmp = tmp_path / "ckpt" / "9.orbax-checkpoint-tmp"
+    params_tmp = tmp_path / "params.orbax-checkpoint-tmp-1234"
+    shutil.copytree(tmp_path / "ckpt" / "7", step_tmp)
+    shutil.copytree(tmp_path / "params", params_tmp)
+    assert (step_tmp / "commit_success.txt").exists() and (params_tmp / "commit_success.txt").exists()
+
+    assert not is_committed(step_tmp) and not is_committed(params_tmp)
+    abstract = _abstract(state, mesh4, P("fsdp"))
+    with pytest.raises(FileNotFoundError, match="not a committed checkpoint"):
+        load_full_state(step_tmp, abstract)
+    with pytest.raises(FileNotFoundError, match="not a committed checkpoint"):
+        load_parameters(params_tmp, abstract["params"])
+
+
 def test_asking_whether_a_save_is_in_progress_never_hangs_on_a_save_stuck_in_a_barrier():
     """With several processes Orbax's flag waits on a lock its finalize thread holds inside a barrier for
     every process; a dead peer keeps it there. The question gets an answer, or None, in bounded time."""

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from trainer.checkpoint.local_store import LocalStepUnusable, LocalStore, committed_steps
+from trainer.elastic.pinned_snapshots import PinnedSnapshots
 from trainer.elastic.snapshot import HostSnapshots
+from trainer.errors import EXIT_BAD_INPUT, exit_code_for
 from trainer.observe.events import EventLog
-from trainer.runtime.restore import restore_state
+from trainer.observe.sinks import RecordedSteps
+from trainer.runtime.restore import LocalStepsAllUnusable, restore_state
 
 
 class _Events:
@@ -61,6 +67,22 @@ def test_a_partial_write_never_counts_and_is_removed(tmp_path):
     assert committed_steps(tmp_path) == [5]
     assert store.cleanup_partial() == ["10.partial-999"]
     assert not (tmp_path / "10.partial-999").exists()
+    assert "local_checkpoint_partial_removed" in events.names()
+
+
+def test_a_write_killed_just_before_its_commit_rename_never_counts_and_is_removed(tmp_path):
+    """The partial holds everything a committed step does (payload and manifest): only the rename commits."""
+    events = _Events()
+    store = LocalStore(tmp_path, keep=2, events=events)
+    store.write(5, _host(_state(5)), {"cursor": 5})
+    store.write(10, _host(_state(10)), {"cursor": 10})
+    (tmp_path / "10").rename(tmp_path / "15.partial-999")  # complete, but never renamed to "15"
+    (tmp_path / "15.partial-999" / "manifest.json").write_text(
+        (tmp_path / "15.partial-999" / "manifest.json").read_text().replace('"step": 10', '"step": 15')
+    )
+    assert committed_steps(tmp_path) == [5] and store.newest_step() == 5
+    assert store.cleanup_partial() == ["15.partial-999"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["5"]
     assert "local_checkpoint_partial_removed" in events.names()
 
 
@@ -167,3 +189,71 @@ def test_a_local_step_restores_onto_another_mesh(tmp_path):
     w = got.state["params"]["w"]
     assert w.sharding == abstract["params"]["w"].sharding and len(w.addressable_shards) == 4
     np.testing.assert_array_equal(np.asarray(w), np.asarray(_state(6)["params"]["w"]))
+
+
+@pytest.mark.parametrize("checkpoint_step", [None, 3])
+def test_a_run_whose_local_steps_are_all_unusable_is_not_restarted_from_scratch(tmp_path, checkpoint_step):
+    """Every local step damaged and no other saved state: a clear error (exit 2), never a silent start from
+    init (a persistent tier whose steps are all corrupt is refused alike); an older checkpoint still serves."""
+    events = _Events()
+    store = LocalStore(tmp_path, keep=3, events=events)
+    snaps = HostSnapshots(events, store=store)
+    for step in (5, 10):
+        snaps.take(step, _state(step), {"cursor": step}, block=True, persist=True)
+        (tmp_path / str(step) / "state.bin").write_bytes(b"")  # a corrupt payload
+    fresh = HostSnapshots(events, store=store)  # a new process: nothing in RAM
+    if checkpoint_step is not None:
+        assert _restore(fresh, _abstract(_state(0)), checkpoint_step).label == "checkpoint:3"
+    else:
+        with pytest.raises(LocalStepsAllUnusable, match=r"5, 10.*not restarted from scratch") as raised:
+            _restore(fresh, _abstract(_state(0)))
+        assert exit_code_for(raised.value) == EXIT_BAD_INPUT
+    assert [f["step"] for n, f in events.seen if n == "local_checkpoint_skipped"] == [10, 5]
+    assert committed_steps(tmp_path) == [5, 10]  # nothing is deleted: they stay for inspection
+
+
+def _on_mesh(state):
+    """`state` on a one-device mesh (a pinned snapshot splits its state along a mesh axis)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    return jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+@pytest.mark.parametrize("kind", [HostSnapshots, PinnedSnapshots])
+def test_the_emergency_write_of_a_snapshot_without_its_metrics_row_writes_nothing_and_says_why_at_once(
+    tmp_path, kind
+):
+    """A hang stops the loop before it writes the newest snapshot's row: the emergency write does not wait
+    for it (a local step must have its row), reports the snapshot it left unwritten, and writes nothing."""
+    events, recorded = _Events(), RecordedSteps()
+    store = LocalStore(tmp_path, keep=3, events=events, recorded=recorded)
+    snaps = kind(events, store=store)
+    snaps.attempt_started()
+    recorded.write({"step": 5})
+    snaps.take(5, _on_mesh(_state(5)), {"cursor": 5}, block=True, persist=True)
+    recorded.write({"step": 6})
+    snaps.take(7, _on_mesh(_state(7)), {"cursor": 7}, block=True)  # RAM only; row 7 is never written
+
+    def persist():
+        got = []
+        saver = threading.Thread(target=lambda: got.append(snaps.persist_latest()), daemon=True)
+        started = time.monotonic()
+        saver.start()
+        saver.join(timeout=10)
+        assert not saver.is_alive(), "the emergency write waits for a metrics row"
+        return got[0], time.monotonic() - started
+
+    before = len(events.seen)
+    try:
+        written, seconds = persist()
+    finally:
+        snaps.attempt_ended()  # a waiting write (the defect) gives up, so the test ends
+    assert written is None and seconds < 5
+    assert committed_steps(tmp_path) == [5] and not list(tmp_path.glob("*.partial-*"))
+    ((name, fields),) = events.seen[before:]  # no local_checkpoint_save_start: nothing was written
+    assert name == "local_checkpoint_save_failed" and fields["step"] == 7
+    assert "metrics row" in fields["error"] and "local step 5" in fields["error"]
+
+    snaps.attempt_started()  # with its row written, the same write goes through
+    recorded.write({"step": 7})
+    assert persist()[0] == 7
+    assert committed_steps(tmp_path) == [5, 7] and events.names()[-1] == "local_checkpoint_save_committed"

@@ -29,6 +29,24 @@ def test_a_non_finite_update_is_never_applied():
     assert int(after["step"]) == int(before["step"]) + 1
 
 
+def test_a_finite_loss_with_non_finite_gradients_is_never_applied():
+    """The loss alone does not decide: here it is finite while the gradients are not. The reported loss is
+    the cross-entropy; the z-loss term of the objective, scaled by 1e38, overflows float32 only in its
+    gradient (2 x multiplier x log Z per logit), so the step must catch the gradient norm itself."""
+    cfg = micro_config()
+    opt, state = fresh_state_on_one_device(cfg)
+    before = jax.device_get(state)
+    step = jax.jit(make_train_step(cfg.model, opt, z_loss_multiplier=1e38, micro_steps=1))
+    after, m = jax.device_get(step(state, synthetic_batch(cfg, rows=2)))
+    assert np.isfinite(m["loss"]) and not np.isfinite(m["grad_norm"])
+    assert not bool(m["finite"])
+    for a, b in zip(jax.tree.leaves(after["params"]), jax.tree.leaves(before["params"])):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(after["opt_state"]), jax.tree.leaves(before["opt_state"])):
+        np.testing.assert_array_equal(a, b)
+    assert int(after["step"]) == int(before["step"]) + 1
+
+
 def test_stop_exits_1_with_a_clear_message_and_keeps_the_last_good_checkpoint(tmp_path):
     proc = run_cli(tmp_path, "stop", *COMMON, "fault_schedule=step=5,nan=1", devices=1)
     assert proc.returncode == 1

@@ -83,6 +83,10 @@ class SharedSnapshots:
         self._source_row = rows[0]
         return best
 
+    def unusable_local_steps(self) -> list[int]:
+        """This process's own (each process decides from its own local tier)."""
+        return self.snapshots.unusable_local_steps()
+
     def origin(self) -> str:
         """ "local" when the processes sending (or every process loading) read it from the local tier."""
         procs = set(self._table) if self._source_row is None else data_rows_of(self.mesh)[self._source_row]

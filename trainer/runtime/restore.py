@@ -6,8 +6,10 @@
     load_full_state_path, then load_parameters_path   (a new run started from other weights)
     init           fresh parameters
 
-`choose_source` is that rule as a pure function; `restore_state` applies it. The local tier reaches
-it through the snapshot source: a local step is a host snapshot written to node-local disk, and a
+`choose_source` is that rule as a pure function; `restore_state` applies it. A run whose only saved
+steps are local ones that all fail to read is never started over (`LocalStepsAllUnusable`, exit 2), as
+a persistent tier whose steps were all set aside is not (`RunStepsAllCorrupt`). The local tier reaches
+the order through the snapshot source: a local step is a host snapshot written to node-local disk, and a
 process that starts without one in RAM reads the newest local step back as its snapshot
 (`trainer.checkpoint.local_store`). Single- and multi-process runs differ only in their
 `SnapshotSource`: one process reads its own host copy (`trainer.elastic.snapshot.HostSnapshots`),
@@ -21,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
+
+from trainer.errors import UserInputError
 
 SNAPSHOT, LOCAL, CHECKPOINT, FULL_STATE, PARAMETERS, INIT = (
     "snapshot",
@@ -57,6 +61,24 @@ def choose_source(
     return INIT
 
 
+class LocalStepsAllUnusable(UserInputError):
+    """Every step of the local checkpoint tier failed to read and the run saved nothing else: like a
+    persistent tier whose steps were all set aside (`RunStepsAllCorrupt`), the run is not silently
+    restarted (exit 2)."""
+
+
+def refuse_to_start_over(snapshots: SnapshotSource | None) -> None:
+    """Raise LocalStepsAllUnusable when restore_state found no saved state but the local tier holds steps:
+    each of them was read and skipped as unusable (`SnapshotSource.unusable_local_steps`)."""
+    if snapshots is not None and (steps := snapshots.unusable_local_steps()):
+        raise LocalStepsAllUnusable(
+            f"every local checkpoint step ({', '.join(map(str, steps))}, in local_checkpoint_directory) is "
+            "unusable (the local_checkpoint_skipped events say why) and the run has no other saved state: it "
+            "is not restarted from scratch. Inspect them (and delete them to start over), or start a new "
+            "run: another run_name=..."
+        )
+
+
 class SnapshotSource(Protocol):
     """Host snapshots (in RAM, or read back from the local tier) as a restore source (every process
     of the attempt calls both, in order)."""
@@ -68,6 +90,10 @@ class SnapshotSource(Protocol):
 
     def origin(self) -> str:
         """Where that snapshot was: SNAPSHOT (host RAM) or LOCAL (the local checkpoint tier)."""
+
+    def unusable_local_steps(self) -> list[int]:
+        """After `newest_step` found no snapshot: the local steps it read and skipped as unusable (none
+        when it holds a snapshot or keeps no local tier)."""
 
     def load(self, abstract_state) -> tuple[Any, dict]:
         """(state on the shardings of `abstract_state`, data-iterator state) of that snapshot."""
@@ -122,6 +148,8 @@ def restore_state(
         load_full_state_path=load_full_state_path,
         load_parameters_path=load_parameters_path,
     )
+    if source in (FULL_STATE, PARAMETERS, INIT):
+        refuse_to_start_over(snapshots)  # a run whose saved steps are all unusable never silently starts over
     if source in (SNAPSHOT, LOCAL):
         state, data_state = snapshots.load(abstract_state)
         return Restored(state, data_state, f"{source}:{snapshot_step}")

@@ -20,8 +20,13 @@ def _state_item(path: epath.PathLike) -> epath.Path:
 
     path = resolve(path)
     if not commit.is_committed(path):
+        why = (
+            "an unfinished save's temporary directory"
+            if commit.TMP_SUFFIX in path.name
+            else f"no {commit.COMMIT_MARKER}"
+        )
         raise FileNotFoundError(
-            f"{path} is not a committed checkpoint directory (no {commit.COMMIT_MARKER}; "
+            f"{path} is not a committed checkpoint directory ({why}; "
             f"point at <run>/checkpoints/<step> or a save_parameters directory)"
         )
     return path / STATE

@@ -211,7 +211,10 @@ LOCAL_CHECKPOINT_READ = Event(
     "local_checkpoint_read", "step bytes seconds", "a local-tier step newer than RAM became the host snapshot"
 )
 LOCAL_CHECKPOINT_SKIPPED = Event(
-    "local_checkpoint_skipped", "step reason", "a local-tier step cannot be used (`reason`); an older one is tried"
+    "local_checkpoint_skipped",
+    "step reason",
+    "a local-tier step cannot be used (`reason`); an older one is tried (none left and nothing else saved: the "
+    "run stops with exit 2 rather than start over)",
 )
 
 # ---- recovery across attempts (trainer/elastic/) ----------------------------------------------------------

@@ -187,25 +187,53 @@ def test_a_hung_step_exits_75_within_the_bound_and_the_same_command_resumes_bitw
     assert "hangs             1" in format_summary(summary)
 
 
+def _hang_command(tmp_path, snapshot_period: int, hang_step: int) -> list[str]:
+    """20 steps on one device, the local tier every 5 steps under tmp_path/node, snapshots every
+    `snapshot_period`, no loss-spike rollback (a step's row is written once the next is dispatched), and
+    with `hang_step` given, that step's dispatch hangs under a 5 s watchdog."""
+    common = ["steps=20", f"local_checkpoint_directory={tmp_path / 'node'}", "local_checkpoint_period=5"]
+    common += [f"snapshot_period={snapshot_period}", "loss_spike_threshold=0"]
+    if hang_step:
+        common += ["hang_timeout_seconds=5", f"fault_schedule=step={hang_step},hang_s=600"]
+    return common
+
+
+def _hung_run(tmp_path, *, snapshot_period: int, hang_step: int):
+    """(node, run_dir, events, index of hang_detected) of a run that hung, after an uninterrupted base run
+    of the same settings (tmp_path/base): the hung run exited 75."""
+    base = run_cli(tmp_path, "base", *_hang_command(tmp_path, snapshot_period, 0), devices=1)
+    assert base.returncode == 0, base.stderr[-3000:]
+    first = run_cli(tmp_path, "hung", *_hang_command(tmp_path, snapshot_period, hang_step), devices=1)
+    assert first.returncode == 75, first.stderr[-3000:]
+    run_dir = tmp_path / "hung"
+    evs = events(run_dir)
+    return tmp_path / "node", run_dir, evs, [e["event"] for e in evs].index("hang_detected")
+
+
+def _rerun_resumes_bitwise_from_local_step(tmp_path, *, snapshot_period: int, hang_step: int, step: int):
+    """The same command again, as the scheduler reruns it: it reads local `step`, restores it, does not hang
+    again, and ends bitwise equal to the base run. Returns the rerun's events."""
+    run_dir, before = tmp_path / "hung", len(events(tmp_path / "hung"))
+    second = run_cli(tmp_path, "hung", *_hang_command(tmp_path, snapshot_period, hang_step), devices=1)
+    assert second.returncode == 0, second.stderr[-3000:]
+    rerun = events(run_dir)[before:]
+    (read,) = [e for e in rerun if e["event"] == "local_checkpoint_read"]
+    assert read["step"] == step
+    (restored,) = [e for e in rerun if e["event"] == "restore_end"]
+    assert restored["source"] == f"local:{step}"
+    assert [e["event"] for e in events(run_dir)].count("hang_injected") == 1  # once per run
+    assert_same_params(run_dir, tmp_path / "base")
+    assert_same_data_order(run_dir, tmp_path / "base", steps=20)
+    return rerun
+
+
 def test_a_hang_writes_the_newest_host_snapshot_to_the_local_tier_and_the_rerun_resumes_from_it(tmp_path):
     """Snapshots every 2 steps, the local tier every 5, the persistent tier only at the end: when step 14's
     dispatch hangs, the newest host snapshot (12) is newer than anything saved (local 10), and only the
     watchdog's emergency write puts it on disk. The rerun restores step 12 from the local tier."""
-    node = tmp_path / "node"
     # Without loss-spike rollback a step's metrics row is written once the next step is dispatched, and the
     # local tier commits a step only with its row: snapshot 12's row exists once 13 is dispatched.
-    common = ["steps=20", f"local_checkpoint_directory={node}", "local_checkpoint_period=5", "snapshot_period=2"]
-    common.append("loss_spike_threshold=0")
-    base = run_cli(tmp_path, "base", *common, devices=1)
-    assert base.returncode == 0, base.stderr[-3000:]
-
-    hang = [*common, "hang_timeout_seconds=5", "fault_schedule=step=14,hang_s=600"]
-    first = run_cli(tmp_path, "hung", *hang, devices=1)
-    assert first.returncode == 75, first.stderr[-3000:]
-    run_dir = tmp_path / "hung"
-    evs = events(run_dir)
-    names = [e["event"] for e in evs]
-    at = names.index("hang_detected")
+    node, run_dir, evs, at = _hung_run(tmp_path, snapshot_period=2, hang_step=14)
     detected = evs[at]
     assert detected["step"] == 12  # step 12's row is written once 13 is dispatched; 14's dispatch blocked
     before, after = evs[:at], evs[at + 1 :]
@@ -222,18 +250,9 @@ def test_a_hang_writes_the_newest_host_snapshot_to_the_local_tier_and_the_rerun_
     assert after[-1]["event"] == "finish" and after[-1]["exit_code"] == 75
     assert committed_steps(node / "hung")[-1] == 12
 
-    second = run_cli(tmp_path, "hung", *hang, devices=1)  # the same command, as the scheduler reruns it
-    assert second.returncode == 0, second.stderr[-3000:]
-    rerun = events(run_dir)[len(evs) :]
-    (read,) = [e for e in rerun if e["event"] == "local_checkpoint_read"]
-    assert read["step"] == 12
-    (restored,) = [e for e in rerun if e["event"] == "restore_end"]
-    assert restored["source"] == "local:12"
+    rerun = _rerun_resumes_bitwise_from_local_step(tmp_path, snapshot_period=2, hang_step=14, step=12)
     (resumed,) = [e for e in rerun if e["event"] == "restart_resumed"]
     assert resumed["start_step"] == 12 and resumed["source"] == "local:12" and resumed["steps_lost"] == 0
-    assert [e["event"] for e in events(run_dir)].count("hang_injected") == 1  # once per run
-    assert_same_params(run_dir, tmp_path / "base")
-    assert_same_data_order(run_dir, tmp_path / "base", steps=20)
 
 
 def test_a_hang_whose_newest_snapshot_has_no_metrics_row_writes_nothing_newer_and_says_why_at_once(tmp_path):
@@ -242,19 +261,7 @@ def test_a_hang_whose_newest_snapshot_has_no_metrics_row_writes_nothing_newer_an
     run's metrics.jsonl has no gap), so the emergency write leaves the local tier at its newest step with a
     row (10), says why it wrote nothing newer, and the process exits 75 at once instead of waiting
     stop_timeout_seconds (20 s) for the row. The rerun resumes from local step 10, bitwise."""
-    node = tmp_path / "node"
-    common = ["steps=20", f"local_checkpoint_directory={node}", "local_checkpoint_period=5", "snapshot_period=1"]
-    common.append("loss_spike_threshold=0")
-    base = run_cli(tmp_path, "base", *common, devices=1)
-    assert base.returncode == 0, base.stderr[-3000:]
-
-    hang = [*common, "hang_timeout_seconds=5", "fault_schedule=step=13,hang_s=600"]
-    first = run_cli(tmp_path, "hung", *hang, devices=1)
-    assert first.returncode == 75, first.stderr[-3000:]
-    run_dir = tmp_path / "hung"
-    evs = events(run_dir)
-    names = [e["event"] for e in evs]
-    at = names.index("hang_detected")
+    node, run_dir, evs, at = _hung_run(tmp_path, snapshot_period=1, hang_step=13)
     detected, before, after = evs[at], evs[:at], evs[at + 1 :]
     assert detected["step"] == 11  # 12 was dispatched (and snapshotted), 13's dispatch blocked
     newest_snapshot = [e["step"] for e in before if e["event"] == "snapshot_taken"][-1]
@@ -273,16 +280,7 @@ def test_a_hang_whose_newest_snapshot_has_no_metrics_row_writes_nothing_newer_an
     # Promptly: not after stop_timeout_seconds (20 s) spent waiting for a row that never comes.
     assert finish["time"] - detected["time"] < 10, finish["time"] - detected["time"]
 
-    second = run_cli(tmp_path, "hung", *hang, devices=1)  # the same command, as the scheduler reruns it
-    assert second.returncode == 0, second.stderr[-3000:]
-    rerun = events(run_dir)[len(evs) :]
-    (read,) = [e for e in rerun if e["event"] == "local_checkpoint_read"]
-    assert read["step"] == 10
-    (restored,) = [e for e in rerun if e["event"] == "restore_end"]
-    assert restored["source"] == "local:10"
-    assert [e["event"] for e in events(run_dir)].count("hang_injected") == 1  # once per run
-    assert_same_params(run_dir, tmp_path / "base")
-    assert_same_data_order(run_dir, tmp_path / "base", steps=20)
+    _rerun_resumes_bitwise_from_local_step(tmp_path, snapshot_period=1, hang_step=13, step=10)
 
 
 def test_hang_timeout_zero_runs_no_watchdog(tmp_path):

@@ -83,6 +83,7 @@ MEASURES = {
     "compile_vs_maxtext": [*_PROGRAM, "trainer/aot", "trainer/compile.py", "benchmarks/compile_vs_maxtext.py"],
     "elastic_recovery": [
         "trainer/elastic",
+        "trainer/failures",
         "trainer/runtime",
         "trainer/checkpoint",
         "trainer/run.py",
@@ -92,6 +93,7 @@ MEASURES = {
     ],
     "elastic_soak": [
         "trainer/elastic",
+        "trainer/failures",
         "trainer/runtime",
         "trainer/checkpoint",
         "trainer/run.py",
@@ -100,7 +102,7 @@ MEASURES = {
         "benchmarks/elastic_soak.py",
     ],
     # The planner's prediction (trainer/plan) from the costs of a real elastic run with injected failures
-    # (fault_schedule.py draws them), and the goodput the report measures in it (trainer/observe).
+    # (trainer/failures draws them), and the goodput the report measures in it (trainer/observe).
     # The losses of clean runs on real text: the step (model, optimizer, schedule), the data pipeline and
     # the defaults; the detector is off in these runs (its judgement is recomputed offline).
     "spike_false_positives": [
@@ -119,7 +121,7 @@ MEASURES = {
         "trainer/observe",
         "trainer/run.py",
         "trainer/config/schema.py",
-        "trainer/config/fault_schedule.py",
+        "trainer/failures",
         "configs",
         "benchmarks/goodput_planner.py",
     ],

@@ -31,8 +31,8 @@ from trainer.checkpoint import (
 from trainer.checkpoint.checkpointer import CheckpointRestoreTransient, RunStepsAllCorrupt
 from trainer.checkpoint.compat import CheckpointMismatch
 from trainer.checkpoint.fence import SaveFence
-from trainer.checkpoint.storage_faults import StorageFaults
 from trainer.config.schema import CheckpointConfig
+from trainer.failures.storage import StorageFaults
 
 
 def _cfg(**changes) -> CheckpointConfig:

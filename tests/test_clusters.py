@@ -15,17 +15,17 @@ import jax
 import pytest
 from jax.experimental.multihost_utils import ProcessFailureError
 
-from trainer.config.fault_schedule import Fault
 from trainer.config.schema import ElasticConfig
 from trainer.distributed.fatal import PeerFailed
 from trainer.elastic.cluster import ActiveSlices, AttemptParts, FixedCluster
 from trainer.elastic.errors import ElasticGiveUp, SlicesUnavailable
-from trainer.elastic.faults import FaultInjector, Outages, slice_down_error
+from trainer.elastic.faults import FaultInjector
 from trainer.elastic.local_cluster import LocalCluster
 from trainer.elastic.process_cluster import ProcessCluster
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.elastic.supervisor import Supervisor
-from trainer.runtime.loop import FINISHED, ROLLBACK, SCALE_UP, Outcome
+from trainer.failures.slice_loss import Outages, SliceLoss, slice_down_error
+from trainer.runtime.outcome import Finished, Rollback, ScaleUp
 from trainer.runtime.preemption import Preempted
 
 ELASTIC = ElasticConfig(elastic_enabled=True, elastic_poll_interval_seconds=0.01, elastic_timeout_seconds=30)
@@ -167,10 +167,10 @@ def _data_loss():
 def test_a_slice_down_event_is_counted_and_retried_on_the_slices_the_cluster_gives(caplog):
     elastic = ElasticConfig(elastic_enabled=True, elastic_min_slice_count=1)
     cluster = ScriptedCluster(2, waits=[ActiveSlices([0, 1]), ActiveSlices([1])], causes=lambda e: "slice_down")
-    sup, attempts, events = _supervisor(cluster, [_data_loss(), Outcome(FINISHED, 5)], elastic=elastic)
+    sup, attempts, events = _supervisor(cluster, [_data_loss(), Finished(5)], elastic=elastic)
     with caplog.at_level(logging.INFO, logger="trainer.elastic.supervisor"):
         outcome = sup.run()
-    assert outcome.kind == FINISHED
+    assert isinstance(outcome, Finished)
     assert "Slice down event detected. Retrying." in caplog.text
     assert "Sufficient slices active: 2 >= 1" in caplog.text and "Sufficient slices active: 1 >= 1" in caplog.text
     assert cluster.called("wait_for_slices") == [("wait_for_slices", 1)] * 2
@@ -196,7 +196,7 @@ def test_survivor_sets_compile_ahead_largest_first_since_one_lost_slice_is_the_l
     elastic = ElasticConfig(elastic_enabled=True, elastic_min_slice_count=1)
     cluster = ScriptedCluster(3)
     cluster.compiles_ahead = True
-    sup, attempts, _ = _supervisor(cluster, [Outcome(FINISHED, 5)], elastic=elastic)
+    sup, attempts, _ = _supervisor(cluster, [Finished(5)], elastic=elastic)
     queued = []
     attempts.compile_ahead = queued.extend
     sup.run()
@@ -261,7 +261,7 @@ def test_a_sigterm_outside_the_step_loop_saves_the_newest_snapshot_and_proposes_
     saved = []
     snapshots.persist_latest = lambda: saved.append("persisted") or 7
     cluster = ScriptedCluster(waits=[ActiveSlices([0, 1]), Preempted("waiting_for_slices")])
-    sup, _, _ = _supervisor(cluster, [Outcome(ROLLBACK, 4)], snapshots=snapshots)
+    sup, _, _ = _supervisor(cluster, [Rollback(4)], snapshots=snapshots)
     sup.stats.last_step = 4
     with pytest.raises(Preempted, match="waiting_for_slices"):
         sup.run()
@@ -274,7 +274,7 @@ def test_fresh_devices_from_a_formation_drop_the_compiled_plans_and_the_next_att
     cluster = ScriptedCluster(
         2, waits=[ActiveSlices([0, 1]), ActiveSlices([1, 0], fresh_devices=True)], causes=lambda e: "peer_lost"
     )
-    sup, attempts, _ = _supervisor(cluster, [ProcessFailureError(set()), Outcome(FINISHED, 3)])
+    sup, attempts, _ = _supervisor(cluster, [ProcessFailureError(set()), Finished(3)])
     sup.run()
     assert attempts.forgotten == 1
     assert [slices for slices, _ in attempts.built] == [[[(0, 0)], [(1, 0)]], [[(1, 1)], [(0, 1)]]]
@@ -288,7 +288,7 @@ def test_scale_up_snapshots_the_live_state_lets_the_cluster_hand_over_and_runs_o
     cluster = ScriptedCluster(3, waits=[ActiveSlices([0, 1]), ActiveSlices([0, 1, 2])])
     sup, attempts, _ = _supervisor(
         cluster,
-        [Outcome(SCALE_UP, 6, state="live", returning=(2,)), Outcome(FINISHED, 9)],
+        [ScaleUp(6, state="live", returning=(2,)), Finished(9)],
         snapshots=snapshots,
         events=events,
     )
@@ -345,7 +345,7 @@ def test_local_cluster_waits_for_the_healthy_slices_and_sees_a_returning_one():
 
 
 def test_local_cluster_injects_faults_at_step_boundaries_and_its_step_guard_fails_on_a_down_slice():
-    cluster, events = _local(2, faults=[Fault(step=3, slice=1, down_s=60)])
+    cluster, events = _local(2, faults=[SliceLoss(step=3, slice=1, down_s=60)])
     snapshots = HostSnapshots(events)
     parts = cluster.attempt_parts([0, 1], snapshots)
     assert parts.snapshots is snapshots and parts.checkpoint_barrier is None

@@ -23,8 +23,9 @@ from trainer.observe.runlog import load_run, summarize
 from trainer.runtime.attempt import Attempt
 from trainer.runtime.evaluate import EvalSchedule, Evaluator
 from trainer.runtime.layout import BatchLayout
-from trainer.runtime.loop import FINISHED, TARGET_REACHED, train_loop
+from trainer.runtime.loop import train_loop
 from trainer.runtime.nonfinite import NonFinitePolicy
+from trainer.runtime.outcome import Finished, TargetReached
 from trainer.runtime.step import make_eval_step
 
 REPO = Path(__file__).resolve().parents[1]
@@ -232,7 +233,7 @@ def _loop(attempt, steps=6):
 
 def test_the_loop_writes_an_eval_row_after_each_due_step_and_keeps_one_step_row_per_step():
     outcome, records, _ = _loop(_attempt(_evaluator(1, batches=1, interval=2, last=5)), steps=5)
-    assert (outcome.kind, outcome.step) == (FINISHED, 5)
+    assert outcome == Finished(5)
     steps = [r["step"] for r in records if not is_eval(r)]
     evals = [r for r in records if is_eval(r)]
     assert steps == [1, 2, 3, 4, 5] and [r for r in records if not is_eval(r)][-1]["last"] is True
@@ -250,7 +251,7 @@ def test_an_attempt_restored_at_an_evaluated_step_does_not_evaluate_it_again():
 def test_reaching_target_eval_loss_saves_and_ends_the_loop_at_that_step():
     attempt = _attempt(_evaluator(1, batches=1, interval=2, last=6, target=0.65))
     outcome, records, events = _loop(attempt)
-    assert (outcome.kind, outcome.step) == (TARGET_REACHED, 4)
+    assert isinstance(outcome, TargetReached) and outcome.step == 4
     assert outcome.eval_loss == pytest.approx(0.6)
     assert attempt.checkpointer.saved[-1] == 4, "the early stop is resumable: a checkpoint at its step"
     steps = [r for r in records if not is_eval(r)]

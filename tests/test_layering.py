@@ -14,8 +14,22 @@ TRAINER = Path(__file__).resolve().parents[1] / "trainer"
 LAYERS = [
     # 0: the exit-code contract, the one path layer; process bootstrap that needs nothing else
     ("foundation", ["trainer.errors", "trainer.io", "trainer.io.*", "trainer.hostmem", "trainer.backends"]),
-    # 1: the typed config and the small grammars it validates with (fault schedule, data mixtures)
-    ("config", ["trainer.config", "trainer.config.*", "trainer.data.mixture", "trainer.data.errors"]),
+    # 1: the typed config and what it validates with: the small grammars (data mixtures), the failure kinds
+    # its fault schedule names (each kind's grammar, injector and declarations need jax and nothing of the
+    # trainer above this layer), and the declarations those use (the event catalogue, the chaos protocol)
+    (
+        "config",
+        [
+            "trainer.config",
+            "trainer.config.*",
+            "trainer.data.mixture",
+            "trainer.data.errors",
+            "trainer.failures",
+            "trainer.failures.*",
+            "trainer.observe.catalogue",
+            "trainer.elastic.chaos_requests",
+        ],
+    ),
     # 2: services with no model: observation, processes, signals, policies
     (
         "services",
@@ -28,8 +42,8 @@ LAYERS = [
             "trainer.distributed.*",
             "trainer.runtime.preemption",
             "trainer.runtime.watchdog",
+            "trainer.runtime.outcome",
             "trainer.elastic.retry_budget",
-            "trainer.elastic.chaos_requests",
             "trainer.elastic.errors",
         ],
     ),
@@ -154,8 +168,8 @@ GRAPH = {m: _imports(m) for m in MODULES}
 
 
 def test_the_import_graph_sees_top_level_imports_imports_inside_functions_and_submodules():
-    assert "trainer.runtime.loop" in GRAPH["trainer.elastic.supervisor"]  # from trainer.runtime.loop import ...
-    assert "trainer.config.fault_schedule" in GRAPH["trainer.config.validate"]  # inside a function
+    assert "trainer.runtime.outcome" in GRAPH["trainer.elastic.supervisor"]  # from ... import ...
+    assert "trainer.failures.plan" in GRAPH["trainer.config.schema"]  # inside a function
     assert (
         "trainer.checkpoint.verify" in GRAPH["trainer.checkpoint.checkpointer"]
     )  # from trainer.checkpoint import verify

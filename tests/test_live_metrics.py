@@ -17,8 +17,8 @@ import pytest
 from cli_harness import events, run_cli
 
 from trainer.config.errors import ConfigError
-from trainer.config.fault_schedule import parse_fault_schedule
 from trainer.config.loader import load_config
+from trainer.failures.plan import parse_plan
 from trainer.observe.events import EventLog
 from trainer.observe.slowsteps import CoordinationHostTimes, SlowStepMonitor
 
@@ -133,7 +133,7 @@ def test_an_older_run_of_the_same_step_number_is_not_taken_for_this_one():
 )
 def test_a_bad_slow_step_fault_is_a_config_error(text, message):
     with pytest.raises(ConfigError, match=message):
-        parse_fault_schedule(text, 1)
+        parse_plan(text, 1)
 
 
 # ---- Weights & Biases ----------------------------------------------------------------------------

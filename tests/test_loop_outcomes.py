@@ -15,8 +15,9 @@ from trainer.elastic.boundary import RecoveryStats, StepBoundary
 from trainer.plan.auto import FixedPeriods
 from trainer.runtime.attempt import Attempt
 from trainer.runtime.layout import BatchLayout
-from trainer.runtime.loop import FINISHED, PREEMPTED, ROLLBACK, SCALE_UP, train_loop
+from trainer.runtime.loop import train_loop
 from trainer.runtime.nonfinite import NonFiniteError, NonFinitePolicy
+from trainer.runtime.outcome import Finished, Preempted, Rollback, ScaleUp
 
 
 class _Events:
@@ -116,13 +117,13 @@ def _run(attempt, *, steps=5, policy="rollback", boundary=None, stop_after=None)
 
 def test_a_run_to_the_end_finishes_with_one_record_per_step_the_last_marked():
     outcome, records, _, _ = _run(_attempt())
-    assert (outcome.kind, outcome.step) == (FINISHED, 5)
+    assert outcome == Finished(5)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and records[-1]["last"] is True
 
 
 def test_a_non_finite_step_ends_the_loop_with_a_rollback_and_its_batch_is_skipped_next_time():
     outcome, records, nonfinite, events = _run(_attempt(nan_at={3}))
-    assert (outcome.kind, outcome.step) == (ROLLBACK, 3)
+    assert outcome == Rollback(3)
     assert [r["step"] for r in records] == [1, 2, 3], "the step's record is written once"
     assert nonfinite.skips(3) and not nonfinite.skips(4)
     assert [f["step"] for f in events.named("nonfinite_step")] == [3]
@@ -130,7 +131,7 @@ def test_a_non_finite_step_ends_the_loop_with_a_rollback_and_its_batch_is_skippe
     retry = _attempt(nan_at={3}, start=2)
     sinks = _Sinks()
     again = train_loop(retry, steps=5, sinks=sinks, events=_Events(), nonfinite=nonfinite)
-    assert again.kind == FINISHED
+    assert isinstance(again, Finished)
     assert [(r["step"], r["loss"]) for r in sinks.records] == [(3, 4.0), (4, 5.0), (5, 6.0)]
 
 
@@ -145,7 +146,7 @@ def test_returning_slices_end_the_loop_with_a_scale_up_that_carries_the_live_sta
     boundary = _Boundary(returning_at=2)
     attempt = _attempt()
     outcome, records, _, _ = _run(attempt, boundary=boundary)
-    assert (outcome.kind, outcome.step, outcome.returning) == (SCALE_UP, 2, (1,))
+    assert isinstance(outcome, ScaleUp) and (outcome.step, outcome.returning) == (2, (1,))
     assert int(outcome.state) == 2, "the state after step 2, for the supervisor's snapshot"
     assert attempt.iterator.get_state() == {"yielded": 2}, "the data state pairs with that step"
     assert [r["step"] for r in records] == [1, 2]
@@ -154,7 +155,7 @@ def test_returning_slices_end_the_loop_with_a_scale_up_that_carries_the_live_sta
 
 def test_a_stop_request_ends_the_loop_preempted_after_the_step_in_hand():
     outcome, records, _, events = _run(_attempt(), stop_after=3)
-    assert (outcome.kind, outcome.step) == (PREEMPTED, 3)
+    assert outcome == Preempted(3)
     assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["last"] is True
     assert [f["step"] for f in events.named("preempted")] == [3]
 

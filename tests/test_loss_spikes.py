@@ -16,8 +16,8 @@ import pytest
 from cli_harness import assert_same_params, events, final_by_step, metrics, run_cli
 
 from trainer.config import ConfigError, load_config
-from trainer.config.fault_schedule import parse_fault_schedule
 from trainer.errors import EXIT_GAVE_UP, exit_code_for
+from trainer.failures.plan import parse_plan
 from trainer.observe.events import EventLog
 from trainer.observe.runlog import load_run, summarize
 from trainer.report import format_summary
@@ -88,11 +88,11 @@ def test_spikes_that_keep_coming_stop_the_run_with_exit_3(tmp_path):
 def test_spike_settings_and_entries_are_checked():
     with pytest.raises(ConfigError, match="loss_spike_threshold=0.5"):
         load_config("base.yml", ["loss_spike_threshold=0.5"])
-    (fault,) = parse_fault_schedule("step=14,spike=50", num_slices=1)
-    assert fault.step == 14 and fault.spike == 50
+    (fault,) = parse_plan("step=14,spike=50", num_slices=1).faults
+    assert fault.step == 14 and fault.factor == 50
     for bad in ("step=14,spike=1", "step=14,spike=x", "step=14,spike=5,slice=0"):
         with pytest.raises(ConfigError, match="spike"):
-            parse_fault_schedule(bad, num_slices=1)
+            parse_plan(bad, num_slices=1)
 
 
 SPIKE = [

@@ -415,22 +415,27 @@ def test_a_process_error_schedule_is_checked_before_any_compute_and_only_runs_wi
     from helpers import micro_config
 
     from trainer.config import ConfigError
-    from trainer.config.fault_schedule import parse_fault_schedule, parse_process_faults
+    from trainer.failures.plan import parse_plan
 
-    assert parse_process_faults("step=6,process=2,error=oom", 3)[0].error == "oom"
+    def for_processes(text: str, count: int):
+        return parse_plan(text, num_slices=1).check_processes(count).faults
+
+    assert for_processes("step=6,process=2,error=oom", 3)[0].error == "oom"
     micro_config("fault_schedule=step=6,process=2,error=oom")  # valid config: the process count comes later
     with pytest.raises(ConfigError, match="error must be one of"):
         micro_config("fault_schedule=step=6,process=2,error=segfault")
-    with pytest.raises(ConfigError, match="process in"):
-        parse_process_faults("step=6,process=3,error=oom", 3)
+    with pytest.raises(ConfigError, match=r"process must be in \[0, 3\)"):
+        for_processes("step=6,process=3,error=oom", 3)
     with pytest.raises(ConfigError, match="lose a process by killing it"):
-        parse_process_faults("step=6,slice=1", 3)
+        for_processes("step=6,slice=0", 3)
     with pytest.raises(ConfigError, match="this run has one process"):
-        parse_fault_schedule("step=6,process=0,error=bug", 2)
-    [slow] = parse_process_faults("step=8,process=1,slow_snapshot_s=2.5", 3)
-    assert (slow.step, slow.process, slow.slow_snapshot_s, slow.error) == (8, 1, 2.5, "")
+        for_processes("step=6,process=0,error=bug", 1)
+    with pytest.raises(ConfigError, match="a run is one or the other"):
+        for_processes("step=6,process=0,error=bug; step=3,slice=0", 2)
+    [slow] = for_processes("step=8,process=1,slow_snapshot_s=2.5", 3)
+    assert (slow.step, slow.process, slow.seconds) == (8, 1, 2.5)
     with pytest.raises(ConfigError, match="slow_snapshot_s=S"):
-        parse_process_faults("step=8,process=1,slow_snapshot_s=-1", 3)
+        for_processes("step=8,process=1,slow_snapshot_s=-1", 3)
 
 
 def test_a_slow_snapshot_stretches_that_steps_host_copy_and_says_when_it_began():

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from trainer.config.errors import ConfigError
-from trainer.config.fault_schedule import Fault, parse_fault_schedule
-from trainer.elastic.faults import PoissonFaults
+from trainer.failures.plan import parse_plan
+from trainer.failures.slice_loss import PoissonFaults, RandomSliceLoss
 from trainer.observe.goodput import CAUSES
 from trainer.plan import model
 from trainer.plan.model import Costs, Failures, Periods
@@ -149,20 +149,20 @@ def test_replica_resize_beats_pause_and_resume_when_slices_are_slow_to_return():
 
 
 def test_a_rate_entry_parses_and_replays_the_same_seeded_times():
-    (fault,) = parse_fault_schedule("rate=0.5,seed=7,down_s=2", num_slices=3)
+    (fault,) = parse_plan("rate=0.5,seed=7,down_s=2", num_slices=3).faults
     assert (fault.rate, fault.seed, fault.down_s, fault.slice, fault.slices) == (0.5, 7, 2.0, -1, 3)
 
     def fire_times(f):
         source, fired = PoissonFaults(f), []
         for i in range(4000):  # a step boundary every 0.1 s
-            fired += [(i, s) for s, *_ in source.due(i + 1, i * 0.1)]
+            fired += [(i, kill.slice) for kill in source.due(i + 1, i * 0.1)]
         return fired
 
     first, again = fire_times(fault), fire_times(fault)
     assert first == again
     assert 150 <= len(first) <= 250  # 400 s at 0.5/s: 200 expected
     assert {s for _, s in first} == {0, 1, 2}
-    pinned = fire_times(Fault(step=100, slice=1, rate=0.5, seed=7, slices=3))
+    pinned = fire_times(RandomSliceLoss(rate=0.5, seed=7, slices=3, slice=1, step=100))
     assert pinned[0][0] >= 99 and {s for _, s in pinned} == {1}
 
 
@@ -173,12 +173,12 @@ def test_a_rate_entry_parses_and_replays_the_same_seeded_times():
         ("rate=0,seed=1", "rate must be a finite number > 0"),
         ("rate=x,seed=1", "rate and down_s are numbers"),
         ("rate=1,seed=1,slice=5", "slice must be in [0, 3)"),
-        ("rate=1,seed=1,nan=1", "rate=R,seed=S"),
+        ("rate=1,seed=1,nan=1", "mixes the keys of slice_loss and non_finite failures"),
     ],
 )
 def test_bad_rate_entries_name_the_entry_and_the_fix(text, message):
     with pytest.raises(ConfigError, match="fault_schedule entry") as err:
-        parse_fault_schedule(text, num_slices=3)
+        parse_plan(text, num_slices=3)
     assert message in str(err.value)
 
 

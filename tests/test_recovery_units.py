@@ -8,9 +8,9 @@ import pytest
 from helpers import NANO_MODEL
 
 from trainer.config import load_config
-from trainer.config.fault_schedule import Fault
-from trainer.elastic.faults import FaultInjector, Outages
+from trainer.elastic.faults import FaultInjector
 from trainer.elastic.snapshot import HostSnapshots
+from trainer.failures.slice_loss import Outages, SliceLoss
 from trainer.observe.events import EventLog
 from trainer.parallel.mesh import group_into_slices
 from trainer.runtime.attempt import AttemptBuilder
@@ -39,7 +39,7 @@ class _Events:
 
 def test_a_due_fault_takes_effect_when_the_step_in_flight_has_finished(tmp_path):
     log = []
-    injector = FaultInjector([Fault(step=3, slice=1)], Outages(), tmp_path / "chaos", _Events(log))
+    injector = FaultInjector([SliceLoss(step=3, slice=1)], Outages(), tmp_path / "chaos", _Events(log))
     injector.at_step_boundary(2, in_flight=_Step(log))
     assert log == [], "no fault due: the loop must not wait for the device"
     injector.at_step_boundary(3, in_flight=_Step(log))

@@ -21,10 +21,11 @@ from cli_harness import assert_same_params, events, metrics, run_cli
 from helpers import NANO_MODEL
 
 from trainer.config import ConfigError, load_config
-from trainer.config.fault_schedule import parse_fault_schedule
 from trainer.data.pipeline import make_train_iterator
-from trainer.elastic.device_faults import flip_bits, wrong_inputs
-from trainer.elastic.faults import FaultInjector, Outages
+from trainer.elastic.faults import FaultInjector
+from trainer.failures.corruption import Corruption, flip_bits, wrong_inputs
+from trainer.failures.plan import parse_plan
+from trainer.failures.slice_loss import Outages
 from trainer.observe.events import EventLog, read_events
 from trainer.observe.runlog import load_run, summarize
 from trainer.parallel.mesh import group_into_slices
@@ -92,13 +93,13 @@ def test_a_nan_result_is_compared_by_its_bits():
 def test_settings_and_entries_are_checked():
     with pytest.raises(ConfigError, match="num_slices >= 2"):
         load_config("base.yml", ["sdc_check_period=3"])
-    (fault,) = parse_fault_schedule("step=9,slice=2,corrupt=1", num_slices=3)
-    assert (fault.step, fault.slice, fault.corrupt) == (9, 2, True)
+    (fault,) = parse_plan("step=9,slice=2,corrupt=1", num_slices=3).faults
+    assert fault == Corruption(step=9, slice=2, persistent=False)
     for bad in ("step=9,slice=2,corrupt=2", "step=9,corrupt=1", "step=9,slice=x,corrupt=1"):
         with pytest.raises(ConfigError, match="corrupt"):
-            parse_fault_schedule(bad, num_slices=3)
+            parse_plan(bad, num_slices=3)
     with pytest.raises(ConfigError, match="slice must be in"):
-        parse_fault_schedule("step=9,slice=3,corrupt=1", num_slices=3)
+        parse_plan("step=9,slice=3,corrupt=1", num_slices=3)
 
 
 def test_an_auto_period_is_planned_once_steps_are_measured_and_again_from_a_measured_check(tmp_path):
@@ -177,7 +178,7 @@ def test_a_flipped_bit_in_one_slices_copy_of_the_params_is_found_and_names_that_
 def test_a_corruption_the_check_does_not_see_changes_the_update_once(tmp_path):
     _, layout, params, batch, slices = _on_three_slices()
     injector = FaultInjector(
-        parse_fault_schedule("step=2,slice=1,corrupt=1", 3), Outages(), tmp_path / "chaos", EventLog(None)
+        parse_plan("step=2,slice=1,corrupt=1", 3), Outages(), tmp_path / "chaos", EventLog(None)
     )
 
     def fake_step(state, b):  # an update that depends on every device's inputs

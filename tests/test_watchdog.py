@@ -18,7 +18,7 @@ from cli_harness import assert_same_data_order, assert_same_params, events, metr
 
 from trainer.checkpoint.local_store import committed_steps
 from trainer.config import ConfigError
-from trainer.config.fault_schedule import parse_fault_schedule
+from trainer.failures.plan import parse_plan
 from trainer.observe.runlog import load_run, summarize
 from trainer.report import format_summary
 from trainer.runtime import watchdog
@@ -145,11 +145,11 @@ def test_sigterm_during_a_save_or_an_evaluation_still_stops_at_the_step_boundary
 
 
 def test_hang_entries_parse_and_bad_ones_name_the_form():
-    (fault,) = parse_fault_schedule("step=13,hang_s=600", num_slices=1)
-    assert fault.step == 13 and fault.hang_s == 600
+    (fault,) = parse_plan("step=13,hang_s=600", num_slices=1).faults
+    assert fault.step == 13 and fault.seconds == 600
     for bad in ("step=13,hang_s=0", "step=0,hang_s=5", "step=13,hang_s=x", "step=13,hang_s=5,slice=0"):
         with pytest.raises(ConfigError, match="hang"):
-            parse_fault_schedule(bad, num_slices=1)
+            parse_plan(bad, num_slices=1)
 
 
 def test_a_hung_step_exits_75_within_the_bound_and_the_same_command_resumes_bitwise(tmp_path):

@@ -22,9 +22,7 @@ import jax
 from trainer.checkpoint.checkpointer import UNPLANNED_CHECKPOINT_PERIOD
 from trainer.checkpoint.fence import SaveFence
 from trainer.checkpoint.local_store import LocalStore
-from trainer.checkpoint.storage_faults import StorageFaults
 from trainer.config.errors import ConfigError
-from trainer.config.fault_schedule import parse_fault_schedule, parse_process_faults
 from trainer.config.loader import to_flat_dict
 from trainer.config.schema import AUTO, ElasticConfig, RunConfig
 from trainer.distributed import DistributedSettings, coordination_client, initialize, leave, resolve_settings
@@ -37,14 +35,16 @@ from trainer.distributed.communicators import (
 from trainer.distributed.heartbeat import Heartbeat
 from trainer.distributed.stop import CoordinatedStop
 from trainer.elastic.cluster import Cluster, FixedCluster
-from trainer.elastic.faults import FaultInjector, Outages
+from trainer.elastic.faults import FaultInjector
 from trainer.elastic.local_cluster import LocalCluster
 from trainer.elastic.membership import Membership
 from trainer.elastic.pinned_snapshots import PinnedSnapshots
 from trainer.elastic.process_cluster import ProcessCluster
-from trainer.elastic.process_faults import ProcessFaultInjector
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.elastic.supervisor import Supervisor
+from trainer.failures.process_death import ProcessFaultInjector, copy_delays
+from trainer.failures.slice_loss import Outages
+from trainer.failures.storage import StorageFaults
 from trainer.io.jsonl import LineCounter, read_jsonl
 from trainer.io.paths import resolve
 from trainer.observe import catalogue
@@ -58,9 +58,10 @@ from trainer.plan.auto import AutoPeriods, FixedPeriods
 from trainer.runtime import watchdog
 from trainer.runtime.attempt import AttemptBuilder
 from trainer.runtime.layout import train_spec
-from trainer.runtime.loop import Outcome, train_loop
+from trainer.runtime.loop import train_loop
 from trainer.runtime.loss_spikes import LossSpikePolicy, skipped_fingerprints
 from trainer.runtime.nonfinite import NonFinitePolicy
+from trainer.runtime.outcome import Outcome
 from trainer.runtime.preemption import StopSignal
 from trainer.runtime.sdc import SdcCheck
 
@@ -169,7 +170,7 @@ def build_supervisor(
             checkpoint_dir=paths.checkpoints,
             events=events,
             fence=fence or SaveFence(),
-            storage_faults=StorageFaults.from_schedule(cfg.elastic.fault_schedule),
+            storage_faults=StorageFaults.of(cfg.faults.faults),
             checkpoint_due=periods.checkpoint_due,
         ),
         run_loop=run_loop,
@@ -244,7 +245,7 @@ def build_cluster(
     e = cfg.elastic
     stop = stop_requested if isinstance(stop_requested, CoordinatedStop) else None  # several processes
     if membership is not None:  # a process's own error is injected; lost processes are killed from outside
-        faults = parse_process_faults(e.fault_schedule, jax.process_count())
+        faults = cfg.faults.check_processes(jax.process_count()).faults
         return ProcessCluster(
             membership,
             events=events,
@@ -260,8 +261,7 @@ def build_cluster(
     outages = injector = None
     if not single_controller:
         outages = Outages()  # local virtual slices: which are down
-        faults = parse_fault_schedule(e.fault_schedule, len(slices))
-        injector = FaultInjector(faults, outages, paths.local / "chaos", events)
+        injector = FaultInjector(cfg.faults.check_processes(1), outages, paths.local / "chaos", events)
     return LocalCluster(
         slices,
         timeout_s=e.elastic_timeout_seconds,
@@ -343,12 +343,7 @@ def copy_delay(cfg: RunConfig):
     """This process's injected slow snapshot copies (fault_schedule step=N,process=P,slow_snapshot_s=S)."""
     if jax.process_count() == 1:
         return lambda step: 0.0
-    slow = {
-        f.step: f.slow_snapshot_s
-        for f in parse_process_faults(cfg.elastic.fault_schedule, jax.process_count())
-        if f.process == jax.process_index() and f.slow_snapshot_s
-    }
-    return lambda step: slow.get(step, 0.0)
+    return copy_delays(cfg.faults.check_processes(jax.process_count()).faults, jax.process_index())
 
 
 def local_store(
@@ -413,7 +408,7 @@ def process_slices(cfg: RunConfig, settings: DistributedSettings, events):
             f"(processes_per_slice=1); with processes_per_slice={settings.processes_per_slice} leave "
             "local_checkpoint_directory unset"
         )
-    parse_process_faults(cfg.elastic.fault_schedule, settings.num_processes)  # a bad schedule stops here
+    cfg.faults.check_processes(settings.num_processes)  # a schedule for another kind of job stops here
     return membership.slice_devices(), (membership if cfg.elastic.elastic_enabled else None)
 
 

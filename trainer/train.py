@@ -138,7 +138,7 @@ def _train(cfg, paths, checked, config_text: str) -> int:
     from trainer.hostmem import hugepages_requested
     from trainer.observe.events import EventLog
     from trainer.run import run
-    from trainer.runtime.loop import PREEMPTED, TARGET_REACHED
+    from trainer.runtime import outcome as ended
     from trainer.runtime.preemption import Preempted, StopSignal
 
     log = logging.getLogger("trainer.train")
@@ -178,15 +178,15 @@ def _train(cfg, paths, checked, config_text: str) -> int:
     )
     try:
         outcome = run(cfg, paths=paths, events=events, stop_requested=stop, fence=SaveFence(lease), stop=stop)
-        if outcome.kind == PREEMPTED:
+        if isinstance(outcome, ended.Preempted):
             saved = (
                 "checkpoint saved; rerun the same command to resume"
                 if cfg.checkpoint.enable_checkpointing
                 else "no checkpoint saved (enable_checkpointing=false): a rerun starts over"
             )
             code, status, line = EXIT_PREEMPTED, "preempted", f"preempted step={outcome.step}: {saved}"
-        elif outcome.kind == TARGET_REACHED:
-            code, status = EXIT_OK, TARGET_REACHED
+        elif isinstance(outcome, ended.TargetReached):
+            code, status = EXIT_OK, ended.TARGET_REACHED
             line = (
                 f"{status} step={outcome.step} eval_loss={outcome.eval_loss:.4f} <= "
                 f"target_eval_loss={cfg.eval.target_eval_loss} run_dir={paths.run_dir}"

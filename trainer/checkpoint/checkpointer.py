@@ -45,9 +45,9 @@ from jax.experimental.multihost_utils import ProcessFailureError
 from trainer.checkpoint import commit, single_replica, verify
 from trainer.checkpoint.compat import CheckpointMismatch, leaf_differences, signature, stored_orbax_signature
 from trainer.checkpoint.fence import FencedWrite, SaveFence, fenced_path_class
-from trainer.checkpoint.storage_faults import StorageFaults
 from trainer.config.schema import CheckpointConfig
 from trainer.errors import TransientError, UserInputError
+from trainer.failures.storage import StorageFaults
 from trainer.observe import catalogue, procio
 from trainer.runtime.state import tree_nbytes
 

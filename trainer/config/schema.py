@@ -10,8 +10,12 @@ checks they agree.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.failures.plan import FaultPlan
 
 AUTO = -1  # a period key set to `auto`: the trainer plans it (trainer.plan.auto)
 
@@ -624,6 +628,14 @@ class RunConfig:
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    @functools.cached_property
+    def faults(self) -> FaultPlan:
+        """`fault_schedule` parsed into its typed faults (`trainer.failures.plan`): once per config, at
+        validation, where a bad entry stops the run; every part of the run reads this plan."""
+        from trainer.failures.plan import parse_plan
+
+        return parse_plan(self.elastic.fault_schedule, self.mesh.num_slices)
 
 
 def section_classes() -> dict[str, type]:

@@ -84,17 +84,10 @@ def _run_problems(cfg: RunConfig) -> list[str]:
             f"elastic_min_slice_count={e.elastic_min_slice_count} must be -1 (all slices) or "
             f"between 1 and num_slices={mesh.num_slices}"
         )
-    if e.fault_schedule.strip():
-        from trainer.config.fault_schedule import parse_fault_schedule, parse_process_faults, parse_storage_faults
-
-        try:
-            parse_storage_faults(e.fault_schedule)
-            if "process=" in e.fault_schedule:  # several processes: checked again against their number
-                parse_process_faults(e.fault_schedule, 1 << 20)
-            else:
-                parse_fault_schedule(e.fault_schedule, mesh.num_slices)
-        except ConfigError as err:
-            problems.append(str(err))
+    try:
+        _ = cfg.faults  # fault_schedule parsed, once: the run reads this plan (RunConfig.faults)
+    except ConfigError as err:
+        problems.append(str(err))
     c = cfg.checkpoint
     if c.load_parameters_path and c.load_full_state_path:
         problems.append(

@@ -19,9 +19,10 @@ from jax.experimental.multihost_utils import ProcessFailureError
 from pathwaysutils.elastic import elastic as pw_elastic
 
 from trainer.elastic.cluster import ActiveSlices, AttemptParts
-from trainer.elastic.faults import FaultInjector, Outages
+from trainer.elastic.faults import FaultInjector
 from trainer.elastic.slices import ReturnPoller, make_checker
 from trainer.elastic.snapshot import HostSnapshots
+from trainer.failures.slice_loss import Outages
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from trainer.distributed import fatal
 from trainer.distributed.heartbeat import watch_orbax_barriers
 from trainer.elastic.cluster import ActiveSlices, AttemptParts
 from trainer.elastic.membership import Formation, Membership
-from trainer.elastic.process_faults import ProcessFaultInjector
 from trainer.elastic.shared_snapshots import SharedSnapshots
 from trainer.elastic.snapshot import HostSnapshots
+from trainer.failures.process_death import ProcessFaultInjector
 from trainer.observe import catalogue
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence, Set
 import jax
 from pathwaysutils.elastic import elastic as pw_elastic
 
-from trainer.elastic.faults import Outages
+from trainer.failures.slice_loss import Outages
 
 
 class VirtualSliceHealthChecker(pw_elastic.DefaultSliceHealthChecker):

@@ -66,7 +66,7 @@ from trainer.elastic.snapshot import HostSnapshots
 from trainer.observe import catalogue
 from trainer.plan.auto import FixedPeriods
 from trainer.runtime.attempt import MAX_LAYOUTS, Attempt
-from trainer.runtime.loop import ROLLBACK, SCALE_UP, SDC, Outcome
+from trainer.runtime.outcome import SDC, Outcome, Rollback, ScaleUp
 from trainer.runtime.preemption import Preempted, phase
 
 log = logging.getLogger(__name__)
@@ -154,23 +154,27 @@ class Supervisor:
             except Exception as err:
                 self.cluster.fail(err)
                 raise
-            if outcome.kind == SCALE_UP:
+            if isinstance(outcome, ScaleUp):
                 back = list(outcome.returning)
                 self.events.emit(catalogue.SCALE_UP, step=outcome.step, detail=f"slices {back} are back")
-            elif outcome.kind == ROLLBACK:
-                self._quarantine(outcome)
-                why = outcome.cause or "non-finite loss/gradients"
-                log.warning("%s at step %d: rolling back to the newest saved state", why, outcome.step)
-                cause = {"cause": outcome.cause} if outcome.cause else {}
-                if outcome.not_after is not None:
-                    self._not_after = cause["not_after"] = outcome.not_after
-                self.events.emit(catalogue.ROLLBACK, step=outcome.step, last_step=self.stats.last_step, **cause)
+            elif isinstance(outcome, Rollback):
+                self._roll_back(outcome)
             else:
                 self.snapshots.wait_for_copy()
                 self._summary()
                 return outcome
 
-    def _quarantine(self, outcome: Outcome) -> None:
+    def _roll_back(self, outcome: Rollback) -> None:
+        """The next attempt restores the newest saved state before `outcome.step` (and not after its bound)."""
+        self._quarantine(outcome)
+        why = outcome.cause or "non-finite loss/gradients"
+        log.warning("%s at step %d: rolling back to the newest saved state", why, outcome.step)
+        cause = {"cause": outcome.cause} if outcome.cause else {}
+        if outcome.not_after is not None:
+            self._not_after = cause["not_after"] = outcome.not_after
+        self.events.emit(catalogue.ROLLBACK, step=outcome.step, last_step=self.stats.last_step, **cause)
+
+    def _quarantine(self, outcome: Rollback) -> None:
         """sdc_quarantine: the one slice a failed replay check named is treated as lost from now on."""
         if outcome.cause != SDC or not self.elastic.sdc_quarantine or len(outcome.suspects) != 1:
             return
@@ -278,7 +282,7 @@ class Supervisor:
             self.periods.attempt_started(attempt.start_step)
             try:
                 outcome = self.run_loop(attempt, boundary=self._boundary(active))
-                if outcome.kind == SCALE_UP:
+                if isinstance(outcome, ScaleUp):
                     self._hand_over(attempt, outcome, active)
                 return outcome
             except BaseException:
@@ -320,7 +324,7 @@ class Supervisor:
             returning=self.cluster.returning(active),
         )
 
-    def _hand_over(self, attempt: Attempt, outcome: Outcome, active: list[int]) -> None:
+    def _hand_over(self, attempt: Attempt, outcome: ScaleUp, active: list[int]) -> None:
         """Scale-up: snapshot the live state synchronously, so the grown attempt restores this exact step."""
         self.snapshots.take(outcome.step, outcome.state, attempt.iterator.get_state(), block=True)
         self.cluster.hand_over(attempt)  # several processes: an in-flight save commits first

@@ -1,7 +1,7 @@
 """The step loop of one attempt: batch -> compiled step -> metrics (one step late) -> maybe save.
 
-It returns what ended it, at a step boundary (`Outcome`); the supervisor decides what follows. Only a
-failure (a lost slice, a bug) leaves it as an exception.
+It returns what ended it, at a step boundary (`trainer.runtime.outcome`), through one end path; the
+supervisor decides what follows. Only a failure (a lost slice, a bug) leaves it as an exception.
 """
 
 from __future__ import annotations
@@ -23,39 +23,20 @@ from trainer.runtime import watchdog
 from trainer.runtime.attempt import Attempt
 from trainer.runtime.loss_spikes import LossSpikePolicy
 from trainer.runtime.nonfinite import NonFinitePolicy
+from trainer.runtime.outcome import (
+    LOSS_SPIKE,
+    SDC,
+    Finished,
+    Outcome,
+    Preempted,
+    Rollback,
+    ScaleUp,
+    TargetReached,
+)
 from trainer.runtime.preemption import EVALUATING, SAVING, STEPPING, phase
 from trainer.runtime.sdc import SdcCheck
 
 log = logging.getLogger(__name__)
-
-FINISHED, PREEMPTED, SCALE_UP, ROLLBACK = "finished", "preempted", "scale_up", "rollback"
-LOSS_SPIKE = "loss_spike"  # a rollback's causes other than a non-finite step
-SDC = "silent_data_corruption"
-TARGET_REACHED = "target_eval_loss_reached"
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """How an attempt's loop ended.
-
-    finished   every step ran (and the final checkpoint, if any, is committed)
-    preempted  stop_requested turned true; a final checkpoint was saved
-    scale_up   slices in `returning` came back after `step`; `state` is the live state at `step`
-    rollback   `step` produced a non-finite update and nan_policy=rollback asks to restore and skip it;
-               with `cause` loss_spike, its loss spiked (trainer.runtime.loss_spikes); with `cause`
-               silent_data_corruption, the check of `step` failed (trainer.runtime.sdc), naming the
-               `suspects`; `not_after`, when set, bounds the state restored (the newest verified clean)
-    target_eval_loss_reached  the eval at `step` gave `eval_loss` <= target_eval_loss; a checkpoint was saved
-    """
-
-    kind: str
-    step: int
-    state: Any = None
-    returning: tuple[int, ...] = ()
-    eval_loss: float | None = None
-    cause: str = ""
-    suspects: tuple[int, ...] = ()
-    not_after: int | None = None
 
 
 class Boundary(Protocol):
@@ -197,9 +178,9 @@ def train_loop(
     iterator, state, step = attempt.iterator, attempt.state, attempt.start_step
     pending: _Pending | None = None
 
-    def record_pending(*, last: bool = False) -> Outcome | None:
-        """Write the pending step's record (blocks on that step only); a rollback Outcome when nan_policy
-        asks to go back to before it."""
+    def record_pending(*, last: bool = False) -> Rollback | None:
+        """Write the pending step's record (blocks on that step only); a rollback when nan_policy or the
+        spike policy asks to go back to before it."""
         nonlocal pending
         done, pending = pending, None
         if done is None:
@@ -211,12 +192,13 @@ def train_loop(
         watchdog.beat(done.step)
         sdc.step_timed(done.step, record["step_time_s"])
         if nonfinite.check(record):
-            return Outcome(ROLLBACK, done.step)
-        return Outcome(ROLLBACK, done.step, cause=LOSS_SPIKE) if spikes.check(record) else None
+            return Rollback(done.step)
+        return Rollback(done.step, cause=LOSS_SPIKE) if spikes.check(record) else None
 
+    outcome: Outcome | None = None
     try:
         with phase(STEPPING):  # a SIGTERM here is acted on at the step boundary (trainer.runtime.preemption)
-            while step < steps:
+            while outcome is None and step < steps:
                 if nonfinite.skips(step + 1):
                     next(iterator)  # the batch that produced a non-finite update is skipped
                 boundary.before_step(step + 1)
@@ -224,18 +206,19 @@ def train_loop(
                 checked = None
                 if sdc.due(step + 1, attempt.num_slices):  # the check waits for the state
                     checked = record_pending() or _sdc_check(sdc, attempt, state, host_batch, step + 1, records)
-                    if isinstance(checked, Outcome):
-                        return checked
+                    if isinstance(checked, Rollback):
+                        outcome = checked
+                        break
                 state, metrics = attempt.step_fn(state, attempt.device_batch(host_batch))
                 step += 1
-                if rollback := record_pending():  # blocks on step-1 only, while `step` runs on the device
-                    return rollback
+                if outcome := record_pending():  # blocks on step-1 only, while `step` runs on the device
+                    break
                 pending = _Pending(step, metrics, fp, checked)
                 final = step == steps
                 saving = ckpt.should_save(step, final=final)  # asked once: a planned period counts its saves
                 if spikes.enabled and (saving or boundary.saves_at(step)):
-                    if rollback := record_pending(last=final):  # no state of a spike's step is ever saved
-                        return rollback
+                    if outcome := record_pending(last=final):  # no state of a spike's step is ever saved
+                        break
                 # The iterator has yielded exactly `step` batches: its state pairs with this model state.
                 if saving:
                     _save(attempt, step, state, records, events)
@@ -244,30 +227,34 @@ def train_loop(
                 if attempt.evaluator is not None and attempt.evaluator.due(step):
                     row = _evaluate(attempt.evaluator, step, state, records, sinks, interrupt_eval)
                     if row is not None and attempt.evaluator.reached_target(row) and not final:
-                        return record_pending(last=True) or _target_reached(attempt, step, state, row, events)
+                        outcome = record_pending(last=True) or _target_reached(attempt, step, state, row, events)
+                        break
                 returning = boundary.after_step(step, state, iterator.get_state)
                 if returning:
-                    return record_pending() or Outcome(SCALE_UP, step, state, tuple(sorted(returning)))
-                if stop_requested(step) and not final:
-                    if rollback := record_pending(last=True):
-                        return rollback
-                    return _stop(attempt, step, state, boundary, events)
-            if rollback := record_pending(last=True):
-                return rollback
-            ckpt.wait()
-            return Outcome(FINISHED, step)
+                    outcome = record_pending() or ScaleUp(step, state, tuple(sorted(returning)))
+                elif stop_requested(step) and not final:
+                    outcome = record_pending(last=True) or _stop(attempt, step, state, boundary, events)
+            if outcome is None:
+                outcome = record_pending(last=True) or _finish(ckpt, step)
     except BaseException:
         # A failure ends the attempt; the step before it did complete: keep its record.
         _write_best_effort(records, sinks, nonfinite, pending)
         raise
+    return outcome
 
 
-def _target_reached(attempt: Attempt, step: int, state, row: dict, events) -> Outcome:
+def _finish(ckpt, step: int) -> Finished:
+    """Every step ran: the final save commits before the attempt ends."""
+    ckpt.wait()
+    return Finished(step)
+
+
+def _target_reached(attempt: Attempt, step: int, state, row: dict, events) -> TargetReached:
     """The eval at `step` reached target_eval_loss: save that step, wait for its commit, and end."""
     attempt.checkpointer.save(step, state, attempt.iterator.get_state(), attempt.checkpoint_metadata)
     attempt.checkpointer.wait()
     events.emit(catalogue.TARGET_EVAL_LOSS_REACHED, step=step, eval_loss=row["eval_loss"])
-    return Outcome(TARGET_REACHED, step, eval_loss=row["eval_loss"])
+    return TargetReached(step, row["eval_loss"])
 
 
 def _save(attempt: Attempt, step: int, state, records: StepRecords, events) -> None:
@@ -317,18 +304,18 @@ def _sdc_check(sdc: SdcCheck, attempt: Attempt, state, host_batch, step: int, re
     verdict, seconds = sdc(attempt, state["params"], host_batch, step)
     records.exclude(seconds)
     if verdict.slices:
-        return Outcome(ROLLBACK, step, cause=SDC, suspects=verdict.suspects, not_after=sdc.verified_step)
+        return Rollback(step, cause=SDC, suspects=verdict.suspects, not_after=sdc.verified_step)
     return round(seconds, 4)
 
 
-def _stop(attempt: Attempt, step: int, state, boundary: Boundary, events) -> Outcome:
+def _stop(attempt: Attempt, step: int, state, boundary: Boundary, events) -> Preempted:
     """A stop request (SIGTERM) at `step`: the fastest tier first (local), then the persistent checkpoint,
     inside the stop bound."""
     boundary.before_stop(step, state, attempt.iterator.get_state())
     attempt.checkpointer.save(step, state, attempt.iterator.get_state(), attempt.checkpoint_metadata, force=True)
     attempt.checkpointer.wait()
     events.emit(catalogue.PREEMPTED, step=step)
-    return Outcome(PREEMPTED, step)
+    return Preempted(step)
 
 
 def _evaluate(evaluator, step: int, state, records: StepRecords, sinks: Sinks, interrupt) -> dict[str, Any] | None:

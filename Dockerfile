@@ -6,6 +6,7 @@
 # Run: docker run --rm trainer:cpu                                 # = python -m trainer.train base.yml
 #      docker run --rm trainer:cpu base.yml steps=10 model=qwen3-tiny   # any args replace the default config
 # Push (Artifact Registry): see docs/running_at_scale.md.
+# PYTHON_VERSION: 3.11 or 3.12, the Pythons constraints/ pins a tested set for.
 ARG PYTHON_VERSION=3.11
 FROM python:${PYTHON_VERSION}-slim
 
@@ -20,11 +21,15 @@ WORKDIR /app
 
 # 1. Dependencies only (the slow, rarely changing layer): read them from pyproject.toml, so editing the
 #    code does not reinstall JAX. jax[<flavour>] pulls the accelerator plugin (CUDA 12 wheels, libtpu).
+#    Exact versions from constraints/<flavour>-py<X.Y>.txt (constraints/README.md): the JAX and Orbax the
+#    trainer's internals were checked against, the same on every rebuild.
 COPY pyproject.toml ./
+COPY constraints ./constraints
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/requirements.txt \
     && jax_pin=$(grep -E '^jax[<>=! ]' /tmp/requirements.txt | sed 's/^jax//') \
-    && pip install "setuptools>=70.1" "jax[${JAX_EXTRA}]${jax_pin}" -r /tmp/requirements.txt \
+    && pins="constraints/${JAX_EXTRA}-py$(python -c 'import sys; print(*sys.version_info[:2], sep=".")').txt" \
+    && pip install -c "${pins}" "setuptools>=70.1" "jax[${JAX_EXTRA}]${jax_pin}" -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
 # 2. The project. Installed in editable mode so the package stays at /app/trainer and finds the bundled

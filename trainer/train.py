@@ -77,9 +77,11 @@ def main(argv=None) -> int:
     _setup_logging()
     deterministic_gpu_ops()  # bitwise replays on GPUs too; before anything starts a backend
     from trainer.config.loader import load_explained
+    from trainer.distributed.internals import check_versions
     from trainer.errors import UserInputError
 
     try:
+        check_versions()  # a JAX or Orbax outside the window the internals were checked in: exit 2
         cfg, config_text = load_explained(args.config, args.overrides)
         if args.print_config:
             sys.stdout.write(config_text)

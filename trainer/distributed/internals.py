@@ -25,11 +25,22 @@ Orbax (checked against 0.12.8):
   multi-process job must not do before joining: the preflight reads the layout directly instead.
 - The `_array_metadata_store` of the registered `jax.Array` handler: given to the handler that reads one
   replica (trainer/checkpoint/single_replica.py), so that its saves write what the default handler's do.
+
+Versions: `CHECKED_VERSIONS` is the window of JAX and Orbax releases these internals are supported on,
+pyproject.toml's ranges (tests/test_versions.py keeps the two equal); constraints/ pins one tested set per
+image flavour and Python. `check_versions` refuses any other JAX or Orbax before the trainer does anything
+(`python -m trainer.train` calls it first; exit 2), and `check_pathways_image` a Pathways image built for
+another JAX than the client's.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import sys
+from collections.abc import Mapping
+
+from trainer.errors import UserInputError
 
 GLOO_RENDEZVOUS_DIR = "cpu:gloo"  # gloo's rendezvous keys: cpu:gloo/<device ids>/<rank>
 CPU_TOPOLOGY_KEY = "cpu:global_topology"  # published by process 0 when its CPU client is created
@@ -144,3 +155,117 @@ def orbax_array_metadata_store():
     import orbax.checkpoint as ocp
 
     return getattr(ocp.type_handlers.get_type_handler(jax.Array), "_array_metadata_store", None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Versions: the window the internals above were checked in, [low, high) per distribution.
+# ---------------------------------------------------------------------------------------------------
+CHECKED_VERSIONS = {"jax": ("0.7.0", "0.14"), "orbax-checkpoint": ("0.12.3", "0.14")}
+_POST_RELEASE = re.compile(r"([-_.]?(post|rev|r)[-_.]?\d*)?")
+_PATHWAYS_JAX_TAG = re.compile(r"jax-(\d+(?:\.\d+)+)(?![\d.])")
+
+
+class VersionError(UserInputError):
+    """JAX or Orbax outside the versions the internals were checked against, or a Pathways image built
+    for another JAX than the client's."""
+
+
+def release(version: str) -> tuple[tuple[int, ...], bool]:
+    """(release numbers, final?) of a version: "0.12.0.1" -> ((0, 12, 0, 1), True). A pre-release or
+    development version ("0.7.0rc1", "0.10.3.dev20250101") is not final; a local label ("+cuda") is ignored."""
+    m = re.fullmatch(r"v?(\d+(?:\.\d+)*)(.*)", version.strip())
+    if m is None:
+        raise ValueError(f"not a version: {version!r}")
+    suffix = m.group(2).partition("+")[0].lower()
+    return tuple(int(p) for p in m.group(1).split(".")), _POST_RELEASE.fullmatch(suffix) is not None
+
+
+def in_window(version: str, low: str, high: str) -> bool:
+    """`low <= version < high` as pip reads `>=low,<high`: a pre-release of `low` is below it, and so is a
+    pre-release of `high` (pip never picks one for `<high`)."""
+    (found, final), (lo, _), (hi, _) = release(version), release(low), release(high)
+    n = max(len(found), len(lo), len(hi))
+    found, lo, hi = (t + (0,) * (n - len(t)) for t in (found, lo, hi))
+    return (found, final) >= (lo, True) and found < hi
+
+
+def installed_versions(names=tuple(CHECKED_VERSIONS)) -> dict[str, str | None]:
+    """{distribution: installed version, None if not installed}, read from the installed packages'
+    metadata (what pip installed, and what `pip install -c` changes) without importing them."""
+    from importlib import metadata
+
+    found: dict[str, str | None] = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def install_command(python: str | None = None, flavour: str | None = None) -> str:
+    """The pip command that installs a checked set: the project and jax[<flavour>] constrained by
+    constraints/<flavour>-py<X.Y>.txt, the flavour guessed from the installed accelerator plugin
+    (jax-cuda12-plugin: cuda12, libtpu: tpu, else cpu)."""
+    if python is None:
+        python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if flavour is None:
+        plugins = installed_versions(("jax-cuda12-plugin", "libtpu"))
+        flavour = "cuda12" if plugins["jax-cuda12-plugin"] else "tpu" if plugins["libtpu"] else "cpu"
+    return f'pip install -c constraints/{flavour}-py{python}.txt -e . "jax[{flavour}]"'
+
+
+def check_versions(found: Mapping[str, str | None] | None = None, *, fix: str | None = None) -> dict:
+    """Refuse (VersionError, exit 2) a JAX or Orbax outside `CHECKED_VERSIONS`; returns the versions found.
+    `found` defaults to the installed versions, `fix` to `install_command()`."""
+    found = installed_versions() if found is None else dict(found)
+    problems = []
+    for name, (low, high) in CHECKED_VERSIONS.items():
+        version, window = found.get(name), f"{name}>={low},<{high}"
+        if version is None:
+            problems.append(f"{name} is not installed (supported: {window})")
+            continue
+        try:
+            inside = in_window(version, low, high)
+        except ValueError:
+            inside = False
+        if not inside:
+            problems.append(f"{name} {version} is outside the supported window {window}")
+    if problems:
+        fix = fix or install_command()
+        raise VersionError(
+            "; ".join(problems)
+            + ": the trainer patches JAX and Orbax internals (trainer/distributed/internals.py) that were "
+            f"checked against these versions only. Fix, from the repository root: {fix} (constraints/README.md "
+            "lists the files for each flavour and Python)"
+        )
+    return found
+
+
+def pathways_image_jax(image: str) -> str | None:
+    """The JAX version a Pathways image's tag names (".../pathways/server:jax-0.5.3" -> "0.5.3"); None when
+    the tag names none ("latest", no tag, a digest only)."""
+    name, _, tag = image.partition("@")[0].rpartition(":")
+    if not name or "/" in tag:  # no tag ("host:5000/repo" is a registry port)
+        return None
+    m = _PATHWAYS_JAX_TAG.match(tag)
+    return m.group(1) if m else None
+
+
+def check_pathways_image(image: str, jax_version: str) -> str | None:
+    """Refuse (VersionError) a Pathways image whose tag names another JAX release (X.Y.Z) than the client's
+    `jax_version`: the client and the Pathways servers must run the same JAX. Returns the image's JAX
+    version; None when its tag names none (nothing to compare)."""
+    server = pathways_image_jax(image)
+    if server is None:
+        return None
+    server_release, client_release = ((release(v)[0] + (0, 0))[:3] for v in (server, jax_version))
+    if server_release != client_release:
+        client = ".".join(str(p) for p in client_release)
+        raise VersionError(
+            f"the Pathways image {image} is built for JAX {server}, but the trainer (the Pathways client) runs "
+            f"JAX {jax_version}: both sides must run the same JAX release. Fix: use the images tagged "
+            f"jax-{client} (render.py --pathways-version=jax-{client}), or build the trainer image with "
+            f"jax=={server}"
+        )
+    return server

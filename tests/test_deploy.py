@@ -8,6 +8,10 @@ stub `xpk` / `srun` / `python` commands to check the quoting and the restart pol
 
 from __future__ import annotations
 
+import copy
+import functools
+import importlib
+import json
 import os
 import re
 import shlex
@@ -17,7 +21,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deploy_stubs import BASH, run_xpk_script, stub
+from deploy_stubs import (
+    BASH,
+    PATHWAYSJOB_MACHINE_TYPES,
+    PATHWAYSJOB_TOPOLOGIES,
+    pathwaysjob_jobset,
+    run_xpk_script,
+    stub,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -58,8 +69,9 @@ PARAM_SETS = {
         ),
     ),
 }
-PATHWAYS_TARGETS = ("xpk", "jobset-pathways")
+PATHWAYS_TARGETS = ("xpk", "jobset-pathways", "pathwaysjob")
 MULTIPROCESS_TARGETS = ("jobset-gpu", "slurm")
+MANIFEST_TARGETS = ("jobset-pathways", "pathwaysjob", "jobset-gpu")  # Kubernetes objects, built as data
 
 
 def _params(pset: str, **changes) -> R.DeployParams:
@@ -95,11 +107,20 @@ def _env(container: dict) -> dict[str, str]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
 
 
+def _pathwaysjob_trainer(doc: dict) -> dict:
+    """The PathwaysJob's main container: the one named by controller.mainContainerName."""
+    controller = doc["spec"]["controller"]
+    containers = {c["name"]: c for c in controller["template"]["spec"]["containers"]}
+    return containers[controller["mainContainerName"]]
+
+
 def extract_argv(target: str, text: str) -> list[str]:
     if target == "jobset-pathways":
         return _containers(_pod(_rjob(_one_doc(text), "pathways-head")))["trainer"]["command"]
     if target == "jobset-gpu":
         return _containers(_pod(_rjob(_one_doc(text), "slice")))["trainer"]["args"]
+    if target == "pathwaysjob":
+        return _pathwaysjob_trainer(_one_doc(text))["command"]
     if target == "xpk":
         (line,) = [l for l in text.splitlines() if l.startswith("TRAINER_CMD=")]
         (cmd,) = shlex.split(line[len("TRAINER_CMD=") :])  # the bash assignment's value: one word
@@ -149,7 +170,12 @@ def test_one_trainer_command_shared_by_all_artefacts(pset):
     """The same argv everywhere, except the controller mode that each target fixes."""
     p = PARAM_SETS[pset]
     argvs = {t: extract_argv(t, R.render(t, p).text) for t in (*PATHWAYS_TARGETS, *MULTIPROCESS_TARGETS)}
-    assert argvs["xpk"] == argvs["jobset-pathways"] == R.trainer_argv(p, single_controller=True)
+    assert (
+        argvs["xpk"]
+        == argvs["jobset-pathways"]
+        == argvs["pathwaysjob"]
+        == R.trainer_argv(p, single_controller=True)
+    )
     assert argvs["jobset-gpu"] == argvs["slurm"] == R.trainer_argv(p, single_controller=False)
     swap = [a.replace("enable_single_controller=false", "enable_single_controller=true") for a in argvs["slurm"]]
     assert swap == argvs["xpk"]
@@ -240,6 +266,108 @@ def test_no_elastic_drops_the_elastic_flags():
     assert not any(a.startswith("--num_elastic_slices") for a in proxy["args"])
     assert "--elastic-slices=" not in R.render("xpk", p).text
     assert _load(R.render("xpk", p).trainer_argv).elastic.elastic_enabled is False
+
+
+# ------------------------------------------------------------------------------------------------
+# PathwaysJob (the PathwaysJob controller builds the JobSet; tests/deploy_stubs.py rebuilds it).
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pset", PARAM_SETS)
+def test_pathwaysjob_structure(pset):
+    p = PARAM_SETS[pset]
+    r = R.render("pathwaysjob", p)
+    doc = _one_doc(r.text)
+    assert doc["apiVersion"] == "pathways-job.pathways.domain/v1" and doc["kind"] == "PathwaysJob"
+    assert doc["metadata"]["name"] == p.job_name and doc["metadata"]["namespace"] == p.namespace
+    if p.queue:  # the controller copies the labels to its JobSet, where Kueue reads them
+        assert doc["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == p.queue
+    spec = doc["spec"]
+    tpu = R.TPU_TYPES[p.tpu_type]
+    assert spec["maxRestarts"] == p.max_restarts
+    assert spec["pathwaysDir"] == p.scratch and spec["pathwaysDir"].startswith("gs://")
+    assert spec["pathwaysVersion"] == p.pathways_version
+    assert spec["workers"] == [
+        {
+            "type": tpu.machine_type,
+            "topology": tpu.topology,
+            "numSlices": p.slices,
+            "maxSliceRestarts": p.max_slice_restarts,
+        }
+    ]
+    controller = spec["controller"]
+    assert controller["deploymentMode"] == "default"  # the head on CPU nodes, the TPUs for the workers
+    assert controller["elasticSlices"] == p.num_elastic_slices >= 1
+    assert "customComponents" not in spec  # the controller's images for pathwaysVersion
+    pod = controller["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    assert pod["terminationGracePeriodSeconds"] == R.DEFAULT_STOP_TIMEOUT_SECONDS + 10  # as the JobSet head
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-nodepool": p.head_nodepool}
+    assert pod["serviceAccountName"] == p.service_account
+    trainer = _pathwaysjob_trainer(doc)
+    assert trainer["name"] == "trainer" and [c["name"] for c in pod["containers"]] == ["trainer"]
+    assert trainer["image"] == p.image and trainer["command"] == r.trainer_argv
+    env = _env(trainer)
+    assert env["ENABLE_PATHWAYS_PERSISTENCE"] == "1" and env["JAX_COMPILATION_CACHE_DIR"] == p.cache_dir
+    assert env["JOBSET_NAME"] == {"fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/jobset-name']"}}
+    # The controller appends these to the main container; a second entry would be a duplicate key.
+    assert not {"JAX_PLATFORMS", "JAX_BACKEND_TARGET", "XCLOUD_ENVIRONMENT", "PATHWAYS_HEAD"} & set(env)
+    # The JobSet the controller makes of it: one worker Job per slice, in-place restarts per slice.
+    js = pathwaysjob_jobset(doc)
+    worker = _rjob(js, "worker")["template"]["spec"]
+    assert _rjob(js, "worker")["replicas"] == p.slices and worker["completions"] == tpu.hosts
+    assert worker["backoffLimit"] == tpu.hosts * p.max_slice_restarts
+    head = _rjob(js, "pathways-head")["template"]["spec"]
+    assert (
+        f"--num_elastic_slices={p.num_elastic_slices}"
+        in _containers(_pod(_rjob(js, "pathways-head")))["pathways-proxy"]["args"]
+    )
+    assert head["backoffLimit"] == 0 and "podFailurePolicy" not in head  # why the contract is lost
+
+
+def test_pathwaysjob_warns_what_the_operator_loses(capsys):
+    """The controller cannot express the exit-code contract: one line on stderr says what is lost."""
+    p = PARAM_SETS["reference"]
+    (warning,) = R.render("pathwaysjob", p).warnings
+    for lost in ("exit 42", "evictions", "exit 75", "2 and 3", f"maxRestarts={p.max_restarts}", "jobset-pathways"):
+        assert lost in warning, lost
+    argv = ["pathwaysjob", "--slices", "3", "--image", IMAGE, "--run-name", "r", "--output-dir", "gs://b/r"]
+    assert R.main(argv) == 0
+    out = capsys.readouterr()
+    (line,) = out.err.splitlines()
+    assert line == f"warning (pathwaysjob): {warning}"
+    assert _one_doc(out.out)["kind"] == "PathwaysJob"
+    text = R.render("pathwaysjob", p).text  # and the file says it too
+    assert "exit-code contract (trainer/errors.py) is NOT fully kept" in text
+    assert R.head_logs_command(p) in text
+
+
+def test_pathwaysjob_without_elasticity_and_with_own_images():
+    p = _params("reference", elastic=False, max_slice_restarts=2, server_image="s:1", proxy_image="x:2")
+    r = R.render("pathwaysjob", p)
+    spec = _one_doc(r.text)["spec"]
+    assert "elasticSlices" not in spec["controller"]
+    assert spec["customComponents"] == [
+        {"componentType": "pathways_server", "image": "s:1"},
+        {"componentType": "worker", "image": "s:1"},
+        {"componentType": "proxy_server", "image": "x:2"},
+    ]
+    # Without elasticSlices the controller ignores maxSliceRestarts (backoffLimit = hosts x 4): said so.
+    assert any("--max-slice-restarts=2 is not applied" in w for w in r.warnings)
+    js = pathwaysjob_jobset(_one_doc(r.text))
+    assert _rjob(js, "worker")["template"]["spec"]["backoffLimit"] == R.TPU_TYPES[p.tpu_type].hosts * 4
+    assert _load(r.trainer_argv).elastic.elastic_enabled is False
+    proxy_limits = R.render("pathwaysjob", _params("reference", proxy_memory="200G")).warnings
+    assert any("--proxy-memory=200G" in w and "100 GB" in w for w in proxy_limits)
+
+
+def test_every_tpu_type_is_a_pathwaysjob_machine_type_and_topology():
+    """The CRD's workers[].type enum, and the controller's topologies per machine type (v0.1.4)."""
+    crd = _crd("PathwaysJob")
+    types = crd["properties"]["spec"]["properties"]["workers"]["items"]["properties"]["type"]["enum"]
+    for name, tpu in R.TPU_TYPES.items():
+        assert tpu.machine_type in types, name
+        accelerator, chips_per_vm = PATHWAYSJOB_MACHINE_TYPES[tpu.machine_type]
+        assert (accelerator, chips_per_vm) == (tpu.gke_accelerator, tpu.chips_per_host), name
+        assert tpu.topology in PATHWAYSJOB_TOPOLOGIES[tpu.machine_type], name
 
 
 # ------------------------------------------------------------------------------------------------
@@ -565,6 +693,22 @@ def test_pathways_parameter_errors(changes, match):
         R.render("jobset-pathways", _params("reference", **changes))
 
 
+@pytest.mark.parametrize("target", ["xpk", "jobset-pathways", "pathwaysjob"])
+def test_a_pathways_image_for_another_jax_than_the_trainers_is_refused(target, capsys):
+    """The Pathways servers and the trainer (their client) run one JAX release: an image tag naming another
+    is refused before anything is written (exit 2); `latest` and a matching tag render."""
+    trainer_jax = R.default_trainer_jax()
+    assert trainer_jax == re.search(r"^jax==(\S+)$", R.DEFAULT_TPU_CONSTRAINTS.read_text(), re.M).group(1)
+    with pytest.raises(R.DeployError, match=f"built for JAX 0.1.0, but the trainer .* runs JAX {trainer_jax}"):
+        R.render(target, _params("reference", pathways_version="jax-0.1.0"))
+    R.render(target, _params("reference", pathways_version=f"jax-{trainer_jax}"))
+    R.render(target, _params("reference", pathways_version="jax-0.1.0", trainer_jax="0.1.0"))
+    R.render(target, _params("reference"))  # latest: no version to compare
+    argv = [target, "--slices", "3", "--image", IMAGE, "--run-name", "r", "--output-dir", "gs://b/r"]
+    assert R.main([*argv, "--pathways-version", "jax-0.1.0", "-o", os.devnull]) == 2
+    assert "--pathways-version=jax-" in capsys.readouterr().err
+
+
 def test_multiprocess_output_dir_must_be_shared():
     with pytest.raises(R.DeployError, match="every host sees"):
         R.render("slurm", _params("reference", output_dir="runs"))
@@ -606,11 +750,20 @@ def test_cli_all_writes_every_artefact(tmp_path):
     )
     assert rc == 0
     files = sorted(f.name for f in tmp_path.iterdir())
-    assert files == sorted(["cli-run.xpk.sh", "cli-run.pathways.yaml", "cli-run.gpu.yaml", "cli-run.sbatch"])
+    assert files == sorted(
+        [
+            "cli-run.xpk.sh",
+            "cli-run.pathways.yaml",
+            "cli-run.pathwaysjob.yaml",
+            "cli-run.gpu.yaml",
+            "cli-run.sbatch",
+        ]
+    )
     assert os.access(tmp_path / "cli-run.xpk.sh", os.X_OK)
     for target, fname in (
         ("xpk", "cli-run.xpk.sh"),
         ("jobset-pathways", "cli-run.pathways.yaml"),
+        ("pathwaysjob", "cli-run.pathwaysjob.yaml"),
         ("jobset-gpu", "cli-run.gpu.yaml"),
         ("slurm", "cli-run.sbatch"),
     ):
@@ -627,6 +780,346 @@ def test_template_filler():
         R.fill("x", {"extra": "1"})
     with pytest.raises(KeyError, match="alone on its line"):
         R.fill("a: {{blk}}", {"blk": ["x"]})
+
+
+# ------------------------------------------------------------------------------------------------
+# Manifests as data: the YAML text is the dict the renderer built.
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("target", MANIFEST_TARGETS)
+@pytest.mark.parametrize("pset", PARAM_SETS)
+def test_manifest_text_is_the_built_object(target, pset):
+    r = R.render(target, PARAM_SETS[pset])
+    assert r.manifest is not None and _one_doc(r.text) == r.manifest
+    assert all(line.startswith("#") for line in r.text[: r.text.index("apiVersion:")].splitlines())
+
+
+def test_strings_that_look_like_numbers_stay_strings():
+    """A YAML 1.1 reader (PyYAML) and Kubernetes' (go-yaml: 1e3 is a float there) read every string back as
+    a string: label and selector values, env values, resource quantities."""
+    p = _params("reference", queue="1e3", head_nodepool="0o17", service_account="true", proxy_cpu="16")
+    for target in ("jobset-pathways", "pathwaysjob"):
+        text = R.render(target, p).text
+        assert "queue-name: '1e3'" in text and "gke-nodepool: '0o17'" in text
+        doc = _one_doc(text)
+        assert doc["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "1e3"
+    dumped = R.manifest_text(["# x"], {"a": "1e3", "b": "+1.5e-3", "c": "0x1F", "d": 7, "e": "7", "f": "a\nb\n"})
+    assert dumped == "# x\na: '1e3'\nb: '+1.5e-3'\nc: '0x1F'\nd: 7\ne: '7'\nf: |\n  a\n  b\n"
+
+
+def test_only_the_shell_scripts_are_templates():
+    assert sorted(t.name for t in R.TEMPLATES.iterdir()) == ["slurm.sbatch.tmpl", "xpk_submit.sh.tmpl"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Schema validation: every rendered JobSet and PathwaysJob against its CRD's openAPIV3Schema (vendored in
+# tests/fixtures/crds/, see its README), and the Job and pod templates inside against Kubernetes' own schemas
+# (kubernetes-validate). The CRD schemas are adapted for jsonschema as the README explains: strict
+# (unknown fields are errors, as under `kubectl apply`'s default --validate=strict), x-kubernetes-list-type
+# checked, int32/int64 ranges checked; CEL rules (x-kubernetes-validations) are not evaluated.
+# ------------------------------------------------------------------------------------------------
+CRDS = REPO / "tests" / "fixtures" / "crds"
+CRD_FILES = {
+    "JobSet": ("jobset.x-k8s.io_jobsets.yaml", "jobset.x-k8s.io", "v1alpha2"),
+    "PathwaysJob": ("pathways-job.pathways.domain_pathwaysjobs.yaml", "pathways-job.pathways.domain", "v1"),
+}
+# Kubernetes versions the Job and pod templates are validated against besides the newest one that
+# kubernetes-validate bundles: the oldest the manifests are documented for (backoffLimitPerIndex, FailIndex,
+# native sidecars: beta and on by default in 1.29).
+KUBERNETES_VERSIONS = ("1.29",)
+
+
+def _needs(module: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        pytest.fail(f"{module} is missing: install the test extra (pip install -e '.[test]')")
+
+
+@functools.cache
+def _crd(kind: str) -> dict:
+    """The openAPIV3Schema of the served version of the vendored CRD for `kind`."""
+    filename, group, version = CRD_FILES[kind]
+    crd = yaml.load((CRDS / filename).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    assert crd["kind"] == "CustomResourceDefinition" and crd["spec"]["group"] == group
+    assert crd["spec"]["names"]["kind"] == kind
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    assert served["served"] and served["storage"]
+    return served["schema"]["openAPIV3Schema"]
+
+
+def strict_schema(node, *, strict: bool = True):
+    """A CRD's structural schema as a JSON schema for jsonschema (the README of tests/fixtures/crds/):
+
+    - an object with `properties` and no `additionalProperties` gets `additionalProperties: false`: the
+      API server's strict field validation (kubectl's default) rejects an unknown field; with `strict=False`
+      the schema is left open, as the API server treats `x-kubernetes-preserve-unknown-fields` (prune nothing,
+      reject nothing), which this adaptation does NOT apply below such a node either: the one such node here,
+      the PathwaysJob's controller.template, is decoded by its controller into a Kubernetes PodTemplateSpec,
+      which drops an unknown field silently, so a misspelt field there must fail here;
+    - `x-kubernetes-int-or-string` without its `anyOf` becomes `anyOf: [integer, string]`; `nullable` allows
+      null.
+    """
+    if isinstance(node, list):
+        return [strict_schema(n, strict=strict) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: strict_schema(v, strict=strict) for k, v in node.items()}
+    if strict and "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    if out.get("x-kubernetes-int-or-string") and "anyOf" not in out:
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if out.pop("nullable", False) and "type" in out:
+        out["type"] = [out["type"], "null"]
+    return out
+
+
+def _list_type(validator, list_type, instance, schema):
+    """x-kubernetes-list-type: `set` items and `map` keys (x-kubernetes-list-map-keys) must be unique."""
+    jsonschema = _needs("jsonschema")
+    if not validator.is_type(instance, "array") or list_type not in ("set", "map"):
+        return
+    keys = schema.get("x-kubernetes-list-map-keys", [])
+    seen = set()
+    for item in instance:
+        key = json.dumps(item if list_type == "set" else [item.get(k) for k in keys], sort_keys=True)
+        if key in seen:
+            what = "item" if list_type == "set" else f"entry with {'/'.join(keys)}"
+            yield jsonschema.ValidationError(f"duplicate {what} {key} in a list of type {list_type}")
+        seen.add(key)
+
+
+@functools.cache
+def crd_validator(kind: str):
+    jsonschema = _needs("jsonschema")
+    formats = jsonschema.FormatChecker(formats=())
+    for name, bits in (("int32", 32), ("int64", 64)):
+        formats.checks(name)(
+            lambda v, bits=bits: not isinstance(v, int) or -(2 ** (bits - 1)) <= v < 2 ** (bits - 1)
+        )
+    cls = jsonschema.validators.extend(jsonschema.Draft7Validator, {"x-kubernetes-list-type": _list_type})
+    schema = strict_schema(_crd(kind))
+    cls.check_schema(schema)
+    return cls(schema, format_checker=formats)
+
+
+def core_objects(doc: dict) -> list[dict]:
+    """The Kubernetes core objects inside a manifest: a batch/v1 Job per replicatedJob of a JobSet, a v1
+    PodTemplate around a PathwaysJob's controller.template."""
+    name = doc["metadata"]["name"]
+    if doc["kind"] == "JobSet":
+        return [
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {**rj["template"].get("metadata", {}), "name": f"{name}-{rj['name']}"},
+                "spec": rj["template"]["spec"],
+            }
+            for rj in doc["spec"]["replicatedJobs"]
+        ]
+    assert doc["kind"] == "PathwaysJob", doc["kind"]
+    template = doc["spec"]["controller"]["template"]
+    return [
+        {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"{name}-head"}, "template": template}
+    ]
+
+
+def validate_manifest(doc: dict) -> list[str]:
+    """Raise on the first schema violation; otherwise return what was validated."""
+    kv = _needs("kubernetes_validate")
+    crd_validator(doc["kind"]).validate(doc)
+    checked = [f"{doc['kind']} {doc['metadata']['name']} (CRD)"]
+    for version in (*KUBERNETES_VERSIONS, kv.latest_version()):
+        for obj in core_objects(doc):
+            got = kv.validate(obj, version, strict=True)
+            checked.append(f"{obj['kind']} {obj['metadata']['name']} (Kubernetes {got})")
+    return checked
+
+
+SCHEMA_CASES = [
+    (target, pset, platform)
+    for target in MANIFEST_TARGETS
+    for pset in PARAM_SETS
+    for platform in (("gpu", "cpu") if target == "jobset-gpu" else ("gpu",))
+]
+
+
+@pytest.mark.parametrize("target,pset,platform", SCHEMA_CASES)
+def test_rendered_manifests_validate_against_their_schemas(target, pset, platform):
+    p = _params(pset, platform=platform, overrides=(*PARAM_SETS[pset].overrides, "stop_timeout_seconds=45"))
+    doc = _one_doc(R.render(target, p).text)
+    kv = _needs("kubernetes_validate")
+    versions = [*KUBERNETES_VERSIONS, kv.latest_version().rsplit(".", 1)[0]]
+    parts = {"jobset-pathways": ["pathways-head", "worker"], "jobset-gpu": ["slice"], "pathwaysjob": ["head"]}[
+        target
+    ]
+    kind = "PodTemplate" if target == "pathwaysjob" else "Job"
+    want = [f"{doc['kind']} {p.job_name} (CRD)"]
+    want += [f"{kind} {p.job_name}-{part} (Kubernetes {v})" for v in versions for part in parts]
+    assert validate_manifest(doc) == want
+    if target == "pathwaysjob":  # and the JobSet its controller creates from it (duplicate env names, ...)
+        assert validate_manifest(pathwaysjob_jobset(doc))[0] == f"JobSet {p.job_name} (CRD)"
+
+
+def _rename(mapping: dict, old: str, new: str) -> None:
+    mapping[new] = mapping.pop(old)
+
+
+def _mutations() -> list:
+    """(name, target, mutate, what the error says): each breaks a rendered object the way a typo would."""
+
+    def rename(get, old, new):
+        return lambda doc: _rename(get(doc), old, new)
+
+    def update(get, **values):
+        return lambda doc: get(doc).update(values)
+
+    def head_pod(doc):
+        return _pod(_rjob(doc, "pathways-head"))
+
+    def slice_job(doc):
+        return _rjob(doc, "slice")["template"]["spec"]
+
+    def worker(doc):
+        return doc["spec"]["workers"][0]
+
+    def user_pod(doc):
+        return doc["spec"]["controller"]["template"]["spec"]
+
+    def duplicate_env(doc):
+        head_pod(doc)["containers"][0]["env"].append({"name": "JAX_PLATFORMS", "value": "cpu"})
+
+    duplicate = "duplicate entry with name"
+    return [
+        (
+            "misspelt JobSet field",
+            "jobset-pathways",
+            rename(lambda d: d["spec"]["failurePolicy"], "maxRestarts", "maxRestart"),
+            "maxRestart",
+        ),
+        (
+            "misspelt pod field",
+            "jobset-pathways",
+            rename(head_pod, "terminationGracePeriodSeconds", "terminationGracePeriodSecond"),
+            "terminationGracePeriodSecond",
+        ),
+        (
+            "misspelt container field",
+            "jobset-gpu",
+            rename(lambda d: slice_job(d)["template"]["spec"]["containers"][0], "args", "arg"),
+            "'arg' was unexpected",
+        ),
+        (
+            "a count as a string",
+            "jobset-gpu",
+            update(slice_job, backoffLimitPerIndex="10"),
+            "'10' is not of type 'integer'",
+        ),
+        (
+            "an int32 overflow",
+            "jobset-gpu",
+            update(lambda d: d["spec"]["failurePolicy"], maxRestarts=2**31),
+            "int32",
+        ),
+        (
+            "a duplicate container name",
+            "jobset-pathways",
+            update(lambda d: head_pod(d)["initContainers"][1], name="pathways-rm"),
+            duplicate,
+        ),
+        ("a duplicate env name", "jobset-pathways", duplicate_env, duplicate),
+        (
+            "a bad enum value",
+            "jobset-pathways",
+            update(lambda d: d["spec"]["successPolicy"], operator="Some"),
+            "'Some' is not one of",
+        ),
+        (
+            "misspelt PathwaysJob field",
+            "pathwaysjob",
+            rename(worker, "maxSliceRestarts", "maxSliceRestart"),
+            "maxSliceRestart",
+        ),
+        (
+            "a TPU type that is no machine type",
+            "pathwaysjob",
+            update(worker, type="v5litepod-16"),
+            "'v5litepod-16' is not one of",
+        ),
+        (
+            "a required field missing",
+            "pathwaysjob",
+            lambda d: d["spec"].pop("workers"),
+            "'workers' is a required property",
+        ),
+        (
+            "misspelt field in the user pod template",
+            "pathwaysjob",
+            rename(user_pod, "restartPolicy", "restartPolicyy"),
+            "restartPolicyy",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("name,target,mutate,message", _mutations(), ids=[m[0] for m in _mutations()])
+def test_schema_validation_catches_a_broken_manifest(name, target, mutate, message):
+    jsonschema = _needs("jsonschema")
+    doc = copy.deepcopy(R.render(target, PARAM_SETS["reference"]).manifest)
+    crd_validator(doc["kind"]).validate(doc)  # the unbroken object passes
+    mutate(doc)
+    with pytest.raises(jsonschema.ValidationError) as caught:
+        crd_validator(doc["kind"]).validate(doc)
+    assert message in str(caught.value.message), caught.value.message
+
+
+def test_kubernetes_schemas_catch_a_misspelt_field_inside_a_template():
+    """The second layer on its own: kubernetes-validate's strict schemas reject what the CRD test does."""
+    jsonschema, kv = _needs("jsonschema"), _needs("kubernetes_validate")
+    for target, mutate in (
+        ("jobset-gpu", lambda d: _rename(_pod(_rjob(d, "slice")), "restartPolicy", "restartpolicy")),
+        (
+            "pathwaysjob",
+            lambda d: _rename(d["spec"]["controller"]["template"]["spec"]["containers"][0], "image", "img"),
+        ),
+    ):
+        doc = copy.deepcopy(R.render(target, PARAM_SETS["reference"]).manifest)
+        mutate(doc)
+        with pytest.raises(jsonschema.ValidationError):
+            kv.validate(core_objects(doc)[0], KUBERNETES_VERSIONS[0], strict=True)
+
+
+def test_the_crd_rules_jsonschema_cannot_evaluate_hold_for_the_rendered_objects():
+    """CEL rules (x-kubernetes-validations) are not evaluated by jsonschema. On create only the rules without
+    `oldSelf` apply; the vendored CRDs have two, both about fields no rendered object sets."""
+    rules = []
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            rules.extend((path, r["rule"]) for r in node.get("x-kubernetes-validations", []))
+            for k, v in node.get("properties", {}).items():
+                walk(v, f"{path}.{k}")
+            walk(node.get("items"), f"{path}[]")
+
+    for kind in CRD_FILES:
+        walk(_crd(kind), kind)
+    on_create = {path for path, rule in rules if "oldSelf" not in rule}
+    assert on_create == {"JobSet.spec", "JobSet.spec.volumeClaimPolicies[]"}
+    for target in ("jobset-pathways", "jobset-gpu"):
+        for p in PARAM_SETS.values():
+            spec = R.render(target, p).manifest["spec"]
+            assert "volumeClaimPolicies" not in spec and "startupPolicy" not in spec
+            assert not any("dependsOn" in rj for rj in spec["replicatedJobs"])
+    # The JobSet the PathwaysJob controller creates sets startupPolicy InOrder but no dependsOn: rule holds.
+    js = pathwaysjob_jobset(R.render("pathwaysjob", PARAM_SETS["reference"]).manifest)
+    assert js["spec"]["startupPolicy"] == {"startupPolicyOrder": "InOrder"}
+    assert not any("dependsOn" in rj for rj in js["spec"]["replicatedJobs"])
+
+
+def test_the_fixture_readme_names_each_crd_source():
+    readme = (CRDS / "README.md").read_text()
+    for filename, _, _ in CRD_FILES.values():
+        assert (CRDS / filename).is_file() and filename in readme
+    assert re.search(r"kubernetes-sigs/jobset.*v0\.12\.0.*[0-9a-f]{40}", readme, re.S)
+    assert re.search(r"google/pathways-job.*v0\.1\.4.*c0cc7594c9d03a1d96a89110008a0f2d3c9ef189", readme, re.S)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -733,7 +1226,7 @@ def _doc_render_commands() -> list[tuple[str, int]]:
 
 def test_docs_render_commands_work(tmp_path, capsys):
     cmds = _doc_render_commands()
-    assert {"xpk", "jobset-pathways", "jobset-gpu", "slurm"} <= {shlex.split(c)[3] for c, _ in cmds}
+    assert {"xpk", "jobset-pathways", "pathwaysjob", "jobset-gpu", "slurm"} <= {shlex.split(c)[3] for c, _ in cmds}
     for cmd, expected in cmds:
         argv = shlex.split(cmd, comments=True)[3:]
         if "-o" in argv:

@@ -40,6 +40,11 @@ backoffLimit 0 and no podFailurePolicy, and the JobSet no failurePolicy rules; m
 (PathwaysJob releases) or absent, i.e. 0 (releases that render the JobSet). The JobSet is rebuilt here from
 the rendered command's flags and run through the same evaluator, so the gaps are checked, not only listed.
 
+PathwaysJob (https://github.com/google/pathways-job v0.1.4, internal/controller/pathwaysjob_controller.go): its
+controller builds the JobSet (tests/deploy_stubs.py rebuilds it from the rendered PathwaysJob) with the same
+head Job as xpk (backoffLimit 0, no podFailurePolicy) and failurePolicy.maxRestarts only; it runs through the
+same evaluator, and its gaps are those of xpk's PathwaysJob releases.
+
 Slurm: the rendered sbatch script runs for real under bash, with stub `srun`, `scontrol`, `sleep` and a stub
 trainer (`python`) that exits with a scripted sequence of codes (https://slurm.schedmd.com/sbatch.html
 --requeue, --signal; https://slurm.schedmd.com/scontrol.html requeue).
@@ -62,7 +67,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deploy_stubs import BASH, run_xpk_script, stub
+from deploy_stubs import BASH, pathwaysjob_jobset, run_xpk_script, stub
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -788,6 +793,55 @@ def test_xpk_script_documents_each_code():
     table = text[text.index("What xpk makes of") : text.index("xpk workload create-pathways \\")]
     for code in ("0 ", "42", "75", "1 ", "2, 3"):
         assert f"#   {code}" in table, code
+
+
+# ------------------------------------------------------------------------------------------------
+# PathwaysJob: the JobSet its controller builds from the rendered object, under the same rules.
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pset", PARAMS)
+def test_what_the_pathwaysjob_controller_makes_of_each_exit_code(pset):
+    p = PARAMS[pset]
+    pw = _doc("pathwaysjob", p)
+    doc = pathwaysjob_jobset(pw)
+    head = _rjob(doc, "pathways-head")["template"]["spec"]
+    assert (
+        head["backoffLimit"] == 0
+        and "podFailurePolicy" not in head
+        and "rules" not in doc["spec"]["failurePolicy"]
+    )
+    gaps = set()
+    for what, code, conditions, contract in CONTRACT_ROWS:
+        js = JobSet(doc)
+        got = js.pod_ended("pathways-head", 0, 0, trainer_end(doc, "pathways-head", code, *conditions))
+        # Every non-zero exit, and every eviction, restarts the JobSet counted against maxRestarts.
+        assert got == (COMPLETED if code == 0 and not conditions else JOBSET_RESTART), what
+        if got != contract:
+            gaps.add(what)
+    assert gaps == XPK_GAPS  # what the renderer's warning and the manifest's comments list
+    warning = " ".join(R.render("pathwaysjob", p).warnings)
+    assert "exit 42" in warning and "evictions" in warning and "2 and 3" in warning
+    # Preemptions use up maxRestarts: the (max_restarts + 1)-th ends the run.
+    js = JobSet(doc)
+    end = trainer_end(doc, "pathways-head", 42)
+    outcomes = [js.pod_ended("pathways-head", 0, 0, end) for _ in range(p.max_restarts + 1)]
+    assert outcomes == [JOBSET_RESTART] * p.max_restarts + [JOBSET_FAILS]
+
+
+def test_pathwaysjob_head_pod_gets_the_trainers_grace_and_workers_their_budget():
+    """Unlike xpk, the head pod keeps the template's terminationGracePeriodSeconds; the workers restart in place
+    against hosts x maxSliceRestarts (elasticSlices > 0)."""
+    p = dataclasses.replace(REFERENCE, overrides=("stop_timeout_seconds=45",))
+    doc = pathwaysjob_jobset(_doc("pathwaysjob", p))
+    assert (
+        _rjob(doc, "pathways-head")["template"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 55
+    )
+    js = JobSet(doc)
+    limit = R.TPU_TYPES[p.tpu_type].hosts * p.max_slice_restarts
+    worker = PodEnd({"pathways-worker": 1})
+    assert [js.pod_ended("worker", 0, 0, worker) for _ in range(limit)] == [POD_RESTART_COUNTED] * limit
+    assert js.pod_ended("worker", 0, 0, worker) == JOBSET_RESTART
+    js = JobSet(doc)
+    assert js.pod_ended("pathways-head", 0, 0, trainer_end(doc, "pathways-head", 0)) == COMPLETED
 
 
 # ------------------------------------------------------------------------------------------------

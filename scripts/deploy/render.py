@@ -6,6 +6,8 @@
 TARGET is one of:
   xpk              shell script wrapping `xpk workload create-pathways` (Pathways on GKE, TPU)
   jobset-pathways  JobSet manifest: Pathways head (trainer + resource manager + proxy) + one worker Job per slice
+  pathwaysjob      PathwaysJob manifest (pathways-job.pathways.domain/v1): Pathways on GKE through the PathwaysJob
+                   controller; it cannot express the trainer's exit-code contract (a warning says what is lost)
   jobset-gpu       JobSet manifest: multi-process JAX on GPU (or CPU, --platform cpu) with fault-tolerance settings
   slurm            sbatch script: the same multi-process JAX run under Slurm
   all              every artefact above, written into the directory given by -o
@@ -13,15 +15,16 @@ TARGET is one of:
 The trainer command is built once (`trainer_argv`) from the parameters, checked with the project's own
 config loader (a bad key fails here, with the loader's message, not on the cluster) and embedded
 unchanged in every artefact. Keys after `--` are extra trainer overrides (e.g. steps=5000).
-Templates live in scripts/deploy/templates/ and use `{{name}}` placeholders; a placeholder alone on
-its line may take a block of lines, indented like the placeholder.
+The Kubernetes manifests are Python dicts dumped with PyYAML (`manifest_text`); tests/test_deploy.py checks
+them against the vendored CRD schemas (tests/fixtures/crds/) and Kubernetes' own. The shell scripts (xpk,
+slurm) are filled from scripts/deploy/templates/, whose `{{name}}` placeholders take a value inline or,
+alone on their line, a block of lines indented like the placeholder.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import re
 import shlex
@@ -30,6 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 if (
     str(REPO_ROOT) not in sys.path
@@ -37,6 +42,7 @@ if (
     sys.path.insert(0, str(REPO_ROOT))
 
 from trainer.config import ConfigError, load_config  # noqa: E402
+from trainer.distributed.internals import VersionError, check_pathways_image, pathways_image_jax  # noqa: E402
 from trainer.errors import (  # noqa: E402
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -46,6 +52,19 @@ from trainer.errors import (  # noqa: E402
 )
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
+# The Dockerfile's default TPU build (PYTHON_VERSION=3.11, JAX_EXTRA=tpu) installs these exact versions.
+DEFAULT_TPU_CONSTRAINTS = REPO_ROOT / "constraints" / "tpu-py3.11.txt"
+
+
+def default_trainer_jax() -> str:
+    """The JAX the Dockerfile's default TPU image pins (constraints/tpu-py3.11.txt)."""
+    for line in DEFAULT_TPU_CONSTRAINTS.read_text().splitlines():
+        name, sep, version = line.partition("==")
+        if sep and name.strip().lower() == "jax":
+            return version.split(";")[0].strip()
+    raise DeployError(f"{DEFAULT_TPU_CONSTRAINTS} pins no jax: regenerate it (constraints/README.md)")
+
+
 TRAINER_ENTRY = ["python", "-m", "trainer.train"]
 
 # The exit-code contract (trainer/errors.py) as every artefact applies it to the trainer's processes:
@@ -57,7 +76,15 @@ BUG_EXIT_CODES = (EXIT_FAILED,)  # restart the whole run a few times (--max-rest
 # 139 SIGSEGV, 143 a SIGTERM that arrived before the trainer's handler).
 TRANSIENT_EXIT_CODES = (EXIT_TRANSIENT,)
 FOREIGN_EXIT_CODES = (137, 134, 139, 143)
-TRAINER_CONTAINER = "trainer"  # the container that runs the trainer in the JobSet manifests
+TRAINER_CONTAINER = "trainer"  # the container that runs the trainer in the Kubernetes manifests
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+PATHWAYSJOB_API = "pathways-job.pathways.domain/v1"
+# The PathwaysJob release whose CRD and controller the pathwaysjob target follows (tests/fixtures/crds/).
+PATHWAYSJOB_RELEASE = "v0.1.4"
+PATHWAYSJOB_INSTALL = (
+    f"https://github.com/google/pathways-job/releases/download/{PATHWAYSJOB_RELEASE}/install.yaml"
+)
+PATHWAYSJOB_INELASTIC_SLICE_RESTARTS = 4  # its worker backoffLimit is hosts x this without elasticSlices
 
 # The trainer stops within stop_timeout_seconds of a SIGTERM; every pod that runs it gets that much plus a
 # margin before Kubernetes kills it (terminationGracePeriodSeconds), and Slurm sends its notice that early.
@@ -70,6 +97,8 @@ PATHWAYS_PROXY_PORT = 29000
 PATHWAYS_RM_PORT = 29001
 PATHWAYS_WORKER_PORT = 29005
 PATHWAYS_IMAGE_REPO = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways"
+# JobSet's annotation: one Job per value of this node label (the head alone on its node, a slice per node pool).
+EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 
 # Trainer keys the renderer sets from its own flags; overriding them after `--` would make the trainer
 # disagree with the manifest around it (slice count, controller mode, output location).
@@ -104,6 +133,7 @@ class TpuSlice:
     pathways_version: str  # Pathways resource manager instance type prefix, e.g. tpuv5e
     gke_accelerator: str  # node label cloud.google.com/gke-tpu-accelerator
     topology: str  # node label cloud.google.com/gke-tpu-topology
+    machine_type: str  # GKE machine type of a host: PathwaysJob workers[].type (an enum of its CRD)
     chips_per_host: int = 4
 
     @property
@@ -128,13 +158,14 @@ def _tpu_table() -> dict[str, TpuSlice]:
     for chips, topo in two_d.items():
         if chips == 8:  # 8-chip v5e/v6e slices are single 8-chip hosts (different machine type); not listed
             continue
-        table[f"v5litepod-{chips}"] = TpuSlice(f"v5litepod-{chips}", "tpuv5e", "tpu-v5-lite-podslice", topo)
-        table[f"v6e-{chips}"] = TpuSlice(f"v6e-{chips}", "tpuv6e", "tpu-v6e-slice", topo)
+        name = f"v5litepod-{chips}"
+        table[name] = TpuSlice(name, "tpuv5e", "tpu-v5-lite-podslice", topo, "ct5lp-hightpu-4t")
+        table[f"v6e-{chips}"] = TpuSlice(f"v6e-{chips}", "tpuv6e", "tpu-v6e-slice", topo, "ct6e-standard-4t")
     # v5p / v4 names count TensorCores (2 per chip).
     three_d = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8"}
     for chips, topo in three_d.items():
-        table[f"v5p-{2 * chips}"] = TpuSlice(f"v5p-{2 * chips}", "tpuv5", "tpu-v5p-slice", topo)
-        table[f"v4-{2 * chips}"] = TpuSlice(f"v4-{2 * chips}", "tpuv4", "tpu-v4-podslice", topo)
+        table[f"v5p-{2 * chips}"] = TpuSlice(f"v5p-{2 * chips}", "tpuv5", "tpu-v5p-slice", topo, "ct5p-hightpu-4t")
+        table[f"v4-{2 * chips}"] = TpuSlice(f"v4-{2 * chips}", "tpuv4", "tpu-v4-podslice", topo, "ct4p-hightpu-4t")
     return table
 
 
@@ -158,7 +189,7 @@ class DeployParams:
     namespace: str = "default"
     queue: str = ""  # Kueue LocalQueue (adds the kueue.x-k8s.io/queue-name label)
     service_account: str = "default"  # Kubernetes service account (Workload Identity for GCS)
-    max_restarts: int = 3  # whole-run restarts after exit 1 (JobSet maxRestarts, xpk --max-restarts, Slurm)
+    max_restarts: int = 3  # whole-run restarts after exit 1 (JobSet/PathwaysJob maxRestarts, xpk, Slurm)
     # Restarts of one trainer process after exit 75 or a crash (JobSet backoffLimitPerIndex, Slurm in place).
     max_task_restarts: int = 10
     # Elasticity in the trainer.
@@ -168,12 +199,13 @@ class DeployParams:
     elastic_max_retries: int = 10
     checkpoint_period: int = 100
     compile_cache: str | None = None  # jax_cache_dir; None = <output_dir>/jax_cache, "" = disabled
-    # Pathways on GKE (xpk, jobset-pathways).
+    # Pathways on GKE (xpk, jobset-pathways, pathwaysjob).
     tpu_type: str = "v5litepod-16"
     elastic_slices: int | None = None  # proxy --num_elastic_slices / xpk --elastic-slices; None = derived
     max_slice_restarts: int = 5  # worker Job backoffLimit = hosts per slice x this
     pathways_gcs_location: str = ""  # Pathways scratch; "" = <output_dir>/pathways
     pathways_version: str = "latest"
+    trainer_jax: str = ""  # the trainer image's JAX; "" = the pin of the Dockerfile's default TPU build
     server_image: str = ""  # "" = <PATHWAYS_IMAGE_REPO>/server:<pathways_version>
     proxy_image: str = ""  # "" = <PATHWAYS_IMAGE_REPO>/proxy_server:<pathways_version>
     proxy_memory: str = "100G"
@@ -312,6 +344,12 @@ class DeployParams:
         n = self.num_elastic_slices
         if self.elastic and not 1 <= n <= self.slices:
             problems.append(f"--elastic-slices must be between 1 and --slices={self.slices}, got {n}")
+        same_tag = pathways_image_jax(self.image_proxy) == pathways_image_jax(self.image_server)
+        for image in [self.image_server] + ([] if same_tag else [self.image_proxy]):
+            try:  # the Pathways servers and the trainer (their client) must run one JAX release
+                check_pathways_image(image, self.trainer_jax or default_trainer_jax())
+            except VersionError as e:
+                problems.append(f"{e} (the trainer image's JAX: --trainer-jax)")
         if problems:
             raise DeployError("; ".join(problems))
         if self.elastic and self.min_slices > 0 and n < self.slices - self.min_slices:
@@ -478,7 +516,7 @@ def multiprocess_env(p: DeployParams) -> list[tuple[str, str]]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Template filling.
+# Shell-script templates (xpk, slurm).
 # ---------------------------------------------------------------------------------------------------
 _PLACEHOLDER = re.compile(r"\{\{\s*([a-z_][a-z0-9_]*)\s*\}\}")
 _BLOCK_LINE = re.compile(r"^(\s*)\{\{\s*([a-z_][a-z0-9_]*)\s*\}\}\s*$")
@@ -517,115 +555,130 @@ def load_template(name: str) -> str:
     return (TEMPLATES / name).read_text()
 
 
-def y(value) -> str:
-    """A YAML scalar: strings double-quoted (JSON strings are valid YAML), numbers bare."""
-    if isinstance(value, bool):
-        return _yaml_bool(value)
-    if isinstance(value, int):
-        return str(value)
-    return json.dumps(str(value))
+# ---------------------------------------------------------------------------------------------------
+# Kubernetes manifests (jobset-pathways, jobset-gpu, pathwaysjob): Python dicts dumped with PyYAML.
+# ---------------------------------------------------------------------------------------------------
+class ManifestDumper(yaml.SafeDumper):
+    """`yaml.safe_dump`'s dumper with two changes for files kubectl reads:
+
+    - a string that Kubernetes' YAML parser (go-yaml: YAML 1.1, whose floats need no dot) or a YAML 1.2
+      parser would read as a number (`1e3`, `0o17`) is quoted, as PyYAML already quotes `true`, `007`, `1.5`
+      (an env value or a label must stay a string);
+    - a string of several lines is a literal block (`|`), so a script in a command reads as written;
+    - an object used twice is written out twice, not as a YAML alias.
+    """
+
+    def ignore_aliases(self, data) -> bool:
+        return True
 
 
-def y_list(items: Sequence) -> list[str]:
-    return [f"- {y(i)}" for i in items]
+ManifestDumper.add_implicit_resolver(  # only decides quoting: a plain scalar matching it would not be a string
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+    list("-+.0123456789"),
+)
 
 
-def y_env(pairs: Sequence[tuple[str, str]]) -> list[str]:
-    lines = []
-    for k, v in pairs:
-        lines += [f"- name: {k}", f"  value: {y(v)}"]
-    return lines
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    if "\n" in value:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|")
+    return dumper.represent_str(value)
 
 
-def job_identity_env() -> list[str]:
+ManifestDumper.add_representer(str, _represent_str)
+
+
+def manifest_text(header: Sequence[str], manifest: Mapping) -> str:
+    """The file of one Kubernetes object: its comment lines, then the object as YAML (keys in the order built,
+    no line folding)."""
+    assert all(line.startswith("#") for line in header), header
+    body = yaml.dump(dict(manifest), Dumper=ManifestDumper, sort_keys=False, width=2**31 - 1)
+    return "\n".join(header) + "\n" + body
+
+
+def env_list(pairs: Sequence[tuple[str, str]]) -> list[dict]:
+    return [{"name": k, "value": v} for k, v in pairs]
+
+
+def field_env(name: str, field_path: str) -> dict:
+    """An environment variable from the downward API."""
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
+
+
+def job_identity_env() -> list[dict]:
     """The job's name and namespace from the downward API: the trainer names its run after them and takes
     the run's lease as that job, so a restarted pod of the same JobSet takes it over at once
     (trainer/checkpoint/lease.py)."""
-    lines = []
-    for name, path in (
-        ("JOBSET_NAME", "metadata.labels['jobset.sigs.k8s.io/jobset-name']"),
-        ("POD_NAMESPACE", "metadata.namespace"),
-    ):
-        lines += [f"- name: {name}", "  valueFrom:", "    fieldRef:", f"      fieldPath: {path}"]
-    return lines
-
-
-def _codes(codes: Sequence[int]) -> str:
-    return "[" + ", ".join(str(c) for c in codes) + "]"
-
-
-def trainer_job_policy(p: DeployParams, completions: int) -> list[str]:
-    """The spec fields of a Job whose pods each run one trainer process: how Kubernetes answers each exit code.
-
-    Kubernetes evaluates the podFailurePolicy rules of a failed pod in order; the first match decides, and a
-    failure no rule matches is counted (Count). FailIndex needs backoffLimitPerIndex, which needs an Indexed
-    Job whose pods have restartPolicy Never (https://kubernetes.io/docs/concepts/workloads/controllers/job/).
-    """
-
-    def on_exit_codes(codes: Sequence[int]) -> list[str]:
-        return [
-            "      onExitCodes:",
-            f"        containerName: {TRAINER_CONTAINER}",
-            "        operator: In",
-            f"        values: {_codes(codes)}",
-        ]
-
     return [
-        "completionMode: Indexed",
-        f"completions: {completions}",
-        f"parallelism: {completions}",
-        "# Exit 75 and crash codes: a trainer pod is replaced (same index: the same process id) up to this",
-        "# many times, with Kubernetes' backoff (10 s doubling, at most 6 min); one more fails its index.",
-        f"backoffLimitPerIndex: {p.max_task_restarts}",
-        "# One failed index (exit 1, or a used-up budget) fails the Job (MaxFailedIndexesExceeded).",
-        "maxFailedIndexes: 0",
-        "podFailurePolicy:",
-        "  # The first matching rule decides; a failed pod that matches none is counted (Count): exit 75, 137",
-        "  # (SIGKILL, OOM-kill), 134, 139, 143, or a pod that failed without a trainer exit code.",
-        "  rules:",
-        "    # Preempted (SIGTERM: drain, Spot, maintenance; state saved): replace the pod, no budget used.",
-        "    - action: Ignore",
-        *on_exit_codes(PREEMPTED_EXIT_CODES),
-        "    # An evicted or preempted pod, whatever its exit code (killed at the end of the grace period, or",
-        "    # never started): replace it, no budget used.",
-        "    - action: Ignore",
-        "      onPodConditions:",
-        "        - type: DisruptionTarget",
-        '          status: "True"',
-        "    # Bad input or gave up: fail the Job (reason PodFailurePolicy); the JobSet fails at once.",
-        "    - action: FailJob",
-        *on_exit_codes(FINAL_EXIT_CODES),
-        "    # A bug: fail the index without retrying the pod; the JobSet restarts, counted against maxRestarts.",
-        "    - action: FailIndex",
-        *on_exit_codes(BUG_EXIT_CODES),
+        field_env("JOBSET_NAME", "metadata.labels['jobset.sigs.k8s.io/jobset-name']"),
+        field_env("POD_NAMESPACE", "metadata.namespace"),
     ]
 
 
-def jobset_failure_policy(p: DeployParams, trainer_job: str) -> list[str]:
+def _on_trainer_exit(codes: Sequence[int]) -> dict:
+    return {"containerName": TRAINER_CONTAINER, "operator": "In", "values": list(codes)}
+
+
+def trainer_job_policy(p: DeployParams, completions: int) -> dict:
+    """The spec fields of a Job whose pods each run one trainer process: how Kubernetes answers each exit code.
+
+    Kubernetes evaluates the podFailurePolicy rules of a failed pod in order; the first match decides, and a
+    failure no rule matches is counted (Count): exit 75, 137 (SIGKILL, OOM-kill), 134, 139, 143, or a pod that
+    failed without a trainer exit code. A counted failure replaces the pod (same index: the same process id)
+    with Kubernetes' backoff (10 s doubling, at most 6 min), up to backoffLimitPerIndex times; one more fails
+    the index, and one failed index fails the Job (maxFailedIndexes 0: MaxFailedIndexesExceeded). FailIndex
+    needs backoffLimitPerIndex, which needs an Indexed Job whose pods have restartPolicy Never
+    (https://kubernetes.io/docs/concepts/workloads/controllers/job/).
+    """
+    return {
+        "completionMode": "Indexed",
+        "completions": completions,
+        "parallelism": completions,
+        "backoffLimitPerIndex": p.max_task_restarts,
+        "maxFailedIndexes": 0,
+        "podFailurePolicy": {
+            "rules": [
+                # Preempted (SIGTERM: drain, Spot, maintenance; state saved): replace the pod, no budget used.
+                {"action": "Ignore", "onExitCodes": _on_trainer_exit(PREEMPTED_EXIT_CODES)},
+                # An evicted or preempted pod, whatever its exit code (killed at the end of the grace period,
+                # or never started): replace it, no budget used.
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                # Bad input or gave up: fail the Job (reason PodFailurePolicy); the JobSet fails at once.
+                {"action": "FailJob", "onExitCodes": _on_trainer_exit(FINAL_EXIT_CODES)},
+                # A bug: fail the index without retrying the pod; the JobSet restarts, counted (maxRestarts).
+                {"action": "FailIndex", "onExitCodes": _on_trainer_exit(BUG_EXIT_CODES)},
+            ]
+        },
+    }
+
+
+def jobset_failure_policy(p: DeployParams, trainer_job: str) -> dict:
     """The JobSet's failurePolicy: what a failed child Job does to the JobSet, by the Job's failure reason.
 
     The JobSet controller (v0.6.0+) evaluates the rules in order, runs the first that matches the failed Job's
     reason and replicatedJob, and restarts the JobSet counted against maxRestarts (RestartJobSet) when none
-    matches (https://jobset.sigs.k8s.io/docs/reference/jobset.v1alpha2/).
+    matches: exit 1, a used-up per-process budget, any other child Job failure; one restart more than
+    maxRestarts fails the JobSet (https://jobset.sigs.k8s.io/docs/reference/jobset.v1alpha2/).
     """
-    return [
-        "failurePolicy:",
-        "  # Whole-JobSet restarts counted by RestartJobSet (exit 1, a used-up per-process budget, any other",
-        "  # child Job failure); one more fails the JobSet.",
-        f"  maxRestarts: {p.max_restarts}",
-        "  # The first matching rule decides; a Job failure that matches none restarts the JobSet, counted.",
-        "  rules:",
-        "    # A trainer pod exited 2 or 3 (podFailurePolicy FailJob): a restart of the same command cannot help.",
-        "    - name: trainerBadInputOrGaveUp",
-        "      action: FailJobSet",
-        "      onJobFailureReasons: [PodFailurePolicy]",
-        f"      targetReplicatedJobs: [{trainer_job}]",
-        "    # A trainer pod exited 1 (FailIndex), or a process used up backoffLimitPerIndex: restart all.",
-        "    - name: trainerFailedOrOutOfRetries",
-        "      action: RestartJobSet",
-        "      onJobFailureReasons: [MaxFailedIndexesExceeded]",
-        f"      targetReplicatedJobs: [{trainer_job}]",
-    ]
+    return {
+        "maxRestarts": p.max_restarts,
+        "rules": [
+            # A trainer pod exited 2 or 3 (podFailurePolicy FailJob): a restart of the same command cannot help.
+            {
+                "name": "trainerBadInputOrGaveUp",
+                "action": "FailJobSet",
+                "onJobFailureReasons": ["PodFailurePolicy"],
+                "targetReplicatedJobs": [trainer_job],
+            },
+            # A trainer pod exited 1 (FailIndex), or a process used up backoffLimitPerIndex: restart all.
+            {
+                "name": "trainerFailedOrOutOfRetries",
+                "action": "RestartJobSet",
+                "onJobFailureReasons": ["MaxFailedIndexesExceeded"],
+                "targetReplicatedJobs": [trainer_job],
+            },
+        ],
+    }
 
 
 def _header(target: str, p: DeployParams) -> list[str]:
@@ -635,11 +688,27 @@ def _header(target: str, p: DeployParams) -> list[str]:
     ]
 
 
-def _labels(p: DeployParams) -> list[str]:
-    lines = ["app.kubernetes.io/part-of: elastic-trainer", f"elastic-trainer/job: {y(p.job_name)}"]
+def _metadata(p: DeployParams) -> dict:
+    labels = {"app.kubernetes.io/part-of": "elastic-trainer", "elastic-trainer/job": p.job_name}
     if p.queue:
-        lines.append(f"kueue.x-k8s.io/queue-name: {y(p.queue)}")
-    return lines
+        labels["kueue.x-k8s.io/queue-name"] = p.queue
+    return {"name": p.job_name, "namespace": p.namespace, "labels": labels}
+
+
+def head_logs_command(p: DeployParams) -> str:
+    """`kubectl logs` of the trainer: the head pod only (the worker pods have no `trainer` container)."""
+    selector = f"jobset.sigs.k8s.io/jobset-name={p.job_name},jobset.sigs.k8s.io/replicatedjob-name=pathways-head"
+    return f"kubectl logs -f -l {selector} -c {TRAINER_CONTAINER}"
+
+
+def pathways_trainer_env(p: DeployParams) -> list[tuple[str, str]]:
+    """What the trainer needs on Pathways besides the proxy address: hosts read and write their own checkpoint
+    shards instead of funnelling them through the proxy (large checkpoints otherwise exhaust the proxy's
+    memory), and the shared compilation cache."""
+    env = [("ENABLE_PATHWAYS_PERSISTENCE", "1")]
+    if p.cache_dir:
+        env.append(("JAX_COMPILATION_CACHE_DIR", p.cache_dir))
+    return env
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -652,6 +721,24 @@ class Rendered:
     text: str
     trainer_argv: list[str]
     warnings: list[str] = field(default_factory=list)
+    manifest: dict | None = None  # the Kubernetes object `text` holds (manifest targets only)
+
+
+# The trainer's exit codes and what a JobSet manifest makes of them; {pods} and {budget} differ by target.
+_JOBSET_CONTRACT = """\
+#   42        preempted, state saved (SIGTERM: drain, Spot, maintenance), and any evicted {pod} (condition
+#             DisruptionTarget): the {pod} is replaced, no budget used
+#   75, crash transient (storage, peers), or a death the trainer did not choose (137 SIGKILL or
+#             OOM-kill, 134, 139, 143): the {pod} is replaced, up to {budget} times{per}
+#             (backoffLimitPerIndex); one more restarts the JobSet (counted)
+#   1         a bug: the JobSet restarts at once, counted against maxRestarts={max_restarts}; one more
+#             fails the JobSet
+#   2, 3      bad input, gave up: the JobSet fails at once"""
+
+
+def _jobset_contract(p: DeployParams, pod: str, per: str) -> list[str]:
+    text = _JOBSET_CONTRACT.format(pod=pod, budget=p.max_task_restarts, per=per, max_restarts=p.max_restarts)
+    return text.splitlines()
 
 
 def render_jobset_pathways(p: DeployParams) -> Rendered:
@@ -681,19 +768,9 @@ def render_jobset_pathways(p: DeployParams) -> Rendered:
         ("JAX_PLATFORMS", "proxy"),
         ("JAX_BACKEND_TARGET", f"grpc://127.0.0.1:{PATHWAYS_PROXY_PORT}"),
         ("XCLOUD_ENVIRONMENT", "GCP"),
-        # Hosts read and write their own checkpoint shards instead of funnelling them through
-        # the proxy (large checkpoints otherwise exhaust the proxy's memory).
-        ("ENABLE_PATHWAYS_PERSISTENCE", "1"),
+        *pathways_trainer_env(p),
     ]
-    if p.cache_dir:
-        trainer_env.append(("JAX_COMPILATION_CACHE_DIR", p.cache_dir))
-    slice_index_ref = [
-        "- name: MEGASCALE_SLICE_ID",
-        "  valueFrom:",
-        "    fieldRef:",
-        "      fieldPath: metadata.labels['jobset.sigs.k8s.io/job-index']",
-    ]
-    worker_env = y_env(
+    worker_env = env_list(
         [
             ("TPU_MIN_LOG_LEVEL", "0"),
             ("TF_CPP_MIN_LOG_LEVEL", "0"),
@@ -701,43 +778,283 @@ def render_jobset_pathways(p: DeployParams) -> Rendered:
             ("MEGASCALE_NUM_SLICES", str(p.slices)),
             ("MEGASCALE_COORDINATOR_ADDRESS", head),
         ]
-    )
-    values = {
-        "header": _header("jobset-pathways", p),
-        "name": p.job_name,
-        "namespace": y(p.namespace),
-        "labels": _labels(p),
-        "max_restarts": str(p.max_restarts),
-        "max_task_restarts": str(p.max_task_restarts),
-        "failure_policy": jobset_failure_policy(p, "pathways-head"),
-        "head_job_policy": trainer_job_policy(p, 1),
-        "grace_seconds": str(grace_seconds(stop)),
-        "stop_timeout": f"{stop:g}",
-        "service_account": y(p.service_account),
-        "head_nodepool": y(p.head_nodepool),
-        "server_image": y(p.image_server),
-        "proxy_image": y(p.image_proxy),
-        "image": y(p.image),
-        "rm_args": y_list(rm_args),
-        "proxy_args": y_list(proxy_args),
-        "worker_args": y_list(worker_args),
-        "rm_port": str(PATHWAYS_RM_PORT),
-        "proxy_port": str(PATHWAYS_PROXY_PORT),
-        "worker_port": str(PATHWAYS_WORKER_PORT),
-        "proxy_cpu": y(p.proxy_cpu),
-        "proxy_memory": y(p.proxy_memory),
-        "trainer_command": y_list(argv),
-        "trainer_env": y_env(trainer_env) + job_identity_env(),
-        "slices": str(p.slices),
-        "hosts_per_slice": str(tpu.hosts),
-        "worker_backoff_limit": str(tpu.hosts * p.max_slice_restarts),
-        "gke_accelerator": y(tpu.gke_accelerator),
-        "topology": y(tpu.topology),
-        "chips_per_host": y(str(tpu.chips_per_host)),
-        "worker_env": worker_env + slice_index_ref,
+    ) + [field_env("MEGASCALE_SLICE_ID", "metadata.labels['jobset.sigs.k8s.io/job-index']")]
+    worker_backoff_limit = tpu.hosts * p.max_slice_restarts
+    grace = grace_seconds(stop)
+    head_pod = {
+        "restartPolicy": "Never",  # the Job replaces the pod; the podFailurePolicy needs it
+        "terminationGracePeriodSeconds": grace,
+        "hostNetwork": True,
+        "dnsPolicy": "ClusterFirstWithHostNet",
+        "serviceAccountName": p.service_account,
+        "nodeSelector": {"cloud.google.com/gke-nodepool": p.head_nodepool},
+        # Native sidecars (init containers with restartPolicy Always): they start before the trainer and stop
+        # when it exits.
+        "initContainers": [
+            {
+                "name": "pathways-rm",
+                "image": p.image_server,
+                "imagePullPolicy": "Always",
+                "restartPolicy": "Always",
+                "args": rm_args,
+                "env": env_list([("TPU_SKIP_MDS_QUERY", "true")]),
+                "ports": [{"containerPort": PATHWAYS_RM_PORT, "protocol": "TCP"}],
+                "resources": {"limits": {"cpu": "8", "memory": "32G"}},
+            },
+            {
+                "name": "pathways-proxy",
+                "image": p.image_proxy,
+                "imagePullPolicy": "Always",
+                "restartPolicy": "Always",
+                "args": proxy_args,
+                "ports": [{"containerPort": PATHWAYS_PROXY_PORT, "protocol": "TCP"}],
+                "resources": {"limits": {"cpu": p.proxy_cpu, "memory": p.proxy_memory}},
+            },
+        ],
+        "containers": [
+            {
+                "name": TRAINER_CONTAINER,
+                "image": p.image,
+                "imagePullPolicy": "Always",
+                "command": list(argv),
+                "env": env_list(trainer_env) + job_identity_env(),
+            }
+        ],
     }
-    text = fill(load_template("jobset_pathways.yaml.tmpl"), values)
-    return Rendered("jobset-pathways", f"{p.job_name}.pathways.yaml", text, argv, warnings)
+    worker_pod = {
+        "restartPolicy": "OnFailure",
+        "hostNetwork": True,
+        "dnsPolicy": "ClusterFirstWithHostNet",
+        "terminationGracePeriodSeconds": KUBERNETES_DEFAULT_GRACE_SECONDS,
+        "serviceAccountName": p.service_account,
+        "nodeSelector": {
+            "cloud.google.com/gke-tpu-accelerator": tpu.gke_accelerator,
+            "cloud.google.com/gke-tpu-topology": tpu.topology,
+        },
+        "containers": [
+            {
+                "name": "pathways-worker",
+                "image": p.image_server,
+                "imagePullPolicy": "Always",
+                "args": worker_args,
+                "env": worker_env,
+                "ports": [{"containerPort": PATHWAYS_WORKER_PORT, "protocol": "TCP"}],
+                "resources": {"limits": {"google.com/tpu": str(tpu.chips_per_host)}},
+            }
+        ],
+    }
+    manifest = {
+        "apiVersion": JOBSET_API,
+        "kind": "JobSet",
+        "metadata": _metadata(p),
+        "spec": {
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": ["pathways-head"]},
+            "failurePolicy": jobset_failure_policy(p, "pathways-head"),
+            "replicatedJobs": [
+                {
+                    "name": "pathways-head",
+                    "replicas": 1,
+                    "template": {
+                        "spec": {
+                            **trainer_job_policy(p, 1),
+                            "template": {
+                                "metadata": {"annotations": {EXCLUSIVE_TOPOLOGY: "kubernetes.io/hostname"}},
+                                "spec": head_pod,
+                            },
+                        }
+                    },
+                },
+                {
+                    "name": "worker",
+                    "replicas": p.slices,
+                    "template": {
+                        "spec": {
+                            "completionMode": "Indexed",
+                            "completions": tpu.hosts,
+                            "parallelism": tpu.hosts,
+                            "backoffLimit": worker_backoff_limit,
+                            "template": {
+                                "metadata": {"annotations": {EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}},
+                                "spec": worker_pod,
+                            },
+                        }
+                    },
+                },
+            ],
+        },
+    }
+    header = [
+        *_header("jobset-pathways", p),
+        "#",
+        "# Pathways on GKE without xpk: one head pod (the trainer, i.e. the single JAX controller, next to",
+        "# the Pathways resource manager and proxy) and one worker Job per TPU slice.",
+        "#   kubectl apply -f THIS_FILE",
+        f"#   {head_logs_command(p)}",
+        "# Needs Kubernetes >= 1.29 (backoffLimitPerIndex, maxFailedIndexes and the FailIndex action: beta and on",
+        "# by default in 1.29, GA in 1.33; podFailurePolicy: on by default since 1.26, GA in 1.31; native",
+        "# sidecars: beta and on by default in 1.29) and the JobSet controller >= v0.6.0 (failurePolicy.rules).",
+        "#",
+        "# Layers of recovery, innermost first:",
+        "#   1. trainer (elastic_* keys): a lost slice is an exception in the controller; it waits for the",
+        "#      slice (elastic_min_slice_count=-1) or continues on the survivors, without exiting.",
+        f"#   2. worker Job backoffLimit = {tpu.hosts} host(s) per slice x --max-slice-restarts="
+        f"{p.max_slice_restarts} = {worker_backoff_limit}:",
+        "#      the slice's pods restart in place; the JobSet is untouched. Workers run Pathways, not the",
+        "#      trainer, and keep the kubelet's in-place restart (restartPolicy OnFailure); Kubernetes allows a",
+        "#      podFailurePolicy only with restartPolicy Never, so an evicted worker pod counts against it too.",
+        "#   3. head pod: the trainer's exit code decides (trainer/errors.py), see below.",
+        "#   4. JobSet failurePolicy.maxRestarts: tear everything down and start again (minutes). A worker Job",
+        "#      past its backoffLimit takes the default action (RestartJobSet, counted).",
+        "#",
+        "# The trainer's exit code (container `trainer` of the head pod) and what this manifest makes of it:",
+        "#   0         the head Job succeeds; successPolicy completes the JobSet (the workers are torn down:",
+        "#             Pathways workers never exit on their own)",
+        *_jobset_contract(p, "head pod", ""),
+        "# A replaced head pod starts a new resource manager and proxy with the trainer; the worker Jobs stay,",
+        "# and whatever a worker does when its resource manager goes away counts against its Job's backoffLimit.",
+        f"# The trainer stops within stop_timeout_seconds={stop:g} of a SIGTERM; the head pod's",
+        f"# terminationGracePeriodSeconds is that plus {STOP_MARGIN_SECONDS} s, for a saved checkpoint and exit 42"
+        " before SIGKILL.",
+        "# The resource manager and the proxy run as native sidecars (init containers with restartPolicy Always):",
+        "# they start before the trainer and stop when it exits. Pods are reachable as",
+        "# <jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<jobset> even before they are Ready",
+        "# (publishNotReadyAddresses), so the workers and the proxy find the resource manager while it starts.",
+        "# ENABLE_PATHWAYS_PERSISTENCE=1 on the trainer: the hosts read and write their own checkpoint shards;",
+        "# without it every checkpoint byte passes through the proxy and its memory limit.",
+    ]
+    return Rendered(
+        "jobset-pathways", f"{p.job_name}.pathways.yaml", manifest_text(header, manifest), argv, warnings, manifest
+    )
+
+
+def pathwaysjob_contract_warning(p: DeployParams) -> str:
+    return (
+        "the PathwaysJob controller gives the head Job backoffLimit 0 and no podFailurePolicy, and its JobSet "
+        f"no failure rules: every non-zero trainer exit restarts the whole run counted against maxRestarts="
+        f"{p.max_restarts}, so preemptions (exit 42) and evictions use that budget, exit 75 and crashes get no "
+        "per-process budget, and exits 2 and 3 are retried until it is used up; the jobset-pathways target "
+        "keeps the whole exit-code contract"
+    )
+
+
+def render_pathwaysjob(p: DeployParams) -> Rendered:
+    """A PathwaysJob (https://github.com/google/pathways-job, API pathways-job.pathways.domain/v1): the
+    GKE-documented way to run Pathways training. Its controller (v0.1.4, internal/controller/
+    pathwaysjob_controller.go) builds the JobSet from these fields:
+
+    - maxRestarts: the JobSet's failurePolicy.maxRestarts, with no rules;
+    - workers[0]: one worker Job per slice on nodes of that machine type and topology; its backoffLimit is
+      hosts per slice x maxSliceRestarts when elasticSlices > 0, else hosts x 4;
+    - controller.elasticSlices: the proxy's --num_elastic_slices;
+    - controller.template: the head pod; the controller copies its spec, sets hostNetwork, adds the resource
+      manager and the proxy as native sidecars (fixed resources: 16 CPUs and 100 GB for the proxy) and appends
+      JAX_PLATFORMS=proxy and JAX_BACKEND_TARGET to the env of the container named mainContainerName. The head
+      Job gets backoffLimit 0 and no podFailurePolicy, so the trainer's exit-code contract cannot be expressed:
+      every non-zero exit fails the head Job and restarts the JobSet, counted (`pathwaysjob_contract_warning`).
+    """
+    argv, warnings, stop = _prepare(p, single_controller=True, check=p.check_pathways)
+    tpu = p.tpu
+    warnings.append(pathwaysjob_contract_warning(p))
+    defaults = {f.name: f.default for f in dataclasses.fields(DeployParams)}
+    if (p.proxy_memory, p.proxy_cpu) != (defaults["proxy_memory"], defaults["proxy_cpu"]):
+        warnings.append(
+            f"--proxy-memory={p.proxy_memory} / --proxy-cpu={p.proxy_cpu} are not applied: the PathwaysJob "
+            "controller fixes the proxy at 16 CPUs and 100 GB; use the jobset-pathways target to change them"
+        )
+    if not p.num_elastic_slices and p.max_slice_restarts != PATHWAYSJOB_INELASTIC_SLICE_RESTARTS:
+        warnings.append(
+            f"--max-slice-restarts={p.max_slice_restarts} is not applied without elasticity: the PathwaysJob "
+            f"controller sets the worker backoffLimit to hosts x {PATHWAYSJOB_INELASTIC_SLICE_RESTARTS} "
+            "unless elasticSlices > 0"
+        )
+    grace = grace_seconds(stop)
+    worker = {
+        "type": tpu.machine_type,
+        "topology": tpu.topology,
+        "numSlices": p.slices,
+        "maxSliceRestarts": p.max_slice_restarts,
+    }
+    trainer = {
+        "name": TRAINER_CONTAINER,
+        "image": p.image,
+        "imagePullPolicy": "Always",
+        "command": list(argv),
+        # The controller appends JAX_PLATFORMS=proxy, XCLOUD_ENVIRONMENT and JAX_BACKEND_TARGET (the proxy).
+        "env": env_list(pathways_trainer_env(p)) + job_identity_env(),
+    }
+    controller: dict = {"deploymentMode": "default", "mainContainerName": TRAINER_CONTAINER}
+    if p.num_elastic_slices:
+        controller["elasticSlices"] = p.num_elastic_slices
+    controller["template"] = {
+        "spec": {
+            # Without it JobSet's webhook defaults the head pod to OnFailure; Never replaces the pod instead.
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": grace,
+            "serviceAccountName": p.service_account,
+            "nodeSelector": {"cloud.google.com/gke-nodepool": p.head_nodepool},
+            "containers": [trainer],
+        }
+    }
+    spec: dict = {
+        "maxRestarts": p.max_restarts,
+        "pathwaysDir": p.scratch,
+        "pathwaysVersion": p.pathways_version,
+        "workers": [worker],
+        "controller": controller,
+    }
+    custom = [("pathways_server", p.server_image), ("worker", p.server_image), ("proxy_server", p.proxy_image)]
+    if any(image for _, image in custom):
+        spec["customComponents"] = [{"componentType": kind, "image": image} for kind, image in custom if image]
+    manifest = {
+        "apiVersion": PATHWAYSJOB_API,
+        "kind": "PathwaysJob",
+        "metadata": _metadata(p),
+        "spec": spec,
+    }
+    backoff = tpu.hosts * (p.max_slice_restarts if p.num_elastic_slices else PATHWAYSJOB_INELASTIC_SLICE_RESTARTS)
+    header = [
+        *_header("pathwaysjob", p),
+        "#",
+        f"# Pathways on GKE as a PathwaysJob ({PATHWAYSJOB_API}, https://github.com/google/pathways-job):",
+        "# its controller builds the JobSet: a pathways-head pod (the trainer container below, next to the",
+        "# Pathways resource manager and proxy the controller adds) and one worker Job per TPU slice.",
+        f"#   kubectl apply --server-side -f {PATHWAYSJOB_INSTALL}   # once per cluster",
+        "#   kubectl apply -f THIS_FILE",
+        f"#   {head_logs_command(p)}",
+        f"# Needs the PathwaysJob controller (checked against {PATHWAYSJOB_RELEASE}) and the JobSet controller.",
+        "#",
+        "# What the controller makes of it:",
+        f"#   workers: {p.slices} worker Job(s) of {tpu.hosts} {tpu.machine_type} host(s), topology "
+        f"{tpu.topology}; backoffLimit {backoff}",
+        "#            (hosts x maxSliceRestarts with elasticSlices > 0, else hosts x 4): a slice's pods restart",
+        "#            in place before the failure escalates to a JobSet restart.",
+        "#   elasticSlices: the proxy's --num_elastic_slices"
+        f" ({p.num_elastic_slices or 'absent: elasticity off'}).",
+        "#   controller.template: the head pod, with the resource manager and the proxy as native sidecars and",
+        "#            JAX_PLATFORMS=proxy and JAX_BACKEND_TARGET appended to the `trainer` container's env; its",
+        f"#            terminationGracePeriodSeconds is the trainer's stop_timeout_seconds={stop:g} plus"
+        f" {STOP_MARGIN_SECONDS} s.",
+        "#   maxRestarts: the JobSet's failurePolicy.maxRestarts, with no rules.",
+        "#",
+        "# The trainer's exit-code contract (trainer/errors.py) is NOT fully kept: the controller gives the head",
+        "# Job backoffLimit 0 and no podFailurePolicy, so every non-zero exit fails it and restarts the JobSet:",
+        "#   code                  PathwaysJob                           the contract              gap",
+        "#   0                     the head Job succeeds; successPolicy  the run completes         -",
+        "#                         (All, pathways-head) completes it",
+        "#   42, an evicted pod    JobSet restart, counted               pod restart, no budget    counted",
+        "#   75, 137, 134, 139,    JobSet restart, counted               pod restart, generous     whole JobSet,",
+        "#   143                                                         counted budget            small budget",
+        "#   1                     JobSet restart, counted               JobSet restart, counted   -",
+        "#   2, 3                  JobSet restart, counted, until        JobSet fails at once      retried",
+        f"#                         maxRestarts={p.max_restarts} is used up",
+        "# For the whole contract, deploy the same run with the jobset-pathways target.",
+        "# The proxy's resources are the controller's (16 CPUs, 100 GB): --proxy-memory and --proxy-cpu do not",
+        "# apply.",
+    ]
+    return Rendered(
+        "pathwaysjob", f"{p.job_name}.pathwaysjob.yaml", manifest_text(header, manifest), argv, warnings, manifest
+    )
 
 
 def render_xpk(p: DeployParams) -> Rendered:
@@ -778,46 +1095,93 @@ def render_xpk(p: DeployParams) -> Rendered:
     return Rendered("xpk", f"{p.job_name}.xpk.sh", text, argv, warnings)
 
 
+# The slice pods' prelude: derive this pod's process id, then exec the trainer (the container's args).
+# JOB_COMPLETION_INDEX is set by Kubernetes for Indexed Jobs; a process's slice is
+# JAX_PROCESS_ID / NODES_PER_SLICE.
+GPU_PRELUDE = "\n".join(
+    [
+        "set -euo pipefail",
+        "export JAX_PROCESS_ID=$(( JOB_INDEX * NODES_PER_SLICE + JOB_COMPLETION_INDEX ))",
+        'echo "JAX process ${JAX_PROCESS_ID}/${JAX_NUM_PROCESSES} (slice ${JOB_INDEX}), coordinator '
+        '${JAX_COORDINATOR_ADDRESS}" >&2',
+        'exec "$@"',
+        "",
+    ]
+)
+
+
 def render_jobset_gpu(p: DeployParams) -> Rendered:
     argv, warnings, stop = _prepare(p, single_controller=False, check=p.check_multiprocess)
     coordinator = f"{p.job_name}-slice-0-0.{p.job_name}:{p.coordinator_port}"
     env = [("JAX_COORDINATOR_ADDRESS", coordinator)] + multiprocess_env(p)
-    if p.platform == "gpu":
-        placement = [
-            "nodeSelector:",
-            f"  cloud.google.com/gke-accelerator: {y(p.gpu_accelerator)}",
-            "tolerations:",
-            "  - key: nvidia.com/gpu",
-            "    operator: Exists",
-            "    effect: NoSchedule",
-        ]
-        resources = ["resources:", "  limits:", f"    nvidia.com/gpu: {y(str(p.gpus_per_node))}"]
-    else:
-        placement, resources = [], []
-    values = {
-        "header": _header("jobset-gpu", p),
-        "platform": p.platform,
-        "name": p.job_name,
-        "namespace": y(p.namespace),
-        "labels": _labels(p),
-        "max_restarts": str(p.max_restarts),
-        "max_task_restarts": str(p.max_task_restarts),
-        "failure_policy": jobset_failure_policy(p, "slice"),
-        "slice_job_policy": trainer_job_policy(p, p.nodes_per_slice),
-        "grace_seconds": str(grace_seconds(stop)),
-        "stop_timeout": f"{stop:g}",
-        "slices": str(p.slices),
-        "nodes_per_slice": str(p.nodes_per_slice),
-        "service_account": y(p.service_account),
-        "pod_placement": placement,
-        "image": y(p.image),
-        "trainer_args": y_list(argv),
-        "trainer_env": y_env(env) + job_identity_env(),
-        "coordinator_port": str(p.coordinator_port),
-        "container_resources": resources,
+    trainer: dict = {
+        "name": TRAINER_CONTAINER,
+        "image": p.image,
+        "imagePullPolicy": "Always",
+        "command": ["bash", "-c", GPU_PRELUDE, "bash"],
+        "args": list(argv),
+        "env": [field_env("JOB_INDEX", "metadata.labels['jobset.sigs.k8s.io/job-index']")]
+        + env_list(env)
+        + job_identity_env(),
+        "ports": [{"containerPort": p.coordinator_port, "protocol": "TCP"}],
     }
-    text = fill(load_template("jobset_gpu.yaml.tmpl"), values)
-    return Rendered("jobset-gpu", f"{p.job_name}.{p.platform}.yaml", text, argv, warnings)
+    pod: dict = {
+        "restartPolicy": "Never",  # the Job replaces the pod; the podFailurePolicy needs it
+        "serviceAccountName": p.service_account,
+        "terminationGracePeriodSeconds": grace_seconds(stop),
+    }
+    if p.platform == "gpu":
+        pod["nodeSelector"] = {"cloud.google.com/gke-accelerator": p.gpu_accelerator}
+        pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        trainer["resources"] = {"limits": {"nvidia.com/gpu": str(p.gpus_per_node)}}
+    pod["containers"] = [trainer]
+    manifest = {
+        "apiVersion": JOBSET_API,
+        "kind": "JobSet",
+        "metadata": _metadata(p),
+        "spec": {
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+            "failurePolicy": jobset_failure_policy(p, "slice"),
+            # No successPolicy: the JobSet completes when every slice Job has.
+            "replicatedJobs": [
+                {
+                    "name": "slice",
+                    "replicas": p.slices,
+                    "template": {"spec": {**trainer_job_policy(p, p.nodes_per_slice), "template": {"spec": pod}}},
+                }
+            ],
+        },
+    }
+    header = [
+        *_header("jobset-gpu", p),
+        "#",
+        f"# Multi-process JAX on GKE ({p.platform}): {p.slices} slice Job(s) x {p.nodes_per_slice} pod(s), one JAX"
+        " process per",
+        "# pod, process id = slice index x nodes_per_slice + pod index; process 0 hosts the coordination service.",
+        "#   kubectl apply -f THIS_FILE",
+        "# Needs Kubernetes >= 1.29 (backoffLimitPerIndex, maxFailedIndexes and the FailIndex action: beta and on",
+        "# by default in 1.29, GA in 1.33; podFailurePolicy: on by default since 1.26, GA in 1.31) and the JobSet",
+        "# controller >= v0.6.0 (failurePolicy.rules).",
+        "#",
+        "# Fault tolerance: JAX_ENABLE_RECOVERABILITY=true (read by JAX at import, i.e. before",
+        "# jax.distributed.initialize) keeps survivors alive when a peer dies; the Job replaces the dead pod",
+        "# with the same process id, which rejoins. Losing process 0 ends every process; the Jobs then",
+        "# replace all pods and the trainer resumes from its last checkpoint. With a podFailurePolicy a",
+        "# replacement pod is created only once the old one has terminated, so no process id runs twice.",
+        "#",
+        "# The trainer's exit code (trainer/errors.py; every process exits with the same code for the same cause)",
+        "# and what this manifest makes of it:",
+        "#   0         every pod succeeds, every slice Job completes, and so does the JobSet (no successPolicy)",
+        *_jobset_contract(p, "pod", " per process"),
+        f"# The trainer stops within stop_timeout_seconds={stop:g} of a SIGTERM; each pod's",
+        f"# terminationGracePeriodSeconds is that plus {STOP_MARGIN_SECONDS} s, for a saved checkpoint and exit 42"
+        " before SIGKILL.",
+        "# The container's command is a bash prelude that derives the pod's JAX process id, then execs the",
+        "# trainer (args).",
+    ]
+    return Rendered(
+        "jobset-gpu", f"{p.job_name}.{p.platform}.yaml", manifest_text(header, manifest), argv, warnings, manifest
+    )
 
 
 def pyxis_image(image: str) -> str:
@@ -864,6 +1228,7 @@ def render_slurm(p: DeployParams) -> Rendered:
 RENDERERS: dict[str, Callable[[DeployParams], Rendered]] = {
     "xpk": render_xpk,
     "jobset-pathways": render_jobset_pathways,
+    "pathwaysjob": render_pathwaysjob,
     "jobset-gpu": render_jobset_gpu,
     "slurm": render_slurm,
 }
@@ -887,7 +1252,13 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Keys after `--` are extra trainer overrides, e.g. -- steps=5000 "
         "dataset_type=arrayrecord grain_train_files='gs://b/data/*.arrayrecord'",
     )
-    ap.add_argument("target", choices=[*RENDERERS, "all"])
+    ap.add_argument(
+        "target",
+        choices=[*RENDERERS, "all"],
+        help="xpk (submit script), jobset-pathways (JobSet: the whole exit-code contract), pathwaysjob "
+        "(PathwaysJob for its controller: every non-zero exit restarts the run, counted), jobset-gpu, slurm, "
+        "or all of them (-o DIRECTORY)",
+    )
     ap.add_argument("-o", "--output", default="-", help="file to write (default stdout); a directory for `all`")
     run = ap.add_argument_group("the run (all targets)")
     run.add_argument("--slices", type=int, required=True, help="slices (TPU slices; GPU/CPU: groups of nodes)")
@@ -900,21 +1271,22 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--config", default=d["config"], help="trainer config file or name in configs/")
     run.add_argument("--name", default=d["name"], help="job/workload name (default: from --run-name)")
     run.add_argument("--namespace", default=d["namespace"])
-    run.add_argument("--queue", default=d["queue"], help="Kueue LocalQueue name (JobSet targets)")
+    run.add_argument("--queue", default=d["queue"], help="Kueue LocalQueue name (Kubernetes targets)")
     run.add_argument("--service-account", default=d["service_account"])
     run.add_argument(
         "--max-restarts",
         type=int,
         default=d["max_restarts"],
         help="whole-run restarts after exit 1 (a bug) or a used-up --max-task-restarts: JobSet "
-        "failurePolicy.maxRestarts, Slurm MAX_RESTARTS; under xpk every non-zero exit uses one",
+        "failurePolicy.maxRestarts, PathwaysJob maxRestarts, Slurm MAX_RESTARTS; under xpk and pathwaysjob "
+        "every non-zero exit uses one",
     )
     run.add_argument(
         "--max-task-restarts",
         type=int,
         default=d["max_task_restarts"],
         help="restarts of one trainer process after exit 75 or a crash: JobSet backoffLimitPerIndex, "
-        "Slurm MAX_TASK_RESTARTS (in place)",
+        "Slurm MAX_TASK_RESTARTS (in place); xpk and pathwaysjob cannot express it",
     )
     run.add_argument(
         "--compile-cache",
@@ -932,7 +1304,7 @@ def _parser() -> argparse.ArgumentParser:
     el.add_argument("--elastic-timeout", type=float, default=d["elastic_timeout_seconds"])
     el.add_argument("--elastic-max-retries", type=int, default=d["elastic_max_retries"])
     el.add_argument("--checkpoint-period", type=int, default=d["checkpoint_period"])
-    pw = ap.add_argument_group("Pathways on GKE (xpk, jobset-pathways)")
+    pw = ap.add_argument_group("Pathways on GKE (xpk, jobset-pathways, pathwaysjob)")
     pw.add_argument("--tpu-type", default=d["tpu_type"], help=f"one of {', '.join(sorted(TPU_TYPES))}")
     pw.add_argument(
         "--elastic-slices",
@@ -945,7 +1317,8 @@ def _parser() -> argparse.ArgumentParser:
         "--max-slice-restarts",
         type=int,
         default=d["max_slice_restarts"],
-        help="in-place restarts per slice: worker backoffLimit = hosts per slice x this",
+        help="in-place restarts per slice: worker backoffLimit = hosts per slice x this (xpk and pathwaysjob: "
+        "with elasticity only)",
     )
     pw.add_argument(
         "--pathways-gcs-location",
@@ -953,10 +1326,16 @@ def _parser() -> argparse.ArgumentParser:
         help="Pathways scratch (default <output-dir>/pathways)",
     )
     pw.add_argument("--pathways-version", default=d["pathways_version"], help="tag of the Pathways images")
+    pw.add_argument(
+        "--trainer-jax",
+        default=d["trainer_jax"],
+        help="JAX version in the trainer image, checked against a Pathways image tag that names one "
+        "(default: the pin of the Dockerfile's default TPU build, constraints/tpu-py3.11.txt)",
+    )
     pw.add_argument("--server-image", default=d["server_image"])
     pw.add_argument("--proxy-image", default=d["proxy_image"])
-    pw.add_argument("--proxy-memory", default=d["proxy_memory"])
-    pw.add_argument("--proxy-cpu", default=d["proxy_cpu"])
+    pw.add_argument("--proxy-memory", default=d["proxy_memory"], help="proxy memory limit (jobset-pathways)")
+    pw.add_argument("--proxy-cpu", default=d["proxy_cpu"], help="proxy CPU limit (jobset-pathways)")
     pw.add_argument("--head-nodepool", default=d["head_nodepool"], help="CPU node pool of the head pod")
     mp = ap.add_argument_group("multi-process JAX (jobset-gpu, slurm)")
     mp.add_argument("--platform", choices=("gpu", "cpu"), default=d["platform"])
@@ -1011,6 +1390,7 @@ def params_from_args(ns: argparse.Namespace, overrides: Sequence[str]) -> Deploy
         max_slice_restarts=ns.max_slice_restarts,
         pathways_gcs_location=ns.pathways_gcs_location,
         pathways_version=ns.pathways_version,
+        trainer_jax=ns.trainer_jax,
         server_image=ns.server_image,
         proxy_image=ns.proxy_image,
         proxy_memory=ns.proxy_memory,

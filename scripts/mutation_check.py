@@ -294,6 +294,24 @@ BREAKAGES: tuple[Breakage, ...] = (
         ),
         why="a process's error scheduled for a process the job does not have (or a one-process run) never fires",
     ),
+    Breakage(
+        name="validation-skips-fault-schedule",
+        file="trainer/config/validate.py",
+        old="        _ = cfg.faults  # fault_schedule parsed",
+        new="        _ = None  # fault_schedule parsed",
+        tests=(
+            "tests/test_failure_kinds.py::test_the_schedule_is_parsed_once_at_validation_and_the_config_carries_the_plan",
+        ),
+        why="a bad fault_schedule entry passes validation and stops the run only after start-up work",
+    ),
+    Breakage(
+        name="start-up-version-check-skipped",
+        file="trainer/train.py",
+        old="        check_versions()  # a JAX or Orbax outside",
+        new="        pass  # a JAX or Orbax outside",
+        tests=("tests/test_versions.py::test_the_cli_refuses_a_jax_outside_the_window_with_exit_2",),
+        why="a JAX outside the versions the patched internals were checked against runs, and may break recovery",
+    ),
 )
 
 

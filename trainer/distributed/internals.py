@@ -40,6 +40,9 @@ import re
 import sys
 from collections.abc import Mapping
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
 from trainer.errors import UserInputError
 
 GLOO_RENDEZVOUS_DIR = "cpu:gloo"  # gloo's rendezvous keys: cpu:gloo/<device ids>/<rank>
@@ -161,7 +164,6 @@ def orbax_array_metadata_store():
 # Versions: the window the internals above were checked in, [low, high) per distribution.
 # ---------------------------------------------------------------------------------------------------
 CHECKED_VERSIONS = {"jax": ("0.7.0", "0.14"), "orbax-checkpoint": ("0.12.3", "0.14")}
-_POST_RELEASE = re.compile(r"([-_.]?(post|rev|r)[-_.]?\d*)?")
 _PATHWAYS_JAX_TAG = re.compile(r"jax-(\d+(?:\.\d+)+)(?![\d.])")
 
 
@@ -170,23 +172,10 @@ class VersionError(UserInputError):
     for another JAX than the client's."""
 
 
-def release(version: str) -> tuple[tuple[int, ...], bool]:
-    """(release numbers, final?) of a version: "0.12.0.1" -> ((0, 12, 0, 1), True). A pre-release or
-    development version ("0.7.0rc1", "0.10.3.dev20250101") is not final; a local label ("+cuda") is ignored."""
-    m = re.fullmatch(r"v?(\d+(?:\.\d+)*)(.*)", version.strip())
-    if m is None:
-        raise ValueError(f"not a version: {version!r}")
-    suffix = m.group(2).partition("+")[0].lower()
-    return tuple(int(p) for p in m.group(1).split(".")), _POST_RELEASE.fullmatch(suffix) is not None
-
-
 def in_window(version: str, low: str, high: str) -> bool:
-    """`low <= version < high` as pip reads `>=low,<high`: a pre-release of `low` is below it, and so is a
-    pre-release of `high` (pip never picks one for `<high`)."""
-    (found, final), (lo, _), (hi, _) = release(version), release(low), release(high)
-    n = max(len(found), len(lo), len(hi))
-    found, lo, hi = (t + (0,) * (n - len(t)) for t in (found, lo, hi))
-    return (found, final) >= (lo, True) and found < hi
+    """`low <= version < high` as pip reads `>=low,<high` (PEP 440): a pre-release of `low` is below it, and
+    `<high` excludes pre-releases of `high`; a local label ("+cuda") is ignored."""
+    return SpecifierSet(f">={low},<{high}").contains(Version(version), prereleases=True)
 
 
 def installed_versions(names=tuple(CHECKED_VERSIONS)) -> dict[str, str | None]:
@@ -227,7 +216,7 @@ def check_versions(found: Mapping[str, str | None] | None = None, *, fix: str | 
             continue
         try:
             inside = in_window(version, low, high)
-        except ValueError:
+        except InvalidVersion:
             inside = False
         if not inside:
             problems.append(f"{name} {version} is outside the supported window {window}")
@@ -259,7 +248,7 @@ def check_pathways_image(image: str, jax_version: str) -> str | None:
     server = pathways_image_jax(image)
     if server is None:
         return None
-    server_release, client_release = ((release(v)[0] + (0, 0))[:3] for v in (server, jax_version))
+    server_release, client_release = ((Version(v).release + (0, 0))[:3] for v in (server, jax_version))
     if server_release != client_release:
         client = ".".join(str(p) for p in client_release)
         raise VersionError(

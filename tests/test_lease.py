@@ -54,19 +54,77 @@ def test_a_released_lease_is_taken_at_once_and_the_event_says_from_whom(tmp_path
     assert not first.still_ours()
 
 
+class Sleeps:
+    """An injected sleep that moves the fake clock (and may let the holder beat meanwhile)."""
+
+    def __init__(self, clock: Clock, meanwhile=lambda: None):
+        self.clock, self.meanwhile, self.slept = clock, meanwhile, []
+
+    def __call__(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.clock.now += seconds
+        self.meanwhile()
+
+
 def test_a_restart_of_the_same_job_takes_it_at_once_a_stale_one_after_the_bound(tmp_path):
     clock = Clock()
     RunLease(tmp_path, stale_s=60, owner=_owner("jobset:ns/a", pid=1), clock=clock).acquire()
     restarted = RunLease(tmp_path, stale_s=60, owner=_owner("jobset:ns/a", pid=2), clock=clock)
     assert restarted.acquire()["taken_over"] == "same_job"
 
-    other = RunLease(tmp_path, stale_s=60, owner=_owner("jobset:ns/b", host="host-b"), clock=clock)
-    clock.now += 59
-    with pytest.raises(LeaseHeld):
-        other.acquire()
-    clock.now += 2  # the holder's heartbeat is now 61 s old
+    sleeps = Sleeps(clock)
+    other = RunLease(tmp_path, stale_s=60, owner=_owner("jobset:ns/b", host="host-b"), clock=clock, sleep=sleeps)
+    clock.now += 61  # the holder's heartbeat is now 61 s old
     taken = other.acquire()
     assert taken["generation"] == 3 and taken["taken_over"].startswith("stale_")
+    assert sleeps.slept == [], "a stale holder is taken over at once"
+
+
+def test_a_holder_on_another_host_that_stopped_beating_is_waited_out_then_taken_over(tmp_path):
+    """A holder killed -9 (or whose node was lost) on another host: its heartbeat stops. The next job
+    waits until the heartbeat is stale instead of exiting 2, then takes the run over."""
+    clock = Clock()
+    RunLease(tmp_path, stale_s=60, owner=_owner("jobset:ns/a", host="host-a"), clock=clock).acquire()
+    clock.now += 31  # silent for more than 3 heartbeat intervals (10 s each at stale_s=60)
+
+    sleeps = Sleeps(clock)
+    taker = RunLease(tmp_path, stale_s=60, owner=_owner("jobset:ns/b", host="host-b"), clock=clock, sleep=sleeps)
+    taken = taker.acquire()
+    assert taken["generation"] == 2 and taken["taken_over"].startswith("stale_")
+    assert 29 <= sum(sleeps.slept) <= 29 + 10, "waited until the heartbeat was stale, not longer"
+    assert max(sleeps.slept) <= 10, "re-read at least every heartbeat interval"
+    assert taker.still_ours()
+
+
+def test_a_holder_that_beats_again_while_waited_on_is_live_and_the_start_is_refused(tmp_path):
+    """Its heartbeats look 40 s old from here (its clock runs 40 s behind this host's), older than 3 missed
+    beats, but it renews: a new heartbeat while it is waited on makes it live."""
+    clock = Clock()
+    behind = Clock(clock.now - 40)
+    holder = RunLease(tmp_path, stale_s=60, owner=_owner("jobset:ns/a", host="host-a"), clock=behind)
+    holder.acquire()
+
+    def holder_beats():
+        behind.now = clock.now - 40
+        holder.renew()
+        assert len(sleeps.slept) < 20, "still waiting on a holder that keeps beating"
+
+    sleeps = Sleeps(clock, meanwhile=holder_beats)
+    other = RunLease(tmp_path, stale_s=60, owner=_owner("jobset:ns/b", host="host-b"), clock=clock, sleep=sleeps)
+    with pytest.raises(LeaseHeld, match="in use by job jobset:ns/a"):
+        other.acquire()
+    assert len(sleeps.slept) == 1 and holder.still_ours()
+
+
+def test_a_holder_beating_on_time_is_refused_without_waiting(tmp_path):
+    clock = Clock()
+    RunLease(tmp_path, stale_s=60, owner=_owner("jobset:ns/a", host="host-a"), clock=clock).acquire()
+    clock.now += 20  # within 3 heartbeat intervals: live
+    sleeps = Sleeps(clock)
+    other = RunLease(tmp_path, stale_s=60, owner=_owner("jobset:ns/b", host="host-b"), clock=clock, sleep=sleeps)
+    with pytest.raises(LeaseHeld):
+        other.acquire()
+    assert sleeps.slept == []
 
 
 def test_a_dead_process_of_this_host_is_taken_over_at_once(tmp_path):

@@ -209,6 +209,110 @@ def test_wandb_gets_the_tensorboard_scalars_and_events_and_a_restart_continues_t
     assert not [r for r in history(second) if "events/slice_down_detected" in r], "the first process logged it"
 
 
+# ---- W&B away: the run trains on ----------------------------------------------------------------
+
+# A W&B server that cannot be reached (a closed local port) with a well-formed API key: what a network
+# blip or an outage of the service looks like to the client. W&B gives up after WANDB_INIT_TIMEOUT.
+UNREACHABLE_WANDB = {
+    "WANDB_MODE": "online",
+    "WANDB_BASE_URL": "http://127.0.0.1:1",
+    "WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567",
+    "WANDB_INIT_TIMEOUT": "5",
+    "WANDB_SILENT": "true",
+}
+
+
+@pytest.fixture
+def fresh_wandb():
+    """W&B keeps process-wide state (its settings, the login) from the first `wandb.init` on: start and
+    end each test that sets its environment without it."""
+    wandb = pytest.importorskip("wandb")
+    wandb.teardown()
+    yield wandb
+    wandb.teardown()
+
+
+def test_a_wandb_service_that_cannot_be_reached_is_a_warning_and_the_sink_logs_nothing(
+    tmp_path, monkeypatch, caplog, fresh_wandb
+):
+    from trainer.observe.wandb_sink import WandbSink
+
+    for k, v in UNREACHABLE_WANDB.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login of the machine's user
+    log = EventLog(tmp_path / "events.jsonl")
+    sink = WandbSink(tmp_path, log, project="p", name="away", config={})
+    sink.write({"step": 1, "loss": 4.0})
+    sink.close()
+    log.close()
+    (away,) = [e for e in events(tmp_path) if e["event"] == "wandb_unavailable"]
+    assert away["during"] == "start" and away["error"].startswith("CommError") and away["project"] == "p"
+    assert not [e for e in events(tmp_path) if e["event"] in ("wandb_run", "wandb_run_closed")]
+    assert "event=wandb_unavailable during=start" in caplog.text
+
+
+def test_wandb_refusing_the_users_login_stops_the_start_naming_the_fix(tmp_path, monkeypatch, fresh_wandb):
+    from trainer.errors import UserInputError
+    from trainer.observe.wandb_sink import WandbSink
+
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))  # no terminal to ask for a key at
+    log = EventLog(tmp_path / "events.jsonl")
+    with pytest.raises(
+        UserInputError, match=r"W&B refused to start \(UsageError.*wandb login.*enable_wandb=false"
+    ):
+        WandbSink(tmp_path, log, project="p", name="nokey", config={})
+    log.close()
+
+
+def test_a_wandb_log_that_fails_mid_run_is_one_warning_and_the_rest_is_not_sent(
+    tmp_path, monkeypatch, fresh_wandb
+):
+    wandb = fresh_wandb
+    from trainer.observe.wandb_sink import WandbSink
+
+    class FailingRun:
+        logged: list = []
+
+        def define_metric(self, *a, **k):
+            pass
+
+        def log(self, row):
+            self.logged.append(row)
+            raise wandb.errors.CommError("connection reset by peer")
+
+        def finish(self):
+            raise AssertionError("a sink that gave up does not finish the run")
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: FailingRun())
+    log = EventLog(tmp_path / "events.jsonl")
+    sink = WandbSink(tmp_path, log, project="p", name="blip", config={})
+    sink.write({"step": 1, "loss": 4.0})
+    sink.write({"step": 2, "loss": 3.0})
+    sink.close()
+    log.close()
+    assert len(FailingRun.logged) == 1, "nothing more is sent after the first failure"
+    (away,) = [e for e in events(tmp_path) if e["event"] == "wandb_unavailable"]
+    assert away["during"] == "log" and away["step"] == 1 and "connection reset" in away["error"]
+
+
+@pytest.mark.slow
+def test_a_run_whose_wandb_service_cannot_be_reached_trains_and_warns(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for k, v in UNREACHABLE_WANDB.items():  # the CLI's environment is a copy of this one
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    proc = run_cli(tmp_path, "w", "steps=4", "enable_wandb=true", "wandb_project=away", devices=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "STATUS: finished step=4" in proc.stdout
+    assert "event=wandb_unavailable during=start" in proc.stderr
+    evs = events(tmp_path / "w")
+    assert [e["event"] for e in evs].count("wandb_unavailable") == 1
+    assert evs[-1]["event"] == "finish" and evs[-1]["exit_code"] == 0
+
+
 # ---- the real CLI: an injected slow step, in events.jsonl, W&B and the report -------------------
 
 

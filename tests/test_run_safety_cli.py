@@ -3,7 +3,9 @@
 - A transient storage error while restoring changes nothing; a step whose own files are damaged is set
   aside naming the failed check, and the previous step restores; a run directory with steps but none
   resumable never starts over.
-- Two jobs on one run directory: the second exits 2 naming the first, which ends as a solo run would.
+- Two jobs on one run directory: the second exits 2 naming the first, which ends as a solo run would; a
+  holder killed on another host is waited out until its heartbeat is stale, then the run trains.
+- Storage that cannot be reached at the start is transient: exit 75 (restart me), never 2.
 - A load path is checked whatever the run holds, and one the resumed run does not use is said.
 - Step directories this trainer did not write are never removed.
 
@@ -164,3 +166,39 @@ def test_a_second_job_on_the_same_run_directory_exits_2_naming_the_first_which_e
     assert_same_data_order(tmp_path / "shared", tmp_path / "solo", 40)
     assert_same_params(tmp_path / "shared", tmp_path / "solo")
     assert [e["pid"] for e in events(tmp_path / "shared") if e["event"] == "start"] == [first.pid]
+
+
+def test_a_holder_killed_on_another_host_is_waited_out_and_the_run_trains_without_exit_2(tmp_path):
+    from trainer.checkpoint.lease import Owner, RunLease
+
+    run = tmp_path / "orphan"
+    # What a holder killed -9 on another host leaves behind: its generation, never released, its heartbeat
+    # stopped 31 s ago (at run_lease_stale_seconds=40 a holder beats every 10 s: it has missed 3 beats).
+    killed = Owner(host="node-b", pid=4242, job="jobset:ml/earlier", boot="other-boot", started="1")
+    heartbeat = time.time() - 31
+    RunLease(run, stale_s=40, owner=killed, clock=lambda: heartbeat).acquire()
+
+    proc = run_cli(tmp_path, "orphan", "steps=3", "num_slices=1", "run_lease_stale_seconds=40", devices=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "event=lease_wait" in proc.stderr and "job_jobset:ml/earlier_on_host_node-b" in proc.stderr
+    (taken,) = [e for e in events(run) if e["event"] == "lease_acquired"]
+    assert taken["taken_over"].startswith("stale_") and "node-b" in taken["previous_owner"]
+    assert taken["time"] - heartbeat > 40, "taken over once the heartbeat was stale, not before"
+
+
+def test_a_job_whose_storage_cannot_be_reached_at_the_start_exits_75_not_2(tmp_path):
+    """gs:// run directory, the store's endpoint refusing connections (a closed local port): the storage
+    client retries, then the start ends as transient, so the scheduler restarts it."""
+    from gcs_server import GCSServer
+
+    away = "http://127.0.0.1:1"
+    env = {**cli_env(1), **GCSServer.env.fget(type("Away", (), {"url": away})()), "TENSORSTORE_GCS_HTTP_URL": away}
+    proc = subprocess.run(
+        command(tmp_path, "r", "steps=3", "num_slices=1", "base_output_directory=gs://bucket/runs"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    assert _status(proc).startswith("STATUS: transient: ClientConnectorError: Cannot connect to host 127.0.0.1:1")

@@ -11,6 +11,7 @@ rerun resumes from that step.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -173,6 +174,8 @@ def test_a_hung_step_exits_75_within_the_bound_and_the_same_command_resumes_bitw
     assert "in _hang" in open(detected["stacks"]).read()
     finish = [e for e in events(run_dir) if e["event"] == "finish"][-1]
     assert finish["exit_code"] == 75 and finish["status"] == "transient"
+    newest = max((run_dir / "lease").glob("*.json"), key=lambda p: int(p.stem))
+    assert json.loads(newest.read_text())["released"], "a hang exit releases the run's lease"
 
     second = run_cli(tmp_path, "hung", *hang, devices=1)  # the same command, as the scheduler reruns it
     assert second.returncode == 0, second.stderr[-3000:]
@@ -336,3 +339,31 @@ def test_a_process_frozen_past_the_bound_is_fenced_and_writes_nothing(tmp_path):
         assert frozen == [15.0]
     finally:
         watchdog.install(None)
+
+
+def test_a_watchdog_exit_releases_the_lease_first_and_a_hung_store_does_not_hold_the_exit():
+    import threading
+
+    from trainer.train import ReleaseThenExit
+
+    done = []
+
+    class Lease:
+        def release(self):
+            done.append("released")
+
+    exit_ = ReleaseThenExit(exit_process=lambda code: done.append(code))
+    exit_(42)  # before the lease is taken: nothing to release
+    exit_.lease = Lease()
+    exit_(75)
+    assert done == [42, "released", 75]
+
+    class HungStore:
+        def release(self):
+            threading.Event().wait(60)
+
+    stuck = ReleaseThenExit(exit_process=lambda code: done.append(code))
+    stuck.lease, stuck.RELEASE_BOUND_S = HungStore(), 0.2
+    started = time.monotonic()
+    stuck(75)
+    assert done[-1] == 75 and time.monotonic() - started < 30  # a hang guard, not a speed claim

@@ -21,14 +21,21 @@ code, and `tests/test_manifest_semantics.py` checks what Kubernetes and Slurm do
 
 `UserInputError` is the base of every error a user causes and can fix (a bad config key or value, bad
 data, a missing file, an existing output). `TransientError` is the base of failures that a restart of
-the same command can get past. `tool_main` is the one error path of the command-line tools: a user
-error prints `<prog>: error: <message>` and returns 2; anything else is a bug and keeps its traceback.
+the same command can get past, and so is any error whose chain holds a network or object-store failure
+(`transient_cause`: a refused or reset connection, a timeout, an HTTP 408/429/5xx from Cloud Storage, a
+`UNAVAILABLE` from tensorstore), after the storage clients' own bounded retries (gcsfs: 6 tries with
+backoff; tensorstore and google-cloud-storage likewise): reading a data shard or opening the run
+directory while the store is away exits 75, never 2. `tool_main` is the one error path of the
+command-line tools: a user error prints `<prog>: error: <message>` and returns 2; anything else is a
+bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import re
+import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -64,12 +71,61 @@ class GaveUp(RuntimeError):
     """Failures came faster than the run progressed: restarting the same command would not help."""
 
 
+# HTTP statuses a retry can get past: timeout, rate limit, server errors.
+_TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
+# absl status codes in tensorstore's (and gRPC's) messages that mean "try again".
+_TRANSIENT_STATUS = re.compile(r"\b(UNAVAILABLE|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED|ABORTED): ")
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """`error`, then its causes and contexts (those a `raise ... from None` hides too), each once."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+
+
+def _is_transient(e: BaseException) -> bool:
+    if isinstance(e, TransientError | ConnectionError | TimeoutError):
+        return True
+    if isinstance(e, socket.gaierror):
+        return e.errno == socket.EAI_AGAIN  # a name lookup that may work next time
+    # The storage clients' own errors, from the modules already loaded (none is imported for this).
+    for module, names in (
+        ("aiohttp", ("ClientConnectionError", "ClientPayloadError", "ServerTimeoutError")),
+        ("google.auth.exceptions", ("TransportError",)),
+        ("google.api_core.exceptions", ("ServerError", "TooManyRequests", "RequestTimeout")),
+        ("requests.exceptions", ("ConnectionError", "Timeout")),
+        ("urllib3.exceptions", ("ProtocolError", "TimeoutError")),
+    ):
+        mod = sys.modules.get(module)
+        types = tuple(t for n in names if isinstance(t := getattr(mod, n, None), type))
+        if types and isinstance(e, types):
+            return True
+    http = sys.modules.get("gcsfs.retry")
+    if http is not None and isinstance(e, getattr(http, "HttpError", ())):
+        return getattr(e, "code", None) in _TRANSIENT_HTTP
+    return type(e) is ValueError and bool(_TRANSIENT_STATUS.search(str(e)))  # tensorstore's status errors
+
+
+def transient_cause(error: BaseException) -> BaseException | None:
+    """The network or object-store failure in `error`'s chain that a restart can get past, if any."""
+    return next((e for e in _chain(error) if _is_transient(e)), None)
+
+
 def exit_code_for(error: BaseException) -> int:
     """The contract's code for an error that ends a run (an error may carry its own `exit_code`: a peer's
-    failure ends this process with the code of its cause)."""
+    failure ends this process with the code of its cause). An error caused by a network or object-store
+    failure is transient (75), whatever it was reported as (a data shard that could not be read)."""
     code = getattr(error, "exit_code", None)
     if isinstance(code, int):
         return code
+    if transient_cause(error) is not None:
+        return EXIT_TRANSIENT
     if isinstance(error, UserInputError):
         return EXIT_BAD_INPUT
     if isinstance(error, GaveUp):

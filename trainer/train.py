@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     deterministic_gpu_ops()  # bitwise replays on GPUs too; before anything starts a backend
     from trainer.config.loader import load_explained
     from trainer.distributed.internals import check_versions
-    from trainer.errors import UserInputError
+    from trainer.errors import UserInputError, transient_cause
 
     try:
         check_versions()  # a JAX or Orbax outside the window the internals were checked in: exit 2
@@ -88,11 +88,22 @@ def main(argv=None) -> int:
             return EXIT_OK
         paths, preflight = _prepare(cfg)
     except UserInputError as e:
-        status = _input_status(e)
-        print(f"{status.replace('_', ' ')}: {e}", file=sys.stderr)
-        _status(status)
-        return EXIT_BAD_INPUT
+        if transient_cause(e) is None:
+            status = _input_status(e)
+            print(f"{status.replace('_', ' ')}: {e}", file=sys.stderr)
+            _status(status)
+            return EXIT_BAD_INPUT
+        return _ended_before_training(e)
+    except Exception as e:  # the store unreachable (75), or a bug (1): the contract's code and STATUS line
+        return _ended_before_training(e)
     return _train(cfg, paths, preflight, config_text)
+
+
+def _ended_before_training(error: Exception) -> int:
+    """A start-up that failed before the run directory was written: the error's code and STATUS line."""
+    code, _, line, _ = _failure(error, logging.getLogger("trainer.train"))
+    _status(line)
+    return code
 
 
 def _input_status(error) -> str:
@@ -136,7 +147,6 @@ def _prepare(cfg):
 
 def _train(cfg, paths, checked, config_text: str) -> int:
     from trainer.checkpoint.fence import SaveFence
-    from trainer.errors import UserInputError
     from trainer.hostmem import hugepages_requested
     from trainer.observe.events import EventLog
     from trainer.run import run
@@ -144,15 +154,16 @@ def _train(cfg, paths, checked, config_text: str) -> int:
     from trainer.runtime.preemption import Preempted, StopSignal
 
     log = logging.getLogger("trainer.train")
-    stop = StopSignal(cfg.train.stop_timeout_seconds)
+    exit_process = ReleaseThenExit()  # the watchdogs' exits (stop deadline, hang) release the lease first
+    stop = StopSignal(cfg.train.stop_timeout_seconds, exit_process=exit_process)
     stop.install()
     run_dir = paths.local
     try:  # before the first write: two jobs must never train one run directory
         lease, taken = _take_lease(cfg, paths)
-    except UserInputError as e:
-        print(f"input error: {e}", file=sys.stderr)
-        _status("input_error")
-        return EXIT_BAD_INPUT
+    except Exception as e:  # held by another job (2), the store unreachable (75)
+        stop.finished()
+        return _ended_before_training(e)
+    exit_process.lease = lease
     run_dir.mkdir(parents=True, exist_ok=True)
     paths.pull()
     (run_dir / "config.yml").write_text(config_text)
@@ -166,6 +177,7 @@ def _train(cfg, paths, checked, config_text: str) -> int:
         argv=sys.argv[1:],
         host_hugepages=hugepages_requested(),
     )
+    upload = _live_upload(paths, events)
     if taken is not None:
         events.emit(catalogue.LEASE_ACQUIRED, **taken)
     for given in checked.unused_load_paths:
@@ -173,10 +185,12 @@ def _train(cfg, paths, checked, config_text: str) -> int:
         events.emit(catalogue.LOAD_PATH_UNUSED, key=key, path=value, resume_step=checked.resume_step)
     if lease is not None:
         stop.add_check(lambda: _check_lease(lease))
-        stop.add_saver(lease.release)
         lease.start_heartbeat(on_lost=lambda: log.error("the run's lease was taken over by another job"))
     watchdog = _start_watchdog(
-        cfg, events, lambda hang: _exit_hung(hang, events=events, stop=stop, paths=paths), _exit_frozen
+        cfg,
+        events,
+        lambda hang: _exit_hung(hang, events=events, stop=stop, paths=paths, exit_process=exit_process),
+        _exit_frozen,
     )
     try:
         outcome = run(cfg, paths=paths, events=events, stop_requested=stop, fence=SaveFence(lease), stop=stop)
@@ -210,12 +224,26 @@ def _train(cfg, paths, checked, config_text: str) -> int:
     _emit_goodput(events, run_dir)
     events.emit(catalogue.FINISH, status=status, exit_code=code, **fields)
     events.close()
+    if upload is not None:
+        upload.stop()
     paths.sync()
     if lease is not None:
         lease.release()
     stop.finished()
     _status(line)
     return code
+
+
+def _live_upload(paths, events):
+    """For a run directory on a bucket: its files sent every LIVE_SYNC_SECONDS and after each committed
+    checkpoint (trainer.observe.live_upload); None for a local run."""
+    from trainer.observe.live_upload import LiveUpload
+
+    if paths.remote is None:
+        return None
+    upload = LiveUpload(paths.sync).start()
+    events.subscribe(upload.on_event)
+    return upload
 
 
 def _start_watchdog(cfg, events, on_hang, on_frozen):
@@ -245,6 +273,27 @@ def _start_watchdog(cfg, events, on_hang, on_frozen):
     return w.start()
 
 
+class ReleaseThenExit:
+    """How a watchdog thread ends the process (the stop deadline, a hang): release the run's lease (after
+    the emergency save, bounded: the store may be what hangs), then `exit_process(code)`. A frozen process
+    does not use it: it writes nothing, the lease included."""
+
+    RELEASE_BOUND_S = 3.0
+
+    def __init__(self, exit_process=os._exit):
+        self.lease = None
+        self.exit_process = exit_process
+
+    def __call__(self, code: int) -> None:
+        import threading
+
+        if self.lease is not None:
+            releasing = threading.Thread(target=self.lease.release, name="lease-release", daemon=True)
+            releasing.start()
+            releasing.join(timeout=self.RELEASE_BOUND_S)
+        self.exit_process(code)
+
+
 def _exit_now(code: int, status: str, exit_process) -> None:
     """End the process from the watchdog's thread: the `STATUS:` line, the logs flushed, then
     `exit_process(code)` (os._exit: nothing a stuck main thread could block)."""
@@ -272,7 +321,8 @@ def _exit_frozen(seconds: float, exit_process=os._exit) -> None:
 def _exit_hung(hang, *, events, stop, paths, exit_process=os._exit) -> None:
     """The watchdog saw no progress: put every thread's stack in the log (and a file in the run directory),
     write the newest host snapshot to the local tier (bounded by stop_timeout_seconds: a hung device may
-    hang the copy too), record it, and exit 75 so the scheduler restarts the same command."""
+    hang the copy too), record it, and exit 75 through `exit_process` (which releases the run's lease) so
+    the scheduler restarts the same command."""
     import faulthandler
     import threading
 

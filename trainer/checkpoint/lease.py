@@ -14,9 +14,12 @@ exactly one wins. A newer generation may be taken when the current one is
 - this job's own (a restarted pod or task of the same job: $TRAINER_JOB_ID, $JOBSET_NAME, or
   $SLURM_JOB_ID match), or a process of this host that no longer exists;
 - stale: its heartbeat stopped for more than `run_lease_stale_seconds` (the event says so).
-Otherwise the start exits 2 naming the owner. The holder renews its own generation every few seconds;
-a holder that finds a newer generation (it was frozen, and its run was taken over) has lost the lease:
-its saves no longer commit (`trainer.checkpoint.fence`) and it stops.
+A holder whose heartbeat has gone silent (no renewal for `SILENT_BEATS` heartbeat intervals: its process
+was killed, or its node lost, on another host) is waited out until it is stale, re-read every interval;
+a holder that beats again while waited on is live. A live holder makes the start exit 2 naming the
+owner. The holder renews its own generation every few seconds; a holder that finds a newer generation
+(it was frozen, and its run was taken over) has lost the lease: its saves no longer commit
+(`trainer.checkpoint.fence`) and it stops.
 
 What the stores guarantee: a local or NFS disk gives create-only hard links; Cloud Storage gives
 preconditioned (generation 0) creation and strongly consistent listing, which is all the protocol uses.
@@ -44,6 +47,13 @@ log = logging.getLogger(__name__)
 LEASE_DIR = "lease"
 _NAME = re.compile(r"(\d+)\.json")
 KEEP_GENERATIONS = 4
+# A holder renews every heartbeat interval; one this many intervals behind has stopped beating.
+SILENT_BEATS = 3
+
+
+def heartbeat_interval(stale_s: float) -> float:
+    """How often a holder renews its generation: a quarter of the staleness bound, between 0.5 and 10 s."""
+    return max(0.5, min(10.0, stale_s / 4))
 
 
 class LeaseHeld(UserInputError):
@@ -192,12 +202,14 @@ class RunLease:
         owner: Owner | None = None,
         files: LeaseFiles | None = None,
         clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
     ):
         self.run_dir = str(run_dir)
         self.stale_s = stale_s
         self.owner = owner or Owner.this_process()
         self.files = files or LeaseFiles(run_dir)
         self.clock = clock
+        self.sleep = sleep
         self.generation: int | None = None
         self._record: dict = {}
         self._lost = threading.Event()
@@ -208,8 +220,9 @@ class RunLease:
 
     def acquire(self) -> dict:
         """Take the lease or raise LeaseHeld; returns the event fields (generation, and whom it took over
-        from and why, when there was a previous holder)."""
-        for _ in range(5):  # lost races re-read the newest generation
+        from and why, when there was a previous holder). A silent holder is waited out (module doc)."""
+        races, waited_on = 0, None
+        while True:
             generations = self.files.generations()
             current = generations[-1] if generations else 0
             previous = None
@@ -220,7 +233,8 @@ class RunLease:
                     previous = {"heartbeat": 0.0, "owner": {}, "unreadable": True}
                 why = self._takeover_reason(previous)
                 if why is None:
-                    raise LeaseHeld(self._held_message(previous))
+                    waited_on = self._wait_for_silent(current, previous, waited_on)
+                    continue
             record = self._new_record(current + 1)
             if self.files.create(current + 1, record):
                 self.generation, self._record = current + 1, record
@@ -230,7 +244,33 @@ class RunLease:
                     fields.update(previous_owner=_describe(previous.get("owner", {})), taken_over=why)
                 log.info("event=lease_acquired %s", " ".join(f"{k}={v}" for k, v in fields.items()))
                 return fields
-        raise LeaseHeld(f"could not take the lease of {self.run_dir}: other jobs keep taking it; is one running?")
+            races += 1  # another job created it first: re-read the newest generation
+            if races >= 5:
+                raise LeaseHeld(
+                    f"could not take the lease of {self.run_dir}: other jobs keep taking it; is one running?"
+                )
+
+    def _wait_for_silent(self, generation: int, holder: dict, waited_on: tuple | None) -> tuple:
+        """The holder of `generation` is not (yet) stale: raise LeaseHeld when it is live, else sleep one
+        heartbeat interval and return what was waited on (generation, heartbeat) for the next look."""
+        heartbeat = float(holder.get("heartbeat", 0.0))
+        age = self.clock() - heartbeat
+        interval = heartbeat_interval(self.stale_s)
+        beat_again = waited_on is not None and waited_on != (generation, heartbeat)
+        if beat_again or age <= SILENT_BEATS * interval:
+            raise LeaseHeld(self._held_message(holder))
+        if waited_on is None:
+            log.warning(
+                "event=lease_wait run_dir=%s holder=%s heartbeat_age_s=%.0f stale_s=%g: the holder stopped "
+                "beating; waiting up to %.0f s for it to go stale, then taking the run over",
+                self.run_dir,
+                _describe(holder.get("owner", {})).replace(" ", "_"),
+                age,
+                self.stale_s,
+                max(0.0, self.stale_s - age),
+            )
+        self.sleep(min(interval, max(0.0, self.stale_s - age) + 0.1))
+        return generation, heartbeat
 
     def _takeover_reason(self, previous: dict) -> str | None:
         """Why the current generation may be taken over, or None when its holder is live."""
@@ -300,7 +340,7 @@ class RunLease:
         return True
 
     def start_heartbeat(self, on_lost: Callable[[], None] = lambda: None, interval_s: float | None = None) -> None:
-        interval = interval_s if interval_s is not None else max(0.5, min(10.0, self.stale_s / 4))
+        interval = interval_s if interval_s is not None else heartbeat_interval(self.stale_s)
 
         def beat():
             while not self._stop.wait(interval):

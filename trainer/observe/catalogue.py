@@ -351,6 +351,11 @@ WANDB_RUN = Event(
     "wandb_run", "run_id project name resumed", "the W&B run that this process logs to (enable_wandb)"
 )
 WANDB_RUN_CLOSED = Event("wandb_run_closed", "run_id", "the W&B sink logged everything before this event")
+WANDB_UNAVAILABLE = Event(
+    "wandb_unavailable",
+    "during error project? step?",
+    "W&B failed to start, log or finish (not the user's doing): the run trains on without it",
+)
 
 # ---- the local launcher's own log (scripts/launch_local.py --events FILE), not events.jsonl --------------
 LAUNCHER_SPAWN = Event("spawn", "process pid incarnation port", "the launcher started a trainer process")

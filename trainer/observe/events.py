@@ -34,6 +34,12 @@ class EventLog:
         self._lock = threading.Lock()
         self._file = open_append(path) if path is not None else None
         self.writable: Callable[[], bool] = lambda: True  # False: this process is fenced, it writes nothing
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+
+    def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call `listener(record)` after each event is written (from the emitting thread: keep it short;
+        an exception in it is logged, never raised into the code that emitted)."""
+        self._listeners.append(listener)
 
     def emit(self, event: Event, **fields: Any) -> dict[str, Any]:
         if event not in NAMES:
@@ -43,6 +49,11 @@ class EventLog:
             if self._file is not None and self.writable():
                 self._file.write(dumps(record))
         log.info("event=%s %s", event, " ".join(f"{k}={v}" for k, v in fields.items()))
+        for listener in self._listeners:
+            try:
+                listener(record)
+            except Exception:  # noqa: BLE001 - an observer never breaks the code that emitted
+                log.exception("event listener %r failed on %s", listener, event)
         return record
 
     def __call__(self, event: Event, fields: dict[str, Any] | None = None) -> None:

@@ -16,6 +16,11 @@ which lives in the run directory and follows it to and from a bucket; every late
 (restart, resume after kill -9, a new pod) finds it there and continues that W&B run (resume="allow").
 Only process 0 of a multi-process job logs. WANDB_MODE=offline writes the run under <run dir>/wandb for
 a later `wandb sync`.
+
+W&B is optional to training: a start that W&B refuses for the user's own reason (no API key, a key it
+rejects, a bad setting) stops the run before any compute (exit 2); any other failure to start (the
+service unreachable or slow, a network blip) or to log later is one warning and a `wandb_unavailable`
+event, and the run trains on without W&B (metrics.jsonl and TensorBoard have everything).
 """
 
 from __future__ import annotations
@@ -62,6 +67,14 @@ def recorded_run_id(events_path: Path) -> str | None:
     return ids[-1] if ids else None
 
 
+def users_to_fix(error: BaseException) -> bool:
+    """Whether W&B refused to start for a reason the user fixes (no or a rejected API key, a bad setting),
+    as opposed to W&B being unreachable or failing."""
+    import wandb.errors
+
+    return isinstance(error, (wandb.errors.UsageError, wandb.errors.AuthenticationError))
+
+
 class WandbSink:
     """Metrics rows and events of this run into one W&B run (see the module docstring)."""
 
@@ -72,6 +85,8 @@ class WandbSink:
         run_id = recorded_run_id(self.events_path)
         resumed = run_id is not None
         run_id = run_id or uuid.uuid4().hex[:12]  # W&B ids: lowercase letters and digits
+        self.run = None
+        self._event_log = events
         try:
             self.run = wandb.init(
                 project=project,
@@ -82,11 +97,15 @@ class WandbSink:
                 config=config,
                 settings=wandb.Settings(console="off", quiet=True),
             )
-        except Exception as e:  # noqa: BLE001 - no login, no network: the user's to fix, before training
-            raise UserInputError(
-                f"enable_wandb=true but W&B could not start ({type(e).__name__}: {e}); log in (wandb login or "
-                "WANDB_API_KEY), set WANDB_MODE=offline to write the run to files only, or set enable_wandb=false"
-            ) from None
+        except Exception as e:  # noqa: BLE001 - the user's to fix (exit 2), or W&B is away (train on)
+            if users_to_fix(e):
+                raise UserInputError(
+                    f"enable_wandb=true but W&B refused to start ({type(e).__name__}: {e}); log in (wandb login "
+                    "or WANDB_API_KEY), set WANDB_MODE=offline to write the run to files only, or set "
+                    "enable_wandb=false"
+                ) from None
+            self._unavailable("start", e, project=project)
+            return
         self.run.define_metric(STEP_METRIC)
         for prefix in ("train/*", "eval/*", "events/*"):
             self.run.define_metric(prefix, step_metric=STEP_METRIC)
@@ -94,7 +113,6 @@ class WandbSink:
         self._offset = self._first_unlogged_event()
         self._last_step = 0
         self._events: list[list] = []
-        self._event_log = events
         self.run_id = run_id
         events.emit(catalogue.WANDB_RUN, run_id=run_id, project=project, name=name, resumed=resumed)
 
@@ -119,10 +137,27 @@ class WandbSink:
             return 0
         return after_started if after_closed is None or after_started > after_closed else after_closed
 
+    def _unavailable(self, during: str, error: BaseException, **fields) -> None:
+        """W&B failed (not the user's doing): one warning and event; the sink logs nothing more."""
+        self.run = None
+        text = f"{type(error).__name__}: {error}".splitlines()[0]
+        log.warning(
+            "event=wandb_unavailable during=%s error=%r: training goes on without W&B (metrics.jsonl and "
+            "TensorBoard have every row; a later start of this run logs to W&B again)",
+            during,
+            text,
+        )
+        self._event_log.emit(catalogue.WANDB_UNAVAILABLE, during=during, error=text, **fields)
+
     def write(self, record: dict[str, Any]) -> None:
-        self._log_new_events()
-        self._last_step = record["step"]
-        self.run.log({STEP_METRIC: record["step"], **scalars(record)})
+        if self.run is None:
+            return
+        try:
+            self._log_new_events()
+            self._last_step = record["step"]
+            self.run.log({STEP_METRIC: record["step"], **scalars(record)})
+        except Exception as e:  # noqa: BLE001 - an optional sink never ends training
+            self._unavailable("log", e, step=record.get("step"))
 
     def _log_new_events(self) -> None:
         try:
@@ -147,11 +182,17 @@ class WandbSink:
             self.run.log({STEP_METRIC: step, f"events/{name}": 1})
 
     def close(self) -> None:
+        if self.run is None:
+            return
         try:
-            self._log_new_events()
-            if self._events:
-                table = self._table_cls(columns=["step", "event", "time", "fields"], data=self._events)
-                self.run.log({STEP_METRIC: self._last_step, "events": table})
-        finally:
-            self.run.finish()
+            try:
+                self._log_new_events()
+                if self._events:
+                    table = self._table_cls(columns=["step", "event", "time", "fields"], data=self._events)
+                    self.run.log({STEP_METRIC: self._last_step, "events": table})
+            finally:
+                self.run.finish()
+        except Exception as e:  # noqa: BLE001 - an optional sink never ends training
+            self._unavailable("finish", e)
+            return
         self._event_log.emit(catalogue.WANDB_RUN_CLOSED, run_id=self.run_id)

@@ -7,8 +7,11 @@
 #      docker run --rm trainer:cpu base.yml steps=10 model=qwen3-tiny   # any args replace the default config
 # Push (Artifact Registry): see docs/running_at_scale.md.
 # PYTHON_VERSION: 3.11 or 3.12, the Pythons constraints/ pins a tested set for.
+# BASE_IMAGE: pin it by digest for a release build, so a rebuild gets the same OS and Python:
+#   --build-arg BASE_IMAGE=python:3.11-slim@sha256:<digest>   (docker buildx imagetools inspect python:3.11-slim)
 ARG PYTHON_VERSION=3.11
-FROM python:${PYTHON_VERSION}-slim
+ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim
+FROM ${BASE_IMAGE}
 
 ARG JAX_EXTRA=cpu
 ENV PYTHONUNBUFFERED=1 \

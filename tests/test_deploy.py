@@ -9,6 +9,7 @@ stub `xpk` / `srun` / `python` commands to check the quoting and the restart pol
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import importlib
 import json
@@ -42,10 +43,15 @@ needs_bash = pytest.mark.skipif(BASH is None, reason="bash not installed")
 IMAGE = "us-docker.pkg.dev/my-proj/trainer/trainer:v1"
 
 # Two parameter sets: the reference run (3 x v5e-16, pause-and-resume) and a replica-resize run with
-# extra trainer overrides, a larger model, a Kueue queue and 2 nodes per slice for the GPU targets.
+# extra trainer overrides, a larger model, a Kueue queue and 2 nodes per slice for the GPU targets. Both accept
+# xpk's failure policy, so that the xpk target renders (test_xpk_is_refused_without_the_acknowledgement).
 PARAM_SETS = {
     "reference": R.DeployParams(
-        slices=3, image=IMAGE, run_name="qwen3-0.6b-elastic", output_dir="gs://my-bucket/runs"
+        slices=3,
+        image=IMAGE,
+        run_name="qwen3-0.6b-elastic",
+        output_dir="gs://my-bucket/runs",
+        accept_xpk_failure_policy=True,
     ),
     "resize": R.DeployParams(
         slices=4,
@@ -61,6 +67,7 @@ PARAM_SETS = {
         compile_cache="gs://other/cache",
         elastic_timeout_seconds=600,
         checkpoint_period=50,
+        accept_xpk_failure_policy=True,
         overrides=(
             "steps=5000",
             "dataset_type=arrayrecord",
@@ -284,7 +291,7 @@ def test_pathwaysjob_structure(pset):
     tpu = R.TPU_TYPES[p.tpu_type]
     assert spec["maxRestarts"] == p.max_restarts
     assert spec["pathwaysDir"] == p.scratch and spec["pathwaysDir"].startswith("gs://")
-    assert spec["pathwaysVersion"] == p.pathways_version
+    assert spec["pathwaysVersion"] == p.pathways_tag == f"jax-{R.default_trainer_jax()}"
     assert spec["workers"] == [
         {
             "type": tpu.machine_type,
@@ -469,7 +476,7 @@ def test_jobset_gpu_structure(pset, platform):
         assert env["JAX_PLATFORMS"] == "cuda"
     else:
         assert f"--xla_cpu_collective_timeout_seconds={p.collective_timeout_seconds}" in flags
-        assert "resources" not in trainer and env["JAX_PLATFORMS"] == "cpu"
+        assert "limits" not in trainer["resources"] and env["JAX_PLATFORMS"] == "cpu"
     assert _load(trainer["args"]).mesh.enable_single_controller is False
 
 
@@ -666,7 +673,8 @@ def test_bad_trainer_value_fails_rendering():
 
 def test_cli_reports_config_errors_with_exit_2(capsys):
     rc = R.main(
-        ["xpk", "--slices", "3", "--image", IMAGE, "--run-name", "r", "--output-dir", "gs://b/r", "--", "stepz=10"]
+        ["jobset-pathways", "--slices", "3", "--image", IMAGE, "--run-name", "r", "--output-dir", "gs://b/r"]
+        + ["--", "stepz=10"]
     )
     assert rc == 2
     err = capsys.readouterr().err
@@ -703,8 +711,9 @@ def test_a_pathways_image_for_another_jax_than_the_trainers_is_refused(target, c
         R.render(target, _params("reference", pathways_version="jax-0.1.0"))
     R.render(target, _params("reference", pathways_version=f"jax-{trainer_jax}"))
     R.render(target, _params("reference", pathways_version="jax-0.1.0", trainer_jax="0.1.0"))
-    R.render(target, _params("reference"))  # latest: no version to compare
+    R.render(target, _params("reference", pathways_version="latest"))  # no version to compare
     argv = [target, "--slices", "3", "--image", IMAGE, "--run-name", "r", "--output-dir", "gs://b/r"]
+    argv += [R.XPK_ACCEPT_FLAG] if target == "xpk" else []
     assert R.main([*argv, "--pathways-version", "jax-0.1.0", "-o", os.devnull]) == 2
     assert "--pathways-version=jax-" in capsys.readouterr().err
 
@@ -728,26 +737,12 @@ def test_job_name_derivation():
     assert _params("reference", run_name="2025_Qwen.Run").job_name == "r-2025-qwen-run"
 
 
+ALL_ARGV = ["--slices", "2", "--image", IMAGE, "--run-name", "cli-run", "--output-dir", "gs://b/runs"]
+ALL_ARGV += ["--min-slices", "1"]
+
+
 def test_cli_all_writes_every_artefact(tmp_path):
-    rc = R.main(
-        [
-            "all",
-            "-o",
-            str(tmp_path),
-            "--slices",
-            "2",
-            "--image",
-            IMAGE,
-            "--run-name",
-            "cli-run",
-            "--output-dir",
-            "gs://b/runs",
-            "--min-slices",
-            "1",
-            "--",
-            "steps=20",
-        ]
-    )
+    rc = R.main(["all", "-o", str(tmp_path), *ALL_ARGV, R.XPK_ACCEPT_FLAG, "--", "steps=20"])
     assert rc == 0
     files = sorted(f.name for f in tmp_path.iterdir())
     assert files == sorted(
@@ -769,6 +764,36 @@ def test_cli_all_writes_every_artefact(tmp_path):
     ):
         cfg = _load(extract_argv(target, (tmp_path / fname).read_text()))
         assert cfg.train.steps == 20 and cfg.elastic.elastic_min_slice_count == 1
+
+
+def test_cli_all_leaves_out_xpk_without_the_acknowledgement_and_says_so(tmp_path, capsys):
+    """`all` writes every other artefact; xpk only with --accept-xpk-failure-policy (a note says why not)."""
+    assert R.main(["all", "-o", str(tmp_path), *ALL_ARGV]) == 0
+    files = sorted(f.name for f in tmp_path.iterdir())
+    assert files == sorted(
+        ["cli-run.pathways.yaml", "cli-run.pathwaysjob.yaml", "cli-run.gpu.yaml", "cli-run.sbatch"]
+    )
+    err = capsys.readouterr().err
+    (note,) = [line for line in err.splitlines() if line.startswith("note (xpk)")]
+    assert "not written" in note and R.XPK_ACCEPT_FLAG in note and "restartStrategy Recreate" in note
+
+
+def test_xpk_is_refused_without_the_acknowledgement(capsys):
+    """Current xpk builds its JobSet with restartStrategy Recreate and no maxRestarts: any non-zero exit fails the
+    workload. `render xpk` refuses (exit 2) naming that and the fix; with the flag it renders, with a warning."""
+    p = _params("reference", accept_xpk_failure_policy=False)
+    with pytest.raises(R.DeployError, match="restartStrategy Recreate and no maxRestarts") as caught:
+        R.render("xpk", p)
+    assert "jobset-pathways" in str(caught.value) and R.XPK_ACCEPT_FLAG in str(caught.value)
+    argv = ["xpk", "--slices", "3", "--image", IMAGE, "--run-name", "r", "--output-dir", "gs://b/r"]
+    assert R.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("deploy error: the xpk target is refused") and R.XPK_ACCEPT_FLAG in err
+    assert R.main([*argv, R.XPK_ACCEPT_FLAG]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("#!") and f"warning (xpk): {R.XPK_FAILURE_POLICY}" in out.err
+    assert "restartStrategy Recreate" in out.out
+    assert R.render("xpk", PARAM_SETS["reference"]).warnings[0].startswith(R.XPK_FAILURE_POLICY)
 
 
 def test_template_filler():
@@ -1235,3 +1260,322 @@ def test_docs_render_commands_work(tmp_path, capsys):
         assert R.main(argv) == expected, (cmd, capsys.readouterr().err)
         if expected == 2:
             assert "unknown config key 'learning_rat'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# Resources, capacity and GPU networking (issue #42).
+# ------------------------------------------------------------------------------------------------
+def qos_class(pod: dict) -> str:
+    """The pod's QoS class, by Kubernetes' rules: Guaranteed when every container (init containers included) has
+    cpu and memory limits and its requests, where given, equal them (a missing request defaults to the limit);
+    BestEffort when no container has any cpu or memory request or limit; Burstable otherwise."""
+    guaranteed, any_set = True, False
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        requests = c.get("resources", {}).get("requests", {})
+        limits = c.get("resources", {}).get("limits", {})
+        for r in ("cpu", "memory"):
+            any_set = any_set or r in requests or r in limits
+            if r not in limits or requests.get(r, limits[r]) != limits[r]:
+                guaranteed = False
+    return "Guaranteed" if guaranteed else "Burstable" if any_set else "BestEffort"
+
+
+def test_qos_class_rules():
+    c = {"name": "c", "resources": {"limits": {"cpu": "1", "memory": "1G"}}}
+    assert qos_class({"containers": [c]}) == "Guaranteed"
+    assert qos_class({"containers": [c], "initContainers": [{"name": "s"}]}) == "Burstable"
+    assert qos_class({"containers": [{"name": "c", "resources": {"requests": {"cpu": "1"}}}]}) == "Burstable"
+    assert qos_class({"containers": [{"name": "c"}]}) == "BestEffort"
+
+
+@pytest.mark.parametrize("pset", PARAM_SETS)
+def test_the_pathways_head_pod_is_guaranteed_qos(pset):
+    """Every container of the head pod, the sidecars included, has requests == limits for cpu and memory; the
+    trainer's ephemeral-storage too. The same holds for the head pod the PathwaysJob controller builds."""
+    p = PARAM_SETS[pset]
+    head = _pod(_rjob(_one_doc(R.render("jobset-pathways", p).text), "pathways-head"))
+    assert qos_class(head) == "Guaranteed"
+    trainer = _containers(head)["trainer"]["resources"]
+    assert trainer["requests"] == trainer["limits"] == R.PATHWAYS_TRAINER_RESOURCES
+    pw = R.render("pathwaysjob", p).manifest
+    assert _pathwaysjob_trainer(pw)["resources"] == trainer
+    assert qos_class(_pod(_rjob(pathwaysjob_jobset(pw), "pathways-head"))) == "Guaranteed"
+    flags = {"trainer_cpu": "30", "trainer_memory": "120Gi", "trainer_ephemeral_storage": "50Gi"}
+    head = _pod(_rjob(R.render("jobset-pathways", _params(pset, **flags)).manifest, "pathways-head"))
+    want = {"cpu": "30", "memory": "120Gi", "ephemeral-storage": "50Gi"}
+    assert _containers(head)["trainer"]["resources"] == {"requests": want, "limits": want}
+    assert qos_class(head) == "Guaranteed"
+
+
+@pytest.mark.parametrize("platform", ("gpu", "cpu"))
+def test_the_multiprocess_trainer_requests_cpu_and_memory(platform):
+    p = _params("reference", platform=platform)
+    trainer = _containers(_pod(_rjob(R.render("jobset-gpu", p).manifest, "slice")))["trainer"]
+    n = p.gpus_per_node if platform == "gpu" else 1
+    assert trainer["resources"]["requests"] == {"cpu": str(2 * n), "memory": f"{8 * n}Gi"}
+    assert trainer["resources"].get("limits") == ({"nvidia.com/gpu": "8"} if platform == "gpu" else None)
+    q = _params("reference", platform=platform, trainer_cpu="200", trainer_memory="1500Gi")
+    q = dataclasses.replace(q, trainer_ephemeral_storage="100Gi")
+    trainer = _containers(_pod(_rjob(R.render("jobset-gpu", q).manifest, "slice")))["trainer"]
+    assert trainer["resources"]["requests"] == {"cpu": "200", "memory": "1500Gi", "ephemeral-storage": "100Gi"}
+
+
+def test_a_resource_that_is_no_quantity_is_refused(capsys):
+    with pytest.raises(R.DeployError, match=r"--trainer-memory='64 GB' is not a Kubernetes quantity"):
+        R.render("jobset-pathways", _params("reference", trainer_memory="64 GB"))
+    with pytest.raises(R.DeployError, match=r"--shm-size='lots' is not a Kubernetes quantity"):
+        R.render("jobset-gpu", _params("reference", shm_size="lots"))
+    argv = ["jobset-gpu", "--slices", "2", "--image", IMAGE, "--run-name", "r", "--output-dir", "gs://b/r"]
+    assert R.main([*argv, "--trainer-cpu", "x"]) == 2 and "--trainer-cpu='x'" in capsys.readouterr().err
+
+
+def test_the_gpu_pods_get_an_in_memory_dev_shm():
+    for changes, size in (({}, "64Gi"), ({"shm_size": "200Gi"}, "200Gi")):
+        pod = _pod(_rjob(R.render("jobset-gpu", _params("reference", **changes)).manifest, "slice"))
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["shared-memory"] == {
+            "name": "shared-memory",
+            "emptyDir": {"medium": "Memory", "sizeLimit": size},
+        }
+        mounts = {m["mountPath"]: m["name"] for m in _containers(pod)["trainer"]["volumeMounts"]}
+        assert mounts["/dev/shm"] == "shared-memory"
+
+
+SPOT_SELECTOR = {"cloud.google.com/gke-spot": "true"}
+SPOT_TOLERATION = {
+    "key": "cloud.google.com/gke-spot",
+    "operator": "Equal",
+    "value": "true",
+    "effect": "NoSchedule",
+}
+
+
+def test_spot_capacity_selects_spot_nodes_where_the_accelerators_are():
+    spot = _params("reference", capacity="spot")
+    gpu = _pod(_rjob(R.render("jobset-gpu", spot).manifest, "slice"))
+    assert gpu["nodeSelector"] == {"cloud.google.com/gke-accelerator": spot.gpu_accelerator, **SPOT_SELECTOR}
+    assert SPOT_TOLERATION in gpu["tolerations"] and gpu["terminationGracePeriodSeconds"] == 15
+    doc = R.render("jobset-pathways", spot).manifest
+    worker, head = _pod(_rjob(doc, "worker")), _pod(_rjob(doc, "pathways-head"))
+    assert SPOT_SELECTOR.items() <= worker["nodeSelector"].items() and worker["tolerations"] == [SPOT_TOLERATION]
+    assert worker["terminationGracePeriodSeconds"] == 15  # no more than Spot gives
+    assert head["nodeSelector"] == {"cloud.google.com/gke-nodepool": spot.head_nodepool}  # the CPU head stays
+    pw = R.render("pathwaysjob", spot)
+    (w,) = pw.manifest["spec"]["workers"]
+    assert w["nodeSelector"] == SPOT_SELECTOR and w["terminationGracePeriodSeconds"] == 15
+    js_worker = _pod(_rjob(pathwaysjob_jobset(pw.manifest), "worker"))
+    assert SPOT_SELECTOR.items() <= js_worker["nodeSelector"].items()
+    assert any("cannot give them tolerations" in x for x in pw.warnings)
+    # On demand: no Spot selector, toleration or worker grace change.
+    on_demand = R.render("jobset-pathways", PARAM_SETS["reference"]).manifest
+    assert "cloud.google.com/gke-spot" not in _pod(_rjob(on_demand, "worker"))["nodeSelector"]
+    assert "tolerations" not in _pod(_rjob(on_demand, "worker"))
+    assert "workers" in R.render("pathwaysjob", PARAM_SETS["reference"]).manifest["spec"]
+    with pytest.raises(R.DeployError, match="--capacity must be one of on-demand, spot"):
+        R.render("jobset-gpu", _params("reference", capacity="preemptible"))
+    with pytest.raises(R.DeployError, match="--spot-grace-seconds=5 leaves the trainer no time"):
+        R.render("jobset-gpu", _params("reference", capacity="spot", spot_grace_seconds=5))
+
+
+def test_pathways_images_default_to_the_trainers_jax():
+    p = PARAM_SETS["reference"]
+    tag = f"jax-{R.default_trainer_jax()}"
+    hc = _containers(_pod(_rjob(R.render("jobset-pathways", p).manifest, "pathways-head")))
+    assert hc["pathways-rm"]["image"] == f"{R.PATHWAYS_IMAGE_REPO}/server:{tag}"
+    assert hc["pathways-proxy"]["image"] == f"{R.PATHWAYS_IMAGE_REPO}/proxy_server:{tag}"
+    assert R.render("pathwaysjob", p).manifest["spec"]["pathwaysVersion"] == tag
+    assert _params("reference", trainer_jax="0.9.1").pathways_tag == "jax-0.9.1"
+    override = _params("reference", pathways_version="latest")
+    hc = _containers(_pod(_rjob(R.render("jobset-pathways", override).manifest, "pathways-head")))
+    assert hc["pathways-rm"]["image"].endswith("/server:latest")
+
+
+def _net_pod(mode: str, **changes) -> tuple[dict, dict, R.Rendered]:
+    accelerator = {"tcpxo": "nvidia-h100-mega-80gb", "rdma": "nvidia-h200-141gb"}[mode]
+    r = R.render("jobset-gpu", _params("reference", gpu_networking=mode, gpu_accelerator=accelerator, **changes))
+    template = _rjob(r.manifest, "slice")["template"]["spec"]["template"]
+    return template["metadata"]["annotations"], template["spec"], r
+
+
+def test_gpudirect_tcpxo_renders_what_gkes_guide_asks_for():
+    annotations, pod, r = _net_pod("tcpxo")
+    assert annotations["networking.gke.io/default-interface"] == "eth0"
+    interfaces = json.loads(annotations["networking.gke.io/interfaces"])
+    assert interfaces == [{"interfaceName": "eth0", "network": "default"}] + [
+        {"interfaceName": f"eth{i}", "network": f"vpc{i}"} for i in range(1, 9)
+    ]
+    devices = yaml.safe_load(annotations["devices.gke.io/container.tcpxo-daemon"])
+    assert [d["path"] for d in devices] == [f"/dev/nvidia{i}" for i in range(8)] + [
+        "/dev/nvidiactl",
+        "/dev/nvidia-uvm",
+        "/dev/dmabuf_import_helper",
+    ]
+    (rxdm,) = pod["initContainers"]  # a native sidecar: the Job completes when the trainer does
+    assert rxdm["name"] == "tcpxo-daemon" and rxdm["restartPolicy"] == "Always"
+    assert rxdm["image"] == R.TCPXO_DAEMON_IMAGE and "--num_hops=2 --num_nics=8" in rxdm["args"][0]
+    assert rxdm["securityContext"] == {"capabilities": {"add": ["NET_ADMIN", "NET_BIND_SERVICE"]}}
+    volumes = {v["name"]: v.get("hostPath", {}).get("path") for v in pod["volumes"]}
+    assert {
+        "libraries": "/home/kubernetes/bin/nvidia",
+        "sys": "/sys",
+        "proc-sys": "/proc/sys",
+    }.items() <= volumes.items()
+    assert volumes["aperture-devices"] == "/dev/aperture_devices"
+    trainer = _containers(pod)["trainer"]
+    env = _env(trainer)
+    assert env["NCCL_FASTRAK_LLCM_DEVICE_DIRECTORY"] == "/dev/aperture_devices"
+    assert env["LD_LIBRARY_PATH"] == env["NCCL_LIB_DIR"] == "/usr/local/nvidia/lib64"
+    assert {"name": "aperture-devices", "mountPath": "/dev/aperture_devices"} in trainer["volumeMounts"]
+    assert 'source "${NCCL_LIB_DIR}/nccl-env-profile.sh"' in trainer["command"][2]
+    header = r.text[: r.text.index("apiVersion:")]
+    assert R.TCPXO_DOC in header and R.TCPXO_INSTALLER in header and not r.warnings
+
+
+def test_gpudirect_rdma_renders_what_gkes_guide_asks_for():
+    annotations, pod, r = _net_pod("rdma")
+    interfaces = json.loads(annotations["networking.gke.io/interfaces"])
+    networks = ["default", "gvnic-1"] + [f"rdma-{i}" for i in range(8)]
+    assert interfaces == [{"interfaceName": f"eth{i}", "network": n} for i, n in enumerate(networks)]
+    assert "initContainers" not in pod
+    volumes = {v["name"]: v.get("hostPath", {}).get("path") for v in pod["volumes"]}
+    assert (
+        volumes["library-dir-host"] == "/home/kubernetes/bin/nvidia"
+        and volumes["gib"] == "/home/kubernetes/bin/gib"
+    )
+    trainer = _containers(pod)["trainer"]
+    mounts = {m["name"]: m["mountPath"] for m in trainer["volumeMounts"]}
+    assert mounts["library-dir-host"] == "/usr/local/nvidia" and mounts["gib"] == "/usr/local/gib"
+    assert _env(trainer)["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib64"
+    assert "source /usr/local/gib/scripts/set_nccl_env.sh" in trainer["command"][2]
+    header = r.text[: r.text.index("apiVersion:")]
+    assert R.RDMA_DOC in header and R.RDMA_INSTALLER in header
+
+
+@needs_bash
+@pytest.mark.parametrize("mode", ("tcpxo", "rdma"))
+def test_the_gpudirect_prelude_sources_the_nccl_profile_then_derives_the_process_id(mode, tmp_path):
+    """The prelude with a stand-in profile: sourced (its variable reaches the trainer), then the process id."""
+    _, pod, _ = _net_pod(mode)
+    trainer = _containers(pod)["trainer"]
+    profile = {"tcpxo": "nccl-env-profile.sh", "rdma": "set_nccl_env.sh"}[mode]
+    script = trainer["command"][2].replace("/usr/local/gib/scripts/", f"{tmp_path}/")
+    (tmp_path / profile).write_text("export NCCL_FROM_PROFILE=1\n")
+    env = {
+        "PATH": os.environ["PATH"],
+        "NCCL_LIB_DIR": str(tmp_path),
+        "JOB_INDEX": "1",
+        "JOB_COMPLETION_INDEX": "0",
+    }
+    env.update({k: v for k, v in _env(trainer).items() if isinstance(v, str) and k != "NCCL_LIB_DIR"})
+    out = subprocess.run([BASH, "-c", script, "bash", "env"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    got = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+    assert got["NCCL_FROM_PROFILE"] == "1" and got["JAX_PROCESS_ID"] == "1"
+
+
+def test_gpu_networking_needs_whole_gpu_nodes():
+    with pytest.raises(R.DeployError, match="needs --platform gpu and --gpus-per-node 8"):
+        R.render("jobset-gpu", _params("reference", gpu_networking="rdma", gpus_per_node=4))
+    with pytest.raises(R.DeployError, match="needs --platform gpu"):
+        R.render("jobset-gpu", _params("reference", gpu_networking="tcpxo", platform="cpu"))
+    r = R.render("jobset-gpu", _params("reference", gpu_networking="tcpxo"))  # an H100 (A3 High) node pool
+    assert any("nvidia-h100-mega-80gb" in w for w in r.warnings)
+    assert any("is GKE's" in w for w in R.render("slurm", _params("reference", gpu_networking="rdma")).warnings)
+
+
+VARIANTS = {
+    "spot, budget": {"capacity": "spot", "max_preemptions": 5},
+    "tcpxo": {"gpu_networking": "tcpxo", "gpu_accelerator": "nvidia-h100-mega-80gb"},
+    "rdma, resources": {"gpu_networking": "rdma", "trainer_cpu": "100", "trainer_ephemeral_storage": "100Gi"},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("target", MANIFEST_TARGETS)
+def test_the_new_settings_validate_against_the_schemas(target, variant):
+    doc = R.render(target, _params("resize", **VARIANTS[variant])).manifest
+    assert validate_manifest(doc)[0].endswith("(CRD)")
+    if target == "pathwaysjob":
+        validate_manifest(pathwaysjob_jobset(doc))
+
+
+# ------------------------------------------------------------------------------------------------
+# The guide: routes in order, one number per section, the exit-code table, the log selector, the checklist.
+# ------------------------------------------------------------------------------------------------
+GUIDE = REPO / "docs" / "running_at_scale.md"
+
+
+def _guide_sections() -> dict[int, str]:
+    """{number: the section's text} of the guide's `### N. Title` sections, checking each number is used once."""
+    text = GUIDE.read_text()
+    heads = list(re.finditer(r"^### (\d+)\. (.+)$", text, re.M))
+    numbers = [int(m.group(1)) for m in heads]
+    assert numbers == list(range(1, len(numbers) + 1)), numbers  # no duplicate, no gap
+    ends = [m.start() for m in heads[1:]] + [len(text)]
+    return {int(m.group(1)): text[m.start() : end] for m, end in zip(heads, ends, strict=True)}
+
+
+def test_the_guide_orders_the_pathways_routes_jobset_first_xpk_last_and_its_references_hold():
+    sections = _guide_sections()
+    routes = {n: re.findall(r"python -m scripts\.deploy\.render ([\w-]+)", body) for n, body in sections.items()}
+    assert routes[2] == ["jobset-pathways"] and routes[3] == ["pathwaysjob"] and routes[4] == ["xpk"]
+    assert sections[4].index("any non-zero exit fails the workload") < sections[4].index("```bash")
+    assert R.XPK_ACCEPT_FLAG in sections[4].split("```bash")[1]  # the printed command carries the flag
+    text = GUIDE.read_text()
+    titles = {n: body.splitlines()[0] for n, body in sections.items()}
+    for n in map(int, re.findall(r"\(section (\d+)[),;]", text) + re.findall(r"sections? (\d+)\b", text)):
+        assert n in sections, f"section {n} is referenced but does not exist"
+    assert "JobSet manifest" in titles[2] and "PathwaysJob" in titles[3] and "xpk" in titles[4]
+    assert "Spot" in titles[9] and "checklist" in titles[10]
+    # README.md links two sections by their anchors: their numbers and titles stay.
+    assert titles[7] == "### 7. Goodput at scale: choosing the periods"
+    assert titles[8] == "### 8. Check the fit before you rent the slices: compile for the target"
+
+
+def test_the_guides_exit_code_table_states_what_each_route_does_with_every_code_and_the_budget():
+    text = GUIDE.read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| Trainer exit |"))
+    assert [c.strip() for c in header.strip("|").split("|")][1:] == [
+        "JobSet manifests (`jobset-pathways`, `jobset-gpu`)",
+        "Slurm script",
+        "`pathwaysjob` manifest",
+        "xpk script",
+    ]
+    lines = text.splitlines()
+    start = lines.index(header)
+    table = lines[start : next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))]
+    rows = {line.split("|")[1].strip().split()[0]: line for line in table[2:]}
+    assert set(rows) == {"0", "42", "75", "1", "2"}
+    jobset, slurm, pathwaysjob, xpk = [c.strip() for c in rows["42"].strip().strip("|").split("|")][1:]
+    assert "`--max-preemptions 0`" in jobset and "(N+1)-th" in jobset and "`BackoffLimitExceeded`" in jobset
+    assert "`--max-preemptions N`" in slurm and "`SLURM_RESTART_COUNT`" in slurm
+    assert "does not apply" in pathwaysjob and xpk == "The workload fails."
+    for code in ("75", "1", "2"):
+        assert rows[code].rstrip().endswith("| The workload fails. |"), code
+    assert "`--max-preemptions N`" in rows["75"] and "`--max-preemptions N`" in rows["1"]
+
+
+def test_the_guides_log_commands_select_the_head_pods_trainer_container():
+    """The workers have no `trainer` container: every selector names the pathways-head replicated Job, and the
+    JobSet route prints exactly the command the manifest's comments print."""
+    text = GUIDE.read_text()
+    p = _params("reference", run_name="qwen3-0.6b-elastic")
+    assert R.head_logs_command(p) in text
+    assert R.head_logs_command(p) in R.render("jobset-pathways", p).text
+    for line in (line for line in text.splitlines() if "kubectl logs -f -l" in line):
+        words = shlex.split(
+            line.split("`")[1] if line.lstrip().startswith(("`", "-", "(")) else line, comments=True
+        )
+        selector, container = words[words.index("-l") + 1], words[words.index("-c") + 1]
+        if "replicatedjob-name" in selector:
+            assert "jobset.sigs.k8s.io/replicatedjob-name=pathways-head" in selector, line
+            assert container in ("trainer", "jax-tpu"), line
+        else:  # the GPU route: process 0's pod, which runs a trainer
+            assert "job-index=0" in selector and "job-completion-index=0" in selector and container == "trainer"
+
+
+def test_the_guide_has_one_deploy_checklist_with_every_topic():
+    checklist = _guide_sections()[10]
+    for topic in ("Versions, pinned", "Resources", "Spot", "Logs", "Quotas", "Restart budgets"):
+        assert f"**{topic}" in checklist, topic
+    assert GUIDE.read_text().count("Deploy checklist") == 1

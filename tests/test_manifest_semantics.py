@@ -17,9 +17,12 @@ The JobSet manifests are rendered and run through a small evaluator of the docum
   https://kubernetes.io/docs/tasks/job/pod-failure-policy/
   https://kubernetes.io/docs/reference/kubernetes-api/workload-resources/job-v1/
 - Backoff limits: a Job fails (BackoffLimitExceeded) when its counted pod failures exceed backoffLimit
-  (default 6, or the largest int32 with backoffLimitPerIndex); with backoffLimitPerIndex an index fails when
-  its failures exceed it, or at once on FailIndex; the Job fails with MaxFailedIndexesExceeded when its failed
-  indexes exceed maxFailedIndexes, else with FailedIndexes once every index has succeeded or failed.
+  (default 6, or the largest int32 with backoffLimitPerIndex); every failed pod no rule ignores is counted
+  (Count, FailIndex and FailJob: matchPodFailurePolicy's countFailed); with backoffLimitPerIndex an index fails
+  when its failures exceed it, or at once on FailIndex; the Job fails with MaxFailedIndexesExceeded when its
+  failed indexes exceed maxFailedIndexes, else with FailedIndexes once every index has succeeded or failed. The
+  controller checks FailJob, then backoffLimit, then the failed indexes (pkg/controller/job/job_controller.go,
+  syncJob), so BackoffLimitExceeded wins over MaxFailedIndexesExceeded.
   https://kubernetes.io/docs/concepts/workloads/controllers/job/#backoff-limit-per-index
   https://kubernetes.io/docs/concepts/workloads/controllers/job/#pod-backoff-failure-policy
 - Pod disruption condition DisruptionTarget (preemption, eviction, taint-based eviction, node drain):
@@ -78,7 +81,13 @@ from scripts.deploy import render as R  # noqa: E402
 needs_bash = pytest.mark.skipif(BASH is None, reason="bash not installed")
 
 IMAGE = "us-docker.pkg.dev/my-proj/trainer/trainer:v1"
-REFERENCE = R.DeployParams(slices=3, image=IMAGE, run_name="qwen3-0.6b-elastic", output_dir="gs://my-bucket/runs")
+REFERENCE = R.DeployParams(
+    slices=3,
+    image=IMAGE,
+    run_name="qwen3-0.6b-elastic",
+    output_dir="gs://my-bucket/runs",
+    accept_xpk_failure_policy=True,  # the xpk target renders only with it
+)
 # 4 slices x 2 processes, other budgets: every number below comes from the manifest, not from the defaults.
 RESIZE = dataclasses.replace(
     REFERENCE, slices=4, nodes_per_slice=2, min_slices=2, max_restarts=2, max_task_restarts=4, max_slice_restarts=3
@@ -223,17 +232,20 @@ class Job:
                 self._fail("BackoffLimitExceeded")
             return POD_RESTART_COUNTED
         action = pod_failure_action(self.policy, end)
+        if action == "Ignore":
+            return POD_RESTART
+        # status.failed counts every failed pod no rule ignores: Count, FailIndex and FailJob alike. The Job
+        # controller then checks a FailJob rule, the count against backoffLimit, and the failed indexes, in
+        # that order (syncJob), so a FailIndex past backoffLimit fails the Job with BackoffLimitExceeded.
+        self.failed += 1
         if action == "FailJob":
             self._fail("PodFailurePolicy")
             return RUNNING
-        if action == "Ignore":
-            return POD_RESTART
-        if action == "FailIndex":
-            return self._fail_index(index)
-        self.failed += 1
         if self.failed > self.backoff_limit:
             self._fail("BackoffLimitExceeded")
             return RUNNING
+        if action == "FailIndex":
+            return self._fail_index(index)
         if self.per_index is not None:
             self.index_failures[index] += 1
             if self.index_failures[index] > self.per_index:
@@ -400,6 +412,34 @@ def test_evaluator_exit_code_requirements():
                 },
             }
         )
+
+
+def test_evaluator_backoff_limit_counts_every_counted_failure_before_the_failed_indexes():
+    """backoffLimit next to backoffLimitPerIndex: Count, FailIndex and FailJob failures all count (status.failed);
+    a count past backoffLimit fails the Job with BackoffLimitExceeded even when the same pod failed its index."""
+    spec = {
+        "completions": 2,
+        "parallelism": 2,
+        "completionMode": "Indexed",
+        "backoffLimitPerIndex": 5,
+        "maxFailedIndexes": 0,
+        "backoffLimit": 2,
+        "template": {"spec": _pod()},
+        "podFailurePolicy": {
+            "rules": [
+                {"action": "Count", "onExitCodes": {"containerName": "main", "operator": "In", "values": [42]}},
+                {"action": "FailIndex", "onExitCodes": {"containerName": "main", "operator": "In", "values": [1]}},
+            ]
+        },
+    }
+    job = Job(spec)
+    assert job.pod_ended(0, PodEnd({"main": 42})) == POD_RESTART_COUNTED  # an explicit Count: counted
+    assert job.pod_ended(1, PodEnd({"main": 75})) == POD_RESTART_COUNTED  # no rule: counted, another index
+    job.pod_ended(0, PodEnd({"main": 1}))  # a third counted failure: past backoffLimit 2
+    assert job.condition == ("Failed", "BackoffLimitExceeded")
+    job = Job(spec)
+    job.pod_ended(1, PodEnd({"main": 1}))  # within backoffLimit: the failed index decides
+    assert job.condition == ("Failed", "MaxFailedIndexesExceeded")
 
 
 def test_evaluator_jobset_rules_first_match_default_and_max_restarts():
@@ -620,6 +660,149 @@ def test_pathways_run_completes_when_the_trainer_does_whatever_the_workers():
     assert js.pod_ended("pathways-head", 0, 0, trainer_end(doc, "pathways-head", 0)) == COMPLETED
 
 
+# ------------------------------------------------------------------------------------------------
+# The preemption budget (--max-preemptions N): preemptions and evictions counted against the trainer Job's
+# backoffLimit N; the (N+1)-th counted failure fails the JobSet.
+# ------------------------------------------------------------------------------------------------
+BUDGETS = {
+    "reference": dataclasses.replace(REFERENCE, max_preemptions=3),
+    "resize": dataclasses.replace(RESIZE, max_preemptions=4),
+}
+
+
+@pytest.mark.parametrize("pset", BUDGETS)
+@pytest.mark.parametrize("target", JOBSET_TARGETS)
+def test_the_preemption_budget_is_enforced_the_n_plus_1th_preemption_fails_the_jobset(target, pset):
+    p = BUDGETS[pset]
+    doc = _doc(target, p)
+    rj, j, i = _trainer_pods(doc)[-1]
+    assert _rjob(doc, rj)["template"]["spec"]["backoffLimit"] == p.max_preemptions
+    js = JobSet(doc)
+    for n in range(p.max_preemptions):  # preempted (42) and evicted (DisruptionTarget, killed) in turn
+        end = trainer_end(doc, rj, 42) if n % 2 else trainer_end(doc, rj, 137, DT)
+        assert js.pod_ended(rj, j, i, end) == POD_RESTART_COUNTED, n
+    assert js.pod_ended(rj, j, i, trainer_end(doc, rj, 42)) == JOBSET_FAILS
+    assert js.restarts == 0 and js.state == "Failed"
+    # Without the budget (0, the default) the same preemptions never end the run.
+    js = JobSet(_doc(target, dataclasses.replace(p, max_preemptions=0)))
+    ends = [js.pod_ended(rj, j, i, trainer_end(doc, rj, 42)) for _ in range(10 * p.max_preemptions)]
+    assert set(ends) == {POD_RESTART} and js.state == "Running"
+
+
+@pytest.mark.parametrize("pset", BUDGETS)
+@pytest.mark.parametrize("target", JOBSET_TARGETS)
+@pytest.mark.parametrize("what,code,conditions,expected", CONTRACT_ROWS, ids=ROW_IDS)
+def test_with_a_budget_a_preemption_is_counted_and_every_other_code_keeps_its_outcome(
+    target, pset, what, code, conditions, expected
+):
+    """The budget's rules keep their place before FailJob and FailIndex: an evicted pod whose trainer exited 1
+    while stopping is a (counted) preemption, not a bug."""
+    doc = _doc(target, BUDGETS[pset])
+    js = JobSet(doc)
+    if code == 0:
+        assert _every_process_ends(js, doc, 0)[-1] == COMPLETED
+        return
+    rj, j, i = _trainer_pods(doc)[-1]
+    want = POD_RESTART_COUNTED if expected == POD_RESTART else expected
+    assert js.pod_ended(rj, j, i, trainer_end(doc, rj, code, *conditions)) == want
+
+
+@pytest.mark.parametrize("target", JOBSET_TARGETS)
+def test_the_budget_counts_every_counted_failure_of_the_job_and_a_jobset_restart_renews_it(target):
+    """Kubernetes keeps one failure count per Job: transient failures and a bug's failed index use the budget
+    too (the header and the guide say so), and a JobSet restart recreates the Job with a fresh count."""
+    p = BUDGETS["reference"]  # max_preemptions 3, max_task_restarts 10
+    doc = _doc(target, p)
+    rj, j, i = _trainer_pods(doc)[-1]
+    js = JobSet(doc)
+    assert [js.pod_ended(rj, j, i, trainer_end(doc, rj, c)) for c in (42, 75, 42)] == [POD_RESTART_COUNTED] * 3
+    assert js.pod_ended(rj, j, i, trainer_end(doc, rj, 42)) == JOBSET_FAILS
+    js = JobSet(doc)
+    assert [js.pod_ended(rj, j, i, trainer_end(doc, rj, 42)) for _ in range(3)] == [POD_RESTART_COUNTED] * 3
+    assert js.pod_ended(rj, j, i, trainer_end(doc, rj, 1)) == JOBSET_FAILS  # past the budget: not a restart
+    js = JobSet(doc)
+    assert js.pod_ended(rj, j, i, trainer_end(doc, rj, 42)) == POD_RESTART_COUNTED
+    assert js.pod_ended(rj, j, i, trainer_end(doc, rj, 1)) == JOBSET_RESTART  # within it: a bug restarts
+    assert [js.pod_ended(rj, j, i, trainer_end(doc, rj, 42)) for _ in range(3)] == [POD_RESTART_COUNTED] * 3
+    assert js.pod_ended(rj, j, i, trainer_end(doc, rj, 42)) == JOBSET_FAILS
+    # A counted preemption also uses its process's backoffLimitPerIndex (--max-task-restarts): past it the
+    # JobSet restarts first, so a budget above it is never reached by one process; the renderer warns.
+    wide = dataclasses.replace(p, max_preemptions=p.max_task_restarts + 2)
+    doc = _doc(target, wide)
+    js = JobSet(doc)
+    ends = [js.pod_ended(rj, j, i, trainer_end(doc, rj, 42)) for _ in range(p.max_task_restarts + 1)]
+    assert ends == [POD_RESTART_COUNTED] * p.max_task_restarts + [JOBSET_RESTART]
+    assert any("--max-preemptions=12 cannot be reached" in w for w in R.render(target, wide).warnings)
+
+
+def test_the_rendered_headers_state_the_budget():
+    def header(target: str, p: R.DeployParams) -> str:  # the comment lines as one text
+        text = R.render(target, p).text
+        return " ".join(line.lstrip("#").strip() for line in text[: text.index("apiVersion:")].splitlines())
+
+    for target in JOBSET_TARGETS:
+        budget = header(target, BUDGETS["reference"])
+        assert "counted against the trainer Job's backoffLimit=3 (--max-preemptions)" in budget
+        assert "the failure past it fails the JobSet (BackoffLimitExceeded: FailJobSet)" in budget
+        assert "no budget used (--max-preemptions 0: no bound)" in header(target, REFERENCE)
+    slurm = R.render("slurm", BUDGETS["reference"]).text
+    assert "requeued MAX_PREEMPTIONS=\n#             3 times (SLURM_RESTART_COUNT" in slurm
+    pw = R.render("pathwaysjob", BUDGETS["reference"])
+    assert any("--max-preemptions=3 is not applied" in w for w in pw.warnings)
+
+
+# ------------------------------------------------------------------------------------------------
+# Spot: the trainer's stop fits the notice GKE gives a Spot pod.
+# ------------------------------------------------------------------------------------------------
+SPOT = dataclasses.replace(REFERENCE, capacity="spot")
+
+
+def _trainer_pod_graces(doc: Mapping) -> list[int]:
+    pods = [rj["template"]["spec"]["template"]["spec"] for rj in doc["spec"]["replicatedJobs"]]
+    return [
+        pod["terminationGracePeriodSeconds"]
+        for pod in pods
+        if any(c["name"] == TRAINER for c in pod["containers"])
+    ]
+
+
+@pytest.mark.parametrize("target", JOBSET_TARGETS)
+def test_under_spot_the_trainers_stop_fits_the_notice(target, tmp_path):
+    spot_grace = R.DEFAULT_SPOT_GRACE_SECONDS
+    assert spot_grace == 15  # GKE: 15 s for the pods of a preempted Spot node, then 15 s for system pods
+    r = R.render(target, SPOT)
+    assert f"stop_timeout_seconds={spot_grace - R.SPOT_STOP_MARGIN_SECONDS}" in r.trainer_argv
+    assert _trainer_pod_graces(r.manifest) == [spot_grace] * len(_trainer_pod_graces(r.manifest))
+    pods = [rj["template"]["spec"]["template"]["spec"] for rj in r.manifest["spec"]["replicatedJobs"]]
+    assert all(pod["terminationGracePeriodSeconds"] <= spot_grace for pod in pods)  # workers too
+    # A config file's longer stop is replaced; an explicit one that fits is kept; one that cannot fit is refused.
+    config = tmp_path / "slow_stop.yml"
+    config.write_text("stop_timeout_seconds: 33\n")
+    assert _trainer_pod_graces(_doc(target, dataclasses.replace(SPOT, config=str(config))))[0] == spot_grace
+    fits = _doc(target, dataclasses.replace(SPOT, overrides=("stop_timeout_seconds=7",)))
+    assert set(_trainer_pod_graces(fits)) == {12}
+    for stop in ("10.5", "20"):
+        with pytest.raises(R.DeployError, match=f"stop_timeout_seconds={stop} cannot fit Spot's notice.*<=10"):
+            R.render(target, dataclasses.replace(SPOT, overrides=(f"stop_timeout_seconds={stop}",)))
+    # Node pools that give more (GKE's extended graceful termination) fit a longer stop.
+    longer = dataclasses.replace(SPOT, spot_grace_seconds=60, overrides=("stop_timeout_seconds=45",))
+    assert set(_trainer_pod_graces(_doc(target, longer))) == {50}
+    # The evaluator's outcomes do not change: a Spot preemption is a preemption.
+    js = JobSet(r.manifest)
+    rj, j, i = _trainer_pods(r.manifest)[-1]
+    assert js.pod_ended(rj, j, i, trainer_end(r.manifest, rj, 42, DT)) == POD_RESTART
+
+
+def test_spot_and_slurm_notice_follow_the_stop_timeout():
+    """Slurm's --signal lead time is the stop timeout plus the 10 s margin, Spot or not (Slurm has no Spot)."""
+    text = R.render("slurm", SPOT).text
+    assert "#SBATCH --signal=TERM@20" in text.splitlines()
+    assert "stop_timeout_seconds=10 plus 10 s" in text
+    assert any("--capacity spot is GKE's" in w for w in R.render("slurm", SPOT).warnings)
+    with pytest.raises(R.DeployError, match="cannot fit Spot's notice"):
+        R.render("slurm", dataclasses.replace(SPOT, overrides=("stop_timeout_seconds=30",)))
+
+
 @pytest.mark.parametrize("target", JOBSET_TARGETS)
 def test_trainer_pods_get_the_stop_timeout_plus_10_s(target, tmp_path):
     """terminationGracePeriodSeconds of every pod that runs the trainer: stop_timeout_seconds + 10, as the
@@ -752,7 +935,8 @@ def test_xpk_flags_and_what_xpk_makes_of_each_exit_code(pset, tmp_path):
     assert flags["--elastic-slices"] == [str(p.num_elastic_slices)]
     assert flags["--termination-grace-period-seconds"] == [str(grace)]
     assert "--restart-on-exit-codes" not in flags  # xpk applies it to `workload create` only
-    assert not warnings  # the head pod's default grace (30 s) covers the default stop timeout
+    # Only the acknowledged failure policy: the head pod's default grace (30 s) covers the default stop timeout.
+    assert warnings == [f"{R.XPK_FAILURE_POLICY} (accepted with {R.XPK_ACCEPT_FLAG})"]
     hosts = R.TPU_TYPES[p.tpu_type].hosts
 
     gaps = set()
@@ -994,6 +1178,17 @@ def test_slurm_budgets_come_from_the_environment(tmp_path):
     got = _slurm(tmp_path, [137, 137, 137], tasks=1, MAX_TASK_RESTARTS="2", RESTART_BACKOFF_SECONDS="0")
     assert got.rc == 137 and _per_task(got.runs) == [137, 137, 137] and _per_task(got.sleeps) == [0, 0]
     assert "no restarts left" in got.stderr
+
+
+@needs_bash
+@pytest.mark.parametrize("restarts,requeued", [("0", True), ("1", True), ("2", False), ("5", False)])
+def test_slurm_preemption_budget_stops_requeueing(tmp_path, restarts, requeued):
+    """MAX_PREEMPTIONS=2 (--max-preemptions): a job already requeued twice (SLURM_RESTART_COUNT) ends with 42."""
+    got = _slurm(tmp_path, [42], tasks=1, MAX_PREEMPTIONS="2", SLURM_RESTART_COUNT=restarts)
+    assert got.rc == 42 and got.requeues == (["4242"] if requeued else [])
+    assert ("MAX_PREEMPTIONS=2): not requeued" in got.stderr) is not requeued
+    text = R.render("slurm", dataclasses.replace(REFERENCE, max_preemptions=4)).text
+    assert "MAX_PREEMPTIONS=${MAX_PREEMPTIONS:-4}" in text
 
 
 # A trainer that runs until SIGTERM, then exits with $ON_TERM (its parent, the task's shell, is recorded so

@@ -319,14 +319,17 @@ def test_a_pathways_image_for_the_clients_jax_passes():
     assert check_pathways_image(f"{PATHWAYS_SERVER}:latest", "0.6.0") is None  # nothing to compare
 
 
-def test_the_renderers_default_pathways_images_name_no_jax(monkeypatch):
-    """render.py's default images (--pathways-version=latest) carry no version to compare; images pinned with
-    --pathways-version=jax-X.Y.Z do (the renderer does not call check_pathways_image yet)."""
+def test_the_renderers_default_pathways_images_name_the_trainers_jax(monkeypatch):
+    """render.py's default images are tagged jax-<the trainer image's JAX> (the pin of the Dockerfile's TPU
+    build), so the check passes for it and refuses another client JAX; --pathways-version=jax-X.Y.Z pins
+    another."""
     monkeypatch.syspath_prepend(str(REPO))
     from scripts.deploy import render
 
     default = render.DeployParams(slices=1, image="trainer:tpu", run_name="r", output_dir="gs://b/o")
-    assert pathways_image_jax(default.image_server) is None and pathways_image_jax(default.image_proxy) is None
+    for image in (default.image_server, default.image_proxy):
+        assert pathways_image_jax(image) == render.default_trainer_jax()
+        assert check_pathways_image(image, render.default_trainer_jax()) == render.default_trainer_jax()
     pinned = render.DeployParams(
         slices=1, image="trainer:tpu", run_name="r", output_dir="gs://b/o", pathways_version="jax-0.10.2"
     )

@@ -4,13 +4,14 @@
         [--model qwen3-0.6b] [options] [-o FILE_OR_DIR] [-- key=value ...]
 
 TARGET is one of:
-  xpk              shell script wrapping `xpk workload create-pathways` (Pathways on GKE, TPU)
   jobset-pathways  JobSet manifest: Pathways head (trainer + resource manager + proxy) + one worker Job per slice
   pathwaysjob      PathwaysJob manifest (pathways-job.pathways.domain/v1): Pathways on GKE through the PathwaysJob
                    controller; it cannot express the trainer's exit-code contract (a warning says what is lost)
+  xpk              shell script wrapping `xpk workload create-pathways` (Pathways on GKE, TPU); refused without
+                   --accept-xpk-failure-policy: xpk's JobSet fails the workload on any non-zero trainer exit
   jobset-gpu       JobSet manifest: multi-process JAX on GPU (or CPU, --platform cpu) with fault-tolerance settings
   slurm            sbatch script: the same multi-process JAX run under Slurm
-  all              every artefact above, written into the directory given by -o
+  all              every artefact above, written into the directory given by -o (xpk only when accepted)
 
 The trainer command is built once (`trainer_argv`) from the parameters, checked with the project's own
 config loader (a bad key fails here, with the loader's message, not on the cluster) and embedded
@@ -29,6 +30,7 @@ import math
 import re
 import shlex
 import sys
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +93,66 @@ PATHWAYSJOB_INELASTIC_SLICE_RESTARTS = 4  # its worker backoffLimit is hosts x t
 DEFAULT_STOP_TIMEOUT_SECONDS = 20  # mirrors the default of the trainer key stop_timeout_seconds
 STOP_MARGIN_SECONDS = 10
 KUBERNETES_DEFAULT_GRACE_SECONDS = 30  # terminationGracePeriodSeconds of a pod that does not set it
+
+# Capacity (--capacity). GKE Spot: "By default, GKE clusters give Pods a 30-second graceful termination period
+# after the preemption notice: the first 15 seconds to shut down your Pods, the next 15 for critical system
+# Pods" (https://cloud.google.com/kubernetes-engine/docs/concepts/spot-vms, Termination and graceful shutdown of
+# Spot VMs; GKE 1.35.0-gke.1171000+ Standard node pools and custom ComputeClasses can extend the period to
+# 120 s: --spot-grace-seconds). Under Spot the trainer's stop fits that: its pods claim at most the grace
+# GKE gives, with a shorter margin.
+CAPACITIES = ("on-demand", "spot")
+SPOT_NODE_LABEL = "cloud.google.com/gke-spot"  # GKE's node label of Spot nodes (Standard and Autopilot)
+DEFAULT_SPOT_GRACE_SECONDS = 15
+SPOT_STOP_MARGIN_SECONDS = 5
+
+# xpk (`xpk workload create-pathways`) renders the Pathways JobSet itself; what that costs the exit-code contract.
+XPK_ACCEPT_FLAG = "--accept-xpk-failure-policy"
+XPK_FAILURE_POLICY = (
+    "xpk builds the Pathways JobSet itself with failurePolicy restartStrategy Recreate and no maxRestarts "
+    "(templates/pathways_workload_create.yaml.j2): the --max-restarts the script passes does nothing, and any "
+    "non-zero exit of the trainer (42 preempted, 75 transient, a crash) or an eviction of its pod fails the whole "
+    "workload"
+)
+XPK_FIX = (
+    f"deploy with the jobset-pathways target (the whole exit-code contract), or pass {XPK_ACCEPT_FLAG} to write "
+    "the xpk script anyway"
+)
+
+# Resources of the trainer container. Pathways head (jobset-pathways, pathwaysjob): requests == limits, with
+# the sidecars' (resource manager PATHWAYS_RM_RESOURCES, proxy --proxy-cpu/--proxy-memory) the head pod is
+# Guaranteed QoS; 16 + 8 + 16 CPUs and 64 + 32 + 100 GB fit an n2-standard-64 node of the CPU node pool.
+# Multi-process (jobset-gpu): requests only (the pod may use the rest of its node), per GPU on GPU nodes.
+PATHWAYS_TRAINER_RESOURCES = {"cpu": "16", "memory": "64G", "ephemeral-storage": "20Gi"}
+PATHWAYS_RM_RESOURCES = {"cpu": "8", "memory": "32G"}
+MULTIPROCESS_CPU_PER_GPU = 2
+MULTIPROCESS_MEMORY_GI_PER_GPU = 8
+RESOURCE_FLAGS = {
+    "cpu": "--trainer-cpu",
+    "memory": "--trainer-memory",
+    "ephemeral-storage": "--trainer-ephemeral-storage",
+}
+_QUANTITY_RE = re.compile(r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$")
+
+# High-bandwidth GPU networking on GKE (jobset-gpu --gpu-networking); gpu_networking() renders each mode.
+GPU_NETWORKING = ("none", "tcpxo", "rdma")
+# GPUDirect-TCPXO (A3 Mega): "Maximize GPU network bandwidth in Standard mode clusters",
+# https://cloud.google.com/kubernetes-engine/docs/how-to/gpu-bandwidth-gpudirect-tcpx
+TCPXO_DOC = "https://cloud.google.com/kubernetes-engine/docs/how-to/gpu-bandwidth-gpudirect-tcpx"
+TCPXO_INSTALLER = (
+    "https://raw.githubusercontent.com/GoogleCloudPlatform/container-engine-accelerators/master/"
+    "gpudirect-tcpxo/nccl-tcpxo-installer.yaml"
+)
+# The RxDM (tcpxo-daemon) release of GPUDirect-TCPXO's release notes (container-engine-accelerators
+# gpudirect-tcpxo/README.md, Jan 9, 2026); it must match the cluster's NCCL plugin installer release.
+TCPXO_DAEMON_IMAGE = "us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpxo/tcpgpudmarxd-dev:v1.0.21"
+# GPUDirect-RDMA (A3 Ultra, A4): "Create a custom AI-optimized GKE cluster which uses A4 or A3 Ultra",
+# https://cloud.google.com/ai-hypercomputer/docs/create/gke-ai-hypercompute-custom
+RDMA_DOC = "https://cloud.google.com/ai-hypercomputer/docs/create/gke-ai-hypercompute-custom"
+RDMA_INSTALLER = (
+    "https://raw.githubusercontent.com/GoogleCloudPlatform/container-engine-accelerators/master/"
+    "gpudirect-rdma/nccl-rdma-installer.yaml"
+)
+GPU_NETWORKING_ACCELERATORS = {"tcpxo": ("nvidia-h100-mega-80gb",), "rdma": ("nvidia-h200-141gb", "nvidia-b200")}
 
 # Pathways component ports (the defaults the Pathways images and xpk use).
 PATHWAYS_PROXY_PORT = 29000
@@ -204,13 +266,25 @@ class DeployParams:
     elastic_slices: int | None = None  # proxy --num_elastic_slices / xpk --elastic-slices; None = derived
     max_slice_restarts: int = 5  # worker Job backoffLimit = hosts per slice x this
     pathways_gcs_location: str = ""  # Pathways scratch; "" = <output_dir>/pathways
-    pathways_version: str = "latest"
+    pathways_version: str = ""  # tag of the Pathways images; "" = jax-<the trainer image's JAX> (pathways_tag)
     trainer_jax: str = ""  # the trainer image's JAX; "" = the pin of the Dockerfile's default TPU build
     server_image: str = ""  # "" = <PATHWAYS_IMAGE_REPO>/server:<pathways_version>
     proxy_image: str = ""  # "" = <PATHWAYS_IMAGE_REPO>/proxy_server:<pathways_version>
     proxy_memory: str = "100G"
     proxy_cpu: str = "16"
     head_nodepool: str = "cpu-np"
+    # xpk: write its script despite its JobSet's failure policy (XPK_FAILURE_POLICY); refused without.
+    accept_xpk_failure_policy: bool = False
+    # Restart budgets and resources of the trainer's pods (Kubernetes targets; Slurm: --max-preemptions).
+    # Trainer Job backoffLimit: every counted pod failure of a trainer Job in one JobSet attempt (preemptions
+    # and evictions, counted instead of ignored, transient failures, a bug's failed index); 0 = preemptions
+    # and evictions unbounded (podFailurePolicy Ignore).
+    max_preemptions: int = 0
+    trainer_cpu: str = ""  # "" = the target's default (PATHWAYS_TRAINER_RESOURCES, MULTIPROCESS_*_PER_GPU)
+    trainer_memory: str = ""
+    trainer_ephemeral_storage: str = ""  # "" = Pathways head: the default; jobset-gpu: no request
+    capacity: str = "on-demand"  # on-demand | spot (CAPACITIES)
+    spot_grace_seconds: int = DEFAULT_SPOT_GRACE_SECONDS  # what GKE gives a Spot pod after the notice
     # Multi-process JAX (jobset-gpu, slurm).
     platform: str = "gpu"  # gpu | cpu
     nodes_per_slice: int = 1
@@ -221,6 +295,9 @@ class DeployParams:
     collective_timeout_seconds: int = 120
     restart_backoff_seconds: int = 10
     extra_xla_flags: tuple[str, ...] = ()
+    shm_size: str = "64Gi"  # jobset-gpu: sizeLimit of the /dev/shm emptyDir (medium Memory)
+    gpu_networking: str = "none"  # jobset-gpu: none | tcpxo (A3 Mega) | rdma (A3 Ultra, A4)
+    tcpxo_daemon_image: str = TCPXO_DAEMON_IMAGE
 
     # --- derived values -------------------------------------------------------------------------
     @property
@@ -267,16 +344,15 @@ class DeployParams:
         return self.slices * self.nodes_per_slice
 
     @property
-    def stop_timeout_seconds(self) -> float:
-        """The last `stop_timeout_seconds=` override after `--`, else the trainer key's default (the renderer
-        prefers the value the trainer's loader resolves: `trainer_stop_timeout`)."""
+    def explicit_stop_timeout(self) -> float | None:
+        """The last `stop_timeout_seconds=` override after `--`; None when there is none."""
         value = None
         for o in self.overrides:
             k, sep, v = o.partition("=")
             if sep and k.strip() == "stop_timeout_seconds":
                 value = v.strip()
         if value is None:
-            return float(DEFAULT_STOP_TIMEOUT_SECONDS)
+            return None
         try:
             seconds = float(value)
         except ValueError:
@@ -286,12 +362,40 @@ class DeployParams:
         return seconds
 
     @property
+    def stop_timeout_seconds(self) -> float:
+        """The explicit override, else under Spot the stop that fits its notice, else the trainer key's default
+        (the renderer prefers the value the trainer's loader resolves: `trainer_stop_timeout`)."""
+        explicit = self.explicit_stop_timeout
+        if explicit is not None:
+            return explicit
+        return float(self.spot_stop_timeout if self.spot else DEFAULT_STOP_TIMEOUT_SECONDS)
+
+    @property
+    def spot(self) -> bool:
+        return self.capacity == "spot"
+
+    @property
+    def stop_margin(self) -> int:
+        """Seconds between the trainer's stop timeout and its pod's SIGKILL (terminationGracePeriodSeconds)."""
+        return SPOT_STOP_MARGIN_SECONDS if self.spot else STOP_MARGIN_SECONDS
+
+    @property
+    def spot_stop_timeout(self) -> int:
+        """The longest stop_timeout_seconds whose grace fits what GKE gives a Spot pod."""
+        return self.spot_grace_seconds - SPOT_STOP_MARGIN_SECONDS
+
+    @property
+    def pathways_tag(self) -> str:
+        """The Pathways images' tag: --pathways-version, else the images of the trainer image's JAX."""
+        return self.pathways_version or f"jax-{self.trainer_jax or default_trainer_jax()}"
+
+    @property
     def image_server(self) -> str:
-        return self.server_image or f"{PATHWAYS_IMAGE_REPO}/server:{self.pathways_version}"
+        return self.server_image or f"{PATHWAYS_IMAGE_REPO}/server:{self.pathways_tag}"
 
     @property
     def image_proxy(self) -> str:
-        return self.proxy_image or f"{PATHWAYS_IMAGE_REPO}/proxy_server:{self.pathways_version}"
+        return self.proxy_image or f"{PATHWAYS_IMAGE_REPO}/proxy_server:{self.pathways_tag}"
 
     # --- checks -------------------------------------------------------------------------------------
     def check_common(self) -> list[str]:
@@ -315,9 +419,28 @@ class DeployParams:
             ("--max-restarts", self.max_restarts),
             ("--max-slice-restarts", self.max_slice_restarts),
             ("--max-task-restarts", self.max_task_restarts),
+            ("--max-preemptions", self.max_preemptions),
         ):
             if v < 0:
                 problems.append(f"{k} must be >= 0, got {v}")
+        if self.capacity not in CAPACITIES:
+            problems.append(f"--capacity must be one of {', '.join(CAPACITIES)}, got {self.capacity!r}")
+        elif self.spot and self.spot_stop_timeout < 1:
+            problems.append(
+                f"--spot-grace-seconds={self.spot_grace_seconds} leaves the trainer no time to stop: it needs "
+                f"at least {SPOT_STOP_MARGIN_SECONDS + 1} (stop_timeout_seconds >= 1 plus a "
+                f"{SPOT_STOP_MARGIN_SECONDS} s margin)"
+            )
+        for resource, value in (
+            ("cpu", self.trainer_cpu),
+            ("memory", self.trainer_memory),
+            ("ephemeral-storage", self.trainer_ephemeral_storage),
+        ):
+            if value and not _QUANTITY_RE.match(value):
+                problems.append(
+                    f"{RESOURCE_FLAGS[resource]}={value!r} is not a Kubernetes quantity (e.g. 16, 500m, 64Gi, "
+                    "100G)"
+                )
         for o in self.overrides:
             k = o.partition("=")[0].strip()
             if k in MANAGED_KEYS:
@@ -380,10 +503,28 @@ class DeployParams:
             )
         if self.heartbeat_timeout_seconds < 1 or self.collective_timeout_seconds < 1:
             problems.append("--heartbeat-timeout and --collective-timeout must be >= 1")
+        if not _QUANTITY_RE.match(self.shm_size):
+            problems.append(f"--shm-size={self.shm_size!r} is not a Kubernetes quantity (e.g. 64Gi)")
+        if self.gpu_networking not in GPU_NETWORKING:
+            problems.append(
+                f"--gpu-networking must be one of {', '.join(GPU_NETWORKING)}, got {self.gpu_networking!r}"
+            )
+        elif self.gpu_networking != "none" and (self.platform != "gpu" or self.gpus_per_node != 8):
+            problems.append(
+                f"--gpu-networking={self.gpu_networking} needs --platform gpu and --gpus-per-node 8 (GKE's "
+                f"GPUDirect setup gives one pod all 8 GPUs and NICs of a node), got --platform {self.platform} "
+                f"--gpus-per-node {self.gpus_per_node}; use --gpu-networking none"
+            )
         if problems:
             raise DeployError("; ".join(problems))
         if self.num_processes == 1:
             warnings.append("a single process: the multi-process fault-tolerance settings have nothing to do")
+        accelerators = GPU_NETWORKING_ACCELERATORS.get(self.gpu_networking, ())
+        if accelerators and self.gpu_accelerator not in accelerators:
+            warnings.append(
+                f"--gpu-networking={self.gpu_networking} is GKE's setup for {', '.join(accelerators)} nodes, but "
+                f"--gpu-accelerator is {self.gpu_accelerator}"
+            )
         return warnings
 
 
@@ -417,6 +558,8 @@ def trainer_argv(p: DeployParams, *, single_controller: bool) -> list[str]:
     ]
     if p.cache_dir:
         argv.append(f"jax_cache_dir={p.cache_dir}")
+    if p.spot and p.explicit_stop_timeout is None:  # the stop that fits Spot's notice (spot_stop_timeout)
+        argv.append(f"stop_timeout_seconds={p.spot_stop_timeout}")
     return argv + list(p.overrides)
 
 
@@ -447,10 +590,28 @@ def trainer_stop_timeout(p: DeployParams, cfg) -> float:
     return p.stop_timeout_seconds
 
 
-def grace_seconds(stop_timeout_seconds: float) -> int:
-    """terminationGracePeriodSeconds of every pod that runs the trainer, and Slurm's notice before the time
-    limit: the trainer's stop timeout plus a margin."""
-    return math.ceil(stop_timeout_seconds) + STOP_MARGIN_SECONDS
+def grace_seconds(stop_timeout_seconds: float, margin: int = STOP_MARGIN_SECONDS) -> int:
+    """Slurm's notice before the time limit, and (with the parameters' margin: `pod_grace`) the
+    terminationGracePeriodSeconds of every pod that runs the trainer: the trainer's stop timeout plus a margin."""
+    return math.ceil(stop_timeout_seconds) + margin
+
+
+def pod_grace(p: DeployParams, stop_timeout_seconds: float) -> int:
+    """terminationGracePeriodSeconds of a pod that runs the trainer: its stop timeout plus the margin of the
+    capacity (10 s; 5 s under Spot, whose notice is short)."""
+    return grace_seconds(stop_timeout_seconds, p.stop_margin)
+
+
+def check_spot_fit(p: DeployParams, stop_timeout_seconds: float) -> None:
+    """Under Spot the trainer's pods may claim no more grace than GKE gives them (--spot-grace-seconds)."""
+    if p.spot and pod_grace(p, stop_timeout_seconds) > p.spot_grace_seconds:
+        raise DeployError(
+            f"stop_timeout_seconds={stop_timeout_seconds:g} cannot fit Spot's notice: GKE gives a Spot pod "
+            f"{p.spot_grace_seconds} s (--spot-grace-seconds) and the trainer needs its stop timeout plus "
+            f"{SPOT_STOP_MARGIN_SECONDS} s; use stop_timeout_seconds<={p.spot_stop_timeout} (or leave it out: "
+            "the renderer sets it), or raise --spot-grace-seconds to what your node pools give (GKE can extend it "
+            "to 120 s: docs/running_at_scale.md, Spot capacity)"
+        )
 
 
 def _prepare(p: DeployParams, *, single_controller: bool, check: Callable[[], list[str]]):
@@ -459,7 +620,9 @@ def _prepare(p: DeployParams, *, single_controller: bool, check: Callable[[], li
     warnings = p.check_common()
     argv = trainer_argv(p, single_controller=single_controller)
     cfg = check_trainer_argv(argv, p)
-    return argv, warnings + check(), trainer_stop_timeout(p, cfg)
+    stop = trainer_stop_timeout(p, cfg)
+    check_spot_fit(p, stop)
+    return argv, warnings + check(), stop
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -629,27 +792,45 @@ def trainer_job_policy(p: DeployParams, completions: int) -> dict:
     the index, and one failed index fails the Job (maxFailedIndexes 0: MaxFailedIndexesExceeded). FailIndex
     needs backoffLimitPerIndex, which needs an Indexed Job whose pods have restartPolicy Never
     (https://kubernetes.io/docs/concepts/workloads/controllers/job/).
+
+    The preemption budget (--max-preemptions N > 0): the two preemption rules say Count instead of Ignore, and
+    the Job's backoffLimit is N. Kubernetes keeps one failure count per Job (status.failed: every failed pod
+    no rule ignores, Count, FailIndex and FailJob alike) and one per index (what backoffLimitPerIndex limits);
+    the Job controller checks, in this order, a FailJob rule (reason PodFailurePolicy), then the Job's count
+    against backoffLimit (BackoffLimitExceeded), then the failed indexes (MaxFailedIndexesExceeded)
+    (pkg/controller/job/job_controller.go, syncJob). So the (N+1)-th counted pod failure of the Job in one
+    JobSet attempt fails it with BackoffLimitExceeded, whatever its cause, and `jobset_failure_policy` fails
+    the JobSet on that; a process's (--max-task-restarts + 1)-th counted failure, preemptions included, still
+    restarts the JobSet first when it comes first (`preemption_budget_warnings`). The preemption rules stay
+    first: an evicted pod whose trainer exited 1 while stopping is a preemption, not a bug. N = 0 keeps them
+    Ignore: no bound.
     """
-    return {
+    budget = p.max_preemptions > 0
+    preempted = "Count" if budget else "Ignore"
+    spec: dict = {
         "completionMode": "Indexed",
         "completions": completions,
         "parallelism": completions,
         "backoffLimitPerIndex": p.max_task_restarts,
         "maxFailedIndexes": 0,
-        "podFailurePolicy": {
-            "rules": [
-                # Preempted (SIGTERM: drain, Spot, maintenance; state saved): replace the pod, no budget used.
-                {"action": "Ignore", "onExitCodes": _on_trainer_exit(PREEMPTED_EXIT_CODES)},
-                # An evicted or preempted pod, whatever its exit code (killed at the end of the grace period,
-                # or never started): replace it, no budget used.
-                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-                # Bad input or gave up: fail the Job (reason PodFailurePolicy); the JobSet fails at once.
-                {"action": "FailJob", "onExitCodes": _on_trainer_exit(FINAL_EXIT_CODES)},
-                # A bug: fail the index without retrying the pod; the JobSet restarts, counted (maxRestarts).
-                {"action": "FailIndex", "onExitCodes": _on_trainer_exit(BUG_EXIT_CODES)},
-            ]
-        },
     }
+    if budget:
+        spec["backoffLimit"] = p.max_preemptions
+    spec["podFailurePolicy"] = {
+        "rules": [
+            # Preempted (SIGTERM: drain, Spot, maintenance; state saved): replace the pod; no budget used, or,
+            # with --max-preemptions, counted against the Job's backoffLimit.
+            {"action": preempted, "onExitCodes": _on_trainer_exit(PREEMPTED_EXIT_CODES)},
+            # An evicted or preempted pod, whatever its exit code (killed at the end of the grace period, or
+            # never started): the same.
+            {"action": preempted, "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            # Bad input or gave up: fail the Job (reason PodFailurePolicy); the JobSet fails at once.
+            {"action": "FailJob", "onExitCodes": _on_trainer_exit(FINAL_EXIT_CODES)},
+            # A bug: fail the index without retrying the pod; the JobSet restarts, counted (maxRestarts).
+            {"action": "FailIndex", "onExitCodes": _on_trainer_exit(BUG_EXIT_CODES)},
+        ]
+    }
+    return spec
 
 
 def jobset_failure_policy(p: DeployParams, trainer_job: str) -> dict:
@@ -658,7 +839,8 @@ def jobset_failure_policy(p: DeployParams, trainer_job: str) -> dict:
     The JobSet controller (v0.6.0+) evaluates the rules in order, runs the first that matches the failed Job's
     reason and replicatedJob, and restarts the JobSet counted against maxRestarts (RestartJobSet) when none
     matches: exit 1, a used-up per-process budget, any other child Job failure; one restart more than
-    maxRestarts fails the JobSet (https://jobset.sigs.k8s.io/docs/reference/jobset.v1alpha2/).
+    maxRestarts fails the JobSet (https://jobset.sigs.k8s.io/docs/reference/jobset.v1alpha2/). With
+    --max-preemptions, a trainer Job past its backoffLimit fails the JobSet (`preemption_budget_rule`).
     """
     return {
         "maxRestarts": p.max_restarts,
@@ -677,8 +859,39 @@ def jobset_failure_policy(p: DeployParams, trainer_job: str) -> dict:
                 "onJobFailureReasons": ["MaxFailedIndexesExceeded"],
                 "targetReplicatedJobs": [trainer_job],
             },
+            *preemption_budget_rule(p, trainer_job),
         ],
     }
+
+
+def preemption_budget_warnings(p: DeployParams, processes: int) -> list[str]:
+    """A budget no run can reach: a counted preemption also uses its process's backoffLimitPerIndex, whose
+    (--max-task-restarts + 1)-th failure restarts the JobSet (fresh counts) before the Job's count passes N."""
+    reachable = p.max_task_restarts * processes
+    if p.max_preemptions > reachable:
+        return [
+            f"--max-preemptions={p.max_preemptions} cannot be reached: a counted preemption also uses its "
+            f"process's --max-task-restarts={p.max_task_restarts}, and {processes} process(es) per trainer Job "
+            f"restart the JobSet (with fresh counts) before {reachable + 1} counted failures; use "
+            f"--max-preemptions <= {reachable}"
+        ]
+    return []
+
+
+def preemption_budget_rule(p: DeployParams, trainer_job: str) -> list[dict]:
+    """With --max-preemptions: a trainer Job past its backoffLimit (BackoffLimitExceeded; `trainer_job_policy`)
+    used up the run's budget of preemptions: the JobSet fails instead of restarting (a restart would recreate the
+    Job with a fresh count)."""
+    if p.max_preemptions <= 0:
+        return []
+    return [
+        {
+            "name": "trainerOutOfPreemptions",
+            "action": "FailJobSet",
+            "onJobFailureReasons": ["BackoffLimitExceeded"],
+            "targetReplicatedJobs": [trainer_job],
+        }
+    ]
 
 
 def _header(target: str, p: DeployParams) -> list[str]:
@@ -695,9 +908,77 @@ def _metadata(p: DeployParams) -> dict:
     return {"name": p.job_name, "namespace": p.namespace, "labels": labels}
 
 
+def guaranteed(quantities: Mapping[str, str]) -> dict:
+    """Container resources with requests == limits (a pod whose every container has them for cpu and memory
+    is of QoS class Guaranteed: evicted last under node pressure)."""
+    return {"requests": dict(quantities), "limits": dict(quantities)}
+
+
+def pathways_trainer_resources(p: DeployParams) -> dict:
+    """The trainer on the Pathways head pod: requests == limits (--trainer-cpu, --trainer-memory,
+    --trainer-ephemeral-storage; PATHWAYS_TRAINER_RESOURCES by default)."""
+    d = PATHWAYS_TRAINER_RESOURCES
+    return guaranteed(
+        {
+            "cpu": p.trainer_cpu or d["cpu"],
+            "memory": p.trainer_memory or d["memory"],
+            "ephemeral-storage": p.trainer_ephemeral_storage or d["ephemeral-storage"],
+        }
+    )
+
+
+def multiprocess_trainer_resources(p: DeployParams) -> dict:
+    """A multi-process trainer pod (jobset-gpu): cpu and memory requests (by default MULTIPROCESS_*_PER_GPU per
+    GPU, as for one GPU on CPU nodes), ephemeral-storage only when given, and on GPU nodes the GPUs as a limit."""
+    n = p.gpus_per_node if p.platform == "gpu" else 1
+    requests = {
+        "cpu": p.trainer_cpu or str(MULTIPROCESS_CPU_PER_GPU * n),
+        "memory": p.trainer_memory or f"{MULTIPROCESS_MEMORY_GI_PER_GPU * n}Gi",
+    }
+    if p.trainer_ephemeral_storage:
+        requests["ephemeral-storage"] = p.trainer_ephemeral_storage
+    resources: dict = {"requests": requests}
+    if p.platform == "gpu":
+        resources["limits"] = {"nvidia.com/gpu": str(p.gpus_per_node)}
+    return resources
+
+
+def capacity_node_selector(p: DeployParams) -> dict:
+    """The node label that puts a pod on Spot nodes under --capacity spot (GKE labels every Spot node with it)."""
+    return {SPOT_NODE_LABEL: "true"} if p.spot else {}
+
+
+def spot_tolerations(p: DeployParams) -> list[dict]:
+    """The toleration of GKE's Spot taint (cloud.google.com/gke-spot=true:NoSchedule: Autopilot puts it on Spot
+    nodes, and GKE's Spot guide suggests it for Standard Spot node pools); harmless on an untainted pool."""
+    if not p.spot:
+        return []
+    return [{"key": SPOT_NODE_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}]
+
+
+def capacity_tolerations(p: DeployParams) -> dict:
+    return {"tolerations": spot_tolerations(p)} if p.spot else {}
+
+
+def worker_grace(p: DeployParams) -> int:
+    """terminationGracePeriodSeconds of a Pathways worker pod: Kubernetes' default, no more than Spot gives."""
+    if p.spot:
+        return min(KUBERNETES_DEFAULT_GRACE_SECONDS, p.spot_grace_seconds)
+    return KUBERNETES_DEFAULT_GRACE_SECONDS
+
+
 def head_logs_command(p: DeployParams) -> str:
     """`kubectl logs` of the trainer: the head pod only (the worker pods have no `trainer` container)."""
     selector = f"jobset.sigs.k8s.io/jobset-name={p.job_name},jobset.sigs.k8s.io/replicatedjob-name=pathways-head"
+    return f"kubectl logs -f -l {selector} -c {TRAINER_CONTAINER}"
+
+
+def gpu_logs_command(p: DeployParams) -> str:
+    """`kubectl logs` of process 0 of a jobset-gpu run (Kubernetes labels a pod with its completion index)."""
+    selector = (
+        f"jobset.sigs.k8s.io/jobset-name={p.job_name},jobset.sigs.k8s.io/job-index=0,"
+        "batch.kubernetes.io/job-completion-index=0"
+    )
     return f"kubectl logs -f -l {selector} -c {TRAINER_CONTAINER}"
 
 
@@ -727,7 +1008,7 @@ class Rendered:
 # The trainer's exit codes and what a JobSet manifest makes of them; {pods} and {budget} differ by target.
 _JOBSET_CONTRACT = """\
 #   42        preempted, state saved (SIGTERM: drain, Spot, maintenance), and any evicted {pod} (condition
-#             DisruptionTarget): the {pod} is replaced, no budget used
+{preempted}
 #   75, crash transient (storage, peers), or a death the trainer did not choose (137 SIGKILL or
 #             OOM-kill, 134, 139, 143): the {pod} is replaced, up to {budget} times{per}
 #             (backoffLimitPerIndex); one more restarts the JobSet (counted)
@@ -736,13 +1017,41 @@ _JOBSET_CONTRACT = """\
 #   2, 3      bad input, gave up: the JobSet fails at once"""
 
 
+def _comment(text: str, indent: str = "") -> list[str]:
+    """`text` as comment lines of at most 110 characters, each after `# ` and `indent`."""
+    return textwrap.wrap(
+        text, 110, initial_indent="# " + indent, subsequent_indent="# " + indent, break_on_hyphens=False
+    )
+
+
+def _preempted_outcome(p: DeployParams, pod: str) -> str:
+    """What the JobSet manifests make of a preemption (exit 42 or DisruptionTarget): the header's lines."""
+    if p.max_preemptions <= 0:
+        text = f"DisruptionTarget): the {pod} is replaced, no budget used (--max-preemptions 0: no bound)"
+    else:
+        text = (
+            f"DisruptionTarget): the {pod} is replaced, counted against the trainer Job's backoffLimit="
+            f"{p.max_preemptions} (--max-preemptions), which every counted pod failure of the Job in one JobSet "
+            "attempt uses (75, crashes and 1 too); the failure past it fails the JobSet (BackoffLimitExceeded: "
+            "FailJobSet). A counted preemption also uses its process's backoffLimitPerIndex (below)"
+        )
+    return "\n".join(_comment(text, " " * 12))
+
+
 def _jobset_contract(p: DeployParams, pod: str, per: str) -> list[str]:
-    text = _JOBSET_CONTRACT.format(pod=pod, budget=p.max_task_restarts, per=per, max_restarts=p.max_restarts)
+    text = _JOBSET_CONTRACT.format(
+        pod=pod,
+        budget=p.max_task_restarts,
+        per=per,
+        max_restarts=p.max_restarts,
+        preempted=_preempted_outcome(p, pod),
+    )
     return text.splitlines()
 
 
 def render_jobset_pathways(p: DeployParams) -> Rendered:
     argv, warnings, stop = _prepare(p, single_controller=True, check=p.check_pathways)
+    warnings += preemption_budget_warnings(p, 1)
     tpu = p.tpu
     head = f"{p.job_name}-pathways-head-0-0.{p.job_name}"
     rm_args = [
@@ -780,7 +1089,7 @@ def render_jobset_pathways(p: DeployParams) -> Rendered:
         ]
     ) + [field_env("MEGASCALE_SLICE_ID", "metadata.labels['jobset.sigs.k8s.io/job-index']")]
     worker_backoff_limit = tpu.hosts * p.max_slice_restarts
-    grace = grace_seconds(stop)
+    grace = pod_grace(p, stop)
     head_pod = {
         "restartPolicy": "Never",  # the Job replaces the pod; the podFailurePolicy needs it
         "terminationGracePeriodSeconds": grace,
@@ -799,7 +1108,7 @@ def render_jobset_pathways(p: DeployParams) -> Rendered:
                 "args": rm_args,
                 "env": env_list([("TPU_SKIP_MDS_QUERY", "true")]),
                 "ports": [{"containerPort": PATHWAYS_RM_PORT, "protocol": "TCP"}],
-                "resources": {"limits": {"cpu": "8", "memory": "32G"}},
+                "resources": guaranteed(PATHWAYS_RM_RESOURCES),
             },
             {
                 "name": "pathways-proxy",
@@ -808,7 +1117,7 @@ def render_jobset_pathways(p: DeployParams) -> Rendered:
                 "restartPolicy": "Always",
                 "args": proxy_args,
                 "ports": [{"containerPort": PATHWAYS_PROXY_PORT, "protocol": "TCP"}],
-                "resources": {"limits": {"cpu": p.proxy_cpu, "memory": p.proxy_memory}},
+                "resources": guaranteed({"cpu": p.proxy_cpu, "memory": p.proxy_memory}),
             },
         ],
         "containers": [
@@ -818,6 +1127,7 @@ def render_jobset_pathways(p: DeployParams) -> Rendered:
                 "imagePullPolicy": "Always",
                 "command": list(argv),
                 "env": env_list(trainer_env) + job_identity_env(),
+                "resources": pathways_trainer_resources(p),
             }
         ],
     }
@@ -825,12 +1135,14 @@ def render_jobset_pathways(p: DeployParams) -> Rendered:
         "restartPolicy": "OnFailure",
         "hostNetwork": True,
         "dnsPolicy": "ClusterFirstWithHostNet",
-        "terminationGracePeriodSeconds": KUBERNETES_DEFAULT_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": worker_grace(p),
         "serviceAccountName": p.service_account,
         "nodeSelector": {
             "cloud.google.com/gke-tpu-accelerator": tpu.gke_accelerator,
             "cloud.google.com/gke-tpu-topology": tpu.topology,
+            **capacity_node_selector(p),
         },
+        **capacity_tolerations(p),
         "containers": [
             {
                 "name": "pathways-worker",
@@ -914,8 +1226,15 @@ def render_jobset_pathways(p: DeployParams) -> Rendered:
         "# A replaced head pod starts a new resource manager and proxy with the trainer; the worker Jobs stay,",
         "# and whatever a worker does when its resource manager goes away counts against its Job's backoffLimit.",
         f"# The trainer stops within stop_timeout_seconds={stop:g} of a SIGTERM; the head pod's",
-        f"# terminationGracePeriodSeconds is that plus {STOP_MARGIN_SECONDS} s, for a saved checkpoint and exit 42"
+        f"# terminationGracePeriodSeconds is that plus {p.stop_margin} s, for a saved checkpoint and exit 42"
         " before SIGKILL.",
+        *_capacity_header(p, "The worker pods (the TPU slices)"),
+        *_comment(
+            "Resources: every container of the head pod has requests == limits (QoS class Guaranteed: evicted "
+            f"last): trainer {_quantities(pathways_trainer_resources(p))} (--trainer-cpu, --trainer-memory, "
+            f"--trainer-ephemeral-storage), pathways-rm {_quantities(guaranteed(PATHWAYS_RM_RESOURCES))}, "
+            f"pathways-proxy cpu={p.proxy_cpu} memory={p.proxy_memory} (--proxy-cpu, --proxy-memory)."
+        ),
         "# The resource manager and the proxy run as native sidecars (init containers with restartPolicy Always):",
         "# they start before the trainer and stop when it exits. Pods are reachable as",
         "# <jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<jobset> even before they are Ready",
@@ -925,6 +1244,27 @@ def render_jobset_pathways(p: DeployParams) -> Rendered:
     ]
     return Rendered(
         "jobset-pathways", f"{p.job_name}.pathways.yaml", manifest_text(header, manifest), argv, warnings, manifest
+    )
+
+
+def _quantities(resources: Mapping) -> str:
+    """`cpu=16 memory=64G` from a container's resources (its limits, else its requests)."""
+    values = resources.get("limits") or resources.get("requests") or {}
+    return " ".join(f"{k}={v}" for k, v in values.items() if k != "nvidia.com/gpu")
+
+
+def _capacity_header(p: DeployParams, spot_pods: str, *, tolerate: bool = True) -> list[str]:
+    """The header's lines on --capacity."""
+    if not p.spot:
+        return ["# Capacity: on-demand (--capacity spot: Spot nodes, and a stop that fits their notice)."]
+    return _comment(
+        f"Capacity: Spot. {spot_pods} select {SPOT_NODE_LABEL}=true"
+        + (" and tolerate its taint" if tolerate else " (a PathwaysJob cannot give them tolerations)")
+        + ". GKE gives a "
+        f"Spot pod {p.spot_grace_seconds} s after the notice (--spot-grace-seconds): the trainer's "
+        f"stop_timeout_seconds is at most {p.spot_stop_timeout} s ({p.spot_grace_seconds} s less a "
+        f"{SPOT_STOP_MARGIN_SECONDS} s margin) and no pod's terminationGracePeriodSeconds exceeds "
+        f"{p.spot_grace_seconds} s."
     )
 
 
@@ -968,13 +1308,27 @@ def render_pathwaysjob(p: DeployParams) -> Rendered:
             f"controller sets the worker backoffLimit to hosts x {PATHWAYSJOB_INELASTIC_SLICE_RESTARTS} "
             "unless elasticSlices > 0"
         )
-    grace = grace_seconds(stop)
+    if p.max_preemptions > 0:
+        warnings.append(
+            f"--max-preemptions={p.max_preemptions} is not applied: the PathwaysJob controller gives the head Job "
+            "no podFailurePolicy, so every preemption restarts the JobSet, counted against "
+            f"maxRestarts={p.max_restarts}"
+        )
+    if p.spot:
+        warnings.append(
+            "--capacity spot: the workers select Spot nodes (workers[0].nodeSelector), but a PathwaysJob cannot "
+            f"give them tolerations: Spot node pools tainted {SPOT_NODE_LABEL}=true:NoSchedule will not take them"
+        )
+    grace = pod_grace(p, stop)
     worker = {
         "type": tpu.machine_type,
         "topology": tpu.topology,
         "numSlices": p.slices,
         "maxSliceRestarts": p.max_slice_restarts,
     }
+    if p.spot:  # the controller merges workers[0].nodeSelector into the worker pods' and copies the grace
+        worker["nodeSelector"] = capacity_node_selector(p)
+        worker["terminationGracePeriodSeconds"] = worker_grace(p)
     trainer = {
         "name": TRAINER_CONTAINER,
         "image": p.image,
@@ -982,6 +1336,7 @@ def render_pathwaysjob(p: DeployParams) -> Rendered:
         "command": list(argv),
         # The controller appends JAX_PLATFORMS=proxy, XCLOUD_ENVIRONMENT and JAX_BACKEND_TARGET (the proxy).
         "env": env_list(pathways_trainer_env(p)) + job_identity_env(),
+        "resources": pathways_trainer_resources(p),
     }
     controller: dict = {"deploymentMode": "default", "mainContainerName": TRAINER_CONTAINER}
     if p.num_elastic_slices:
@@ -999,7 +1354,7 @@ def render_pathwaysjob(p: DeployParams) -> Rendered:
     spec: dict = {
         "maxRestarts": p.max_restarts,
         "pathwaysDir": p.scratch,
-        "pathwaysVersion": p.pathways_version,
+        "pathwaysVersion": p.pathways_tag,
         "workers": [worker],
         "controller": controller,
     }
@@ -1034,7 +1389,10 @@ def render_pathwaysjob(p: DeployParams) -> Rendered:
         "#   controller.template: the head pod, with the resource manager and the proxy as native sidecars and",
         "#            JAX_PLATFORMS=proxy and JAX_BACKEND_TARGET appended to the `trainer` container's env; its",
         f"#            terminationGracePeriodSeconds is the trainer's stop_timeout_seconds={stop:g} plus"
-        f" {STOP_MARGIN_SECONDS} s.",
+        f" {p.stop_margin} s; the trainer's",
+        f"#            resources have requests == limits ({_quantities(pathways_trainer_resources(p))}), and so do"
+        " the sidecars'",
+        "#            (the controller's limits), so the head pod is of QoS class Guaranteed.",
         "#   maxRestarts: the JobSet's failurePolicy.maxRestarts, with no rules.",
         "#",
         "# The trainer's exit-code contract (trainer/errors.py) is NOT fully kept: the controller gives the head",
@@ -1048,17 +1406,37 @@ def render_pathwaysjob(p: DeployParams) -> Rendered:
         "#   1                     JobSet restart, counted               JobSet restart, counted   -",
         "#   2, 3                  JobSet restart, counted, until        JobSet fails at once      retried",
         f"#                         maxRestarts={p.max_restarts} is used up",
-        "# For the whole contract, deploy the same run with the jobset-pathways target.",
+        "# For the whole contract, deploy the same run with the jobset-pathways target. --max-preemptions does",
+        "# not apply here (every preemption is already counted against maxRestarts).",
         "# The proxy's resources are the controller's (16 CPUs, 100 GB): --proxy-memory and --proxy-cpu do not",
         "# apply.",
+        *_capacity_header(p, "The worker pods (workers[0].nodeSelector)", tolerate=False),
     ]
     return Rendered(
         "pathwaysjob", f"{p.job_name}.pathwaysjob.yaml", manifest_text(header, manifest), argv, warnings, manifest
     )
 
 
+def check_xpk_accepted(p: DeployParams) -> None:
+    """xpk is refused unless the operator accepts what its JobSet does with the trainer's exit codes."""
+    if not p.accept_xpk_failure_policy:
+        raise DeployError(f"the xpk target is refused: {XPK_FAILURE_POLICY}. Fix: {XPK_FIX}")
+
+
 def render_xpk(p: DeployParams) -> Rendered:
+    check_xpk_accepted(p)
     argv, warnings, stop = _prepare(p, single_controller=True, check=p.check_pathways)
+    warnings.insert(0, f"{XPK_FAILURE_POLICY} (accepted with {XPK_ACCEPT_FLAG})")
+    if p.max_preemptions > 0:
+        warnings.append(
+            f"--max-preemptions={p.max_preemptions} is not applied: under xpk the first preemption already ends "
+            "the workload"
+        )
+    if p.spot:
+        warnings.append(
+            "--capacity spot: xpk takes the capacity from the cluster (`xpk cluster create-pathways --spot`) and "
+            "adds its own node selectors; the script passes none"
+        )
     command = shlex.join(argv)
     if any(shlex.quote(a) != a for a in argv):
         warnings.append("some trainer arguments need shell quoting; check that xpk passes them through intact")
@@ -1071,9 +1449,10 @@ def render_xpk(p: DeployParams) -> Rendered:
     env = [("ENABLE_PATHWAYS_PERSISTENCE", "1")]
     if p.cache_dir:
         env.append(("JAX_COMPILATION_CACHE_DIR", p.cache_dir))
-    if grace_seconds(stop) > KUBERNETES_DEFAULT_GRACE_SECONDS:
+    grace = pod_grace(p, stop)
+    if grace > KUBERNETES_DEFAULT_GRACE_SECONDS:
         warnings.append(
-            f"stop_timeout_seconds={stop:g} needs {grace_seconds(stop)} s of grace, but xpk leaves "
+            f"stop_timeout_seconds={stop:g} needs {grace} s of grace, but xpk leaves "
             f"the head pod (the trainer) at Kubernetes' default of {KUBERNETES_DEFAULT_GRACE_SECONDS} s: a longer "
             "stop is killed (exit 137); use the jobset-pathways target or a shorter stop_timeout_seconds"
         )
@@ -1087,8 +1466,9 @@ def render_xpk(p: DeployParams) -> Rendered:
         "scratch": shlex.quote(p.scratch),
         "elastic_flags": elastic_flags,
         "max_restarts": str(p.max_restarts),
-        "grace_seconds": str(grace_seconds(stop)),
+        "grace_seconds": str(grace),
         "stop_timeout": f"{stop:g}",
+        "stop_margin": str(p.stop_margin),
         "env_flags": [f"--env={shlex.quote(f'{k}={v}')} \\" for k, v in env],
     }
     text = fill(load_template("xpk_submit.sh.tmpl"), values)
@@ -1110,31 +1490,186 @@ GPU_PRELUDE = "\n".join(
 )
 
 
+def gpu_prelude(nccl_profile: str) -> str:
+    """GPU_PRELUDE, sourcing first the NCCL settings a GPUDirect mode's guide requires (not under `set -u`: the
+    profile is GKE's script)."""
+    if not nccl_profile:
+        return GPU_PRELUDE
+    return "\n".join(["set -eo pipefail", nccl_profile, "set -u", *GPU_PRELUDE.splitlines()[1:], ""])
+
+
+@dataclass(frozen=True)
+class GpuNetworking:
+    """What one --gpu-networking mode adds to a jobset-gpu pod, as the GKE guide of that mode (`doc`) has it:
+    the pod annotations that attach the node's GPU NICs (GKE multi-networking: the cluster's Network objects
+    `networks`), volumes, native sidecars, the trainer's env and mounts, and the NCCL settings its prelude sources.
+    The NCCL plugin itself comes from the guide's installer DaemonSet, applied once per cluster."""
+
+    mode: str
+    doc: str = ""
+    installer: str = ""
+    networks: tuple[str, ...] = ()
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    volumes: tuple[dict, ...] = ()
+    sidecars: tuple[dict, ...] = ()
+    trainer_env: tuple[tuple[str, str], ...] = ()
+    trainer_mounts: tuple[dict, ...] = ()
+    nccl_profile: str = ""
+
+
+def _interfaces(networks: Sequence[str]) -> str:
+    """The networking.gke.io/interfaces annotation: eth<i> on the i-th network, in GKE's guides' JSON layout."""
+    rows = [f'  {{"interfaceName":"eth{i}","network":"{n}"}}' for i, n in enumerate(networks)]
+    return "[\n" + ",\n".join(rows) + "\n]\n"
+
+
+def _host_path(name: str, path: str) -> dict:
+    return {"name": name, "hostPath": {"path": path}}
+
+
+def gpu_networking(p: DeployParams) -> GpuNetworking:
+    """--gpu-networking: none, or GKE's GPUDirect setup for the node's machine type.
+
+    tcpxo (A3 Mega, GPUDirect-TCPXO), from "Maximize GPU network bandwidth in Standard mode clusters" (TCPXO_DOC)
+    and the GPUDirect-TCPXO release notes and best practices it links (GoogleCloudPlatform/
+    container-engine-accelerators gpudirect-tcpxo/): the eight GPU NICs on networks vpc1..vpc8, the RxDM
+    (tcpxo-daemon) as a native sidecar so the Job completes when the trainer does, the GPUs' device files
+    for it, /dev/aperture_devices for the trainer, and `source ${NCCL_LIB_DIR}/nccl-env-profile.sh`.
+    rdma (A3 Ultra, A4, GPUDirect-RDMA), from "Create a custom AI-optimized GKE cluster which uses A4 or A3
+    Ultra" (RDMA_DOC): networks gvnic-1 and rdma-0..rdma-7, the host's NVIDIA and gIB libraries, and
+    `source /usr/local/gib/scripts/set_nccl_env.sh`.
+    """
+    if p.gpu_networking == "tcpxo":
+        gpus = [f"/dev/nvidia{i}" for i in range(8)]
+        devices = [*gpus, "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/dmabuf_import_helper"]
+        networks = ("default", *(f"vpc{i}" for i in range(1, 9)))
+        rxdm = {
+            "name": "tcpxo-daemon",
+            "image": p.tcpxo_daemon_image,
+            "imagePullPolicy": "Always",
+            "restartPolicy": "Always",  # a native sidecar: it stops when the trainer has exited
+            "command": ["/bin/sh", "-c"],
+            "args": [
+                "set -ex\nchmod 755 /fts/entrypoint_rxdm_container.sh\n"
+                "/fts/entrypoint_rxdm_container.sh --num_hops=2 --num_nics=8\n"
+            ],
+            "securityContext": {"capabilities": {"add": ["NET_ADMIN", "NET_BIND_SERVICE"]}},
+            "volumeMounts": [
+                {"name": "libraries", "mountPath": "/usr/local/nvidia"},
+                {"name": "sys", "mountPath": "/hostsysfs"},
+                {"name": "proc-sys", "mountPath": "/hostprocsysfs"},
+            ],
+            "env": env_list([("LD_LIBRARY_PATH", "/usr/local/nvidia/lib64")]),
+        }
+        return GpuNetworking(
+            mode="tcpxo",
+            doc=TCPXO_DOC,
+            installer=TCPXO_INSTALLER,
+            networks=networks[1:],
+            annotations={
+                "devices.gke.io/container.tcpxo-daemon": "".join(f"- path: {d}\n" for d in devices),
+                "networking.gke.io/default-interface": "eth0",
+                "networking.gke.io/interfaces": _interfaces(networks),
+            },
+            volumes=(
+                _host_path("libraries", "/home/kubernetes/bin/nvidia"),
+                _host_path("sys", "/sys"),
+                _host_path("proc-sys", "/proc/sys"),
+                _host_path("aperture-devices", "/dev/aperture_devices"),
+            ),
+            sidecars=(rxdm,),
+            trainer_env=(
+                ("LD_LIBRARY_PATH", "/usr/local/nvidia/lib64"),
+                ("NCCL_LIB_DIR", "/usr/local/nvidia/lib64"),
+                ("NCCL_FASTRAK_LLCM_DEVICE_DIRECTORY", "/dev/aperture_devices"),
+            ),
+            trainer_mounts=({"name": "aperture-devices", "mountPath": "/dev/aperture_devices"},),
+            nccl_profile='source "${NCCL_LIB_DIR}/nccl-env-profile.sh"',
+        )
+    if p.gpu_networking == "rdma":
+        networks = ("default", "gvnic-1", *(f"rdma-{i}" for i in range(8)))
+        return GpuNetworking(
+            mode="rdma",
+            doc=RDMA_DOC,
+            installer=RDMA_INSTALLER,
+            networks=networks[1:],
+            annotations={
+                "networking.gke.io/default-interface": "eth0",
+                "networking.gke.io/interfaces": _interfaces(networks),
+            },
+            volumes=(
+                _host_path("library-dir-host", "/home/kubernetes/bin/nvidia"),
+                _host_path("gib", "/home/kubernetes/bin/gib"),
+            ),
+            trainer_env=(("LD_LIBRARY_PATH", "/usr/local/nvidia/lib64"),),
+            trainer_mounts=(
+                {"name": "library-dir-host", "mountPath": "/usr/local/nvidia"},
+                {"name": "gib", "mountPath": "/usr/local/gib"},
+            ),
+            nccl_profile="source /usr/local/gib/scripts/set_nccl_env.sh",
+        )
+    return GpuNetworking(mode="none")
+
+
+def _networking_header(net: GpuNetworking) -> list[str]:
+    if net.mode == "none":
+        return [
+            "# GPU networking: the pod network only (--gpu-networking: tcpxo on A3 Mega, rdma on A3 Ultra, A4)."
+        ]
+    return [
+        f"# GPU networking: GPUDirect-{net.mode.upper()}, as GKE's guide has it: {net.doc}",
+        f"#   once per cluster: the NCCL plugin installer, kubectl apply -f {net.installer}",
+        f"#   and the GKE Network objects {', '.join(net.networks)} (their names are the guide's);",
+        "#   in the pod: the annotations that attach the node's NICs; the prelude sources",
+        f"#   {net.nccl_profile.split()[-1]} (NCCL's settings for the plugin).",
+    ]
+
+
 def render_jobset_gpu(p: DeployParams) -> Rendered:
     argv, warnings, stop = _prepare(p, single_controller=False, check=p.check_multiprocess)
+    warnings += preemption_budget_warnings(p, p.nodes_per_slice)
+    net = gpu_networking(p)
+    gpu_resources = multiprocess_trainer_resources(p)
     coordinator = f"{p.job_name}-slice-0-0.{p.job_name}:{p.coordinator_port}"
-    env = [("JAX_COORDINATOR_ADDRESS", coordinator)] + multiprocess_env(p)
+    env = [("JAX_COORDINATOR_ADDRESS", coordinator)] + multiprocess_env(p) + list(net.trainer_env)
     trainer: dict = {
         "name": TRAINER_CONTAINER,
         "image": p.image,
         "imagePullPolicy": "Always",
-        "command": ["bash", "-c", GPU_PRELUDE, "bash"],
+        "command": ["bash", "-c", gpu_prelude(net.nccl_profile), "bash"],
         "args": list(argv),
         "env": [field_env("JOB_INDEX", "metadata.labels['jobset.sigs.k8s.io/job-index']")]
         + env_list(env)
         + job_identity_env(),
         "ports": [{"containerPort": p.coordinator_port, "protocol": "TCP"}],
+        "resources": gpu_resources,
+        # /dev/shm: a container's default is 64 MiB, too small for NCCL and the input pipeline's processes.
+        "volumeMounts": [{"name": "shared-memory", "mountPath": "/dev/shm"}, *net.trainer_mounts],
     }
     pod: dict = {
         "restartPolicy": "Never",  # the Job replaces the pod; the podFailurePolicy needs it
         "serviceAccountName": p.service_account,
-        "terminationGracePeriodSeconds": grace_seconds(stop),
+        "terminationGracePeriodSeconds": pod_grace(p, stop),
     }
+    selector = capacity_node_selector(p)
+    tolerations = spot_tolerations(p)
     if p.platform == "gpu":
-        pod["nodeSelector"] = {"cloud.google.com/gke-accelerator": p.gpu_accelerator}
-        pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-        trainer["resources"] = {"limits": {"nvidia.com/gpu": str(p.gpus_per_node)}}
+        selector = {"cloud.google.com/gke-accelerator": p.gpu_accelerator, **selector}
+        tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}, *tolerations]
+    if selector:
+        pod["nodeSelector"] = selector
+    if tolerations:
+        pod["tolerations"] = tolerations
+    if net.sidecars:
+        pod["initContainers"] = list(net.sidecars)
     pod["containers"] = [trainer]
+    pod["volumes"] = [
+        {"name": "shared-memory", "emptyDir": {"medium": "Memory", "sizeLimit": p.shm_size}},
+        *net.volumes,
+    ]
+    pod_template: dict = {"spec": pod}
+    if net.annotations:
+        pod_template = {"metadata": {"annotations": dict(net.annotations)}, "spec": pod}
     manifest = {
         "apiVersion": JOBSET_API,
         "kind": "JobSet",
@@ -1147,7 +1682,7 @@ def render_jobset_gpu(p: DeployParams) -> Rendered:
                 {
                     "name": "slice",
                     "replicas": p.slices,
-                    "template": {"spec": {**trainer_job_policy(p, p.nodes_per_slice), "template": {"spec": pod}}},
+                    "template": {"spec": {**trainer_job_policy(p, p.nodes_per_slice), "template": pod_template}},
                 }
             ],
         },
@@ -1159,6 +1694,7 @@ def render_jobset_gpu(p: DeployParams) -> Rendered:
         " process per",
         "# pod, process id = slice index x nodes_per_slice + pod index; process 0 hosts the coordination service.",
         "#   kubectl apply -f THIS_FILE",
+        f"#   {gpu_logs_command(p)}   # process 0",
         "# Needs Kubernetes >= 1.29 (backoffLimitPerIndex, maxFailedIndexes and the FailIndex action: beta and on",
         "# by default in 1.29, GA in 1.33; podFailurePolicy: on by default since 1.26, GA in 1.31) and the JobSet",
         "# controller >= v0.6.0 (failurePolicy.rules).",
@@ -1174,8 +1710,17 @@ def render_jobset_gpu(p: DeployParams) -> Rendered:
         "#   0         every pod succeeds, every slice Job completes, and so does the JobSet (no successPolicy)",
         *_jobset_contract(p, "pod", " per process"),
         f"# The trainer stops within stop_timeout_seconds={stop:g} of a SIGTERM; each pod's",
-        f"# terminationGracePeriodSeconds is that plus {STOP_MARGIN_SECONDS} s, for a saved checkpoint and exit 42"
+        f"# terminationGracePeriodSeconds is that plus {p.stop_margin} s, for a saved checkpoint and exit 42"
         " before SIGKILL.",
+        *_capacity_header(p, "The pods"),
+        *_comment(
+            f"Resources: the trainer requests {_quantities({'requests': gpu_resources['requests']})}"
+            + (f" and limits nvidia.com/gpu={p.gpus_per_node}" if p.platform == "gpu" else "")
+            + " (--trainer-cpu, --trainer-memory, --trainer-ephemeral-storage; no cpu or memory limit: the rest "
+            f"of the node is the trainer's); /dev/shm is an emptyDir in memory of at most {p.shm_size} "
+            "(--shm-size)."
+        ),
+        *_networking_header(net),
         "# The container's command is a bash prelude that derives the pod's JAX process id, then execs the",
         "# trainer (args).",
     ]
@@ -1194,6 +1739,13 @@ def pyxis_image(image: str) -> str:
 
 def render_slurm(p: DeployParams) -> Rendered:
     argv, warnings, stop = _prepare(p, single_controller=False, check=p.check_multiprocess)
+    if p.spot:
+        warnings.append(
+            "--capacity spot is GKE's: the Slurm script only shares the trainer's shorter stop_timeout_seconds "
+            f"({stop:g}); --signal gives it {grace_seconds(stop)} s before the time limit"
+        )
+    if p.gpu_networking != "none":
+        warnings.append(f"--gpu-networking={p.gpu_networking} is GKE's: the Slurm script does not apply it")
     exports = [
         f"export {k}={shlex.quote(v)}"
         for k, v in multiprocess_env(p)
@@ -1214,9 +1766,11 @@ def render_slurm(p: DeployParams) -> Rendered:
         "nodes_per_slice": str(p.nodes_per_slice),
         "max_task_restarts": str(p.max_task_restarts),
         "max_restarts": str(p.max_restarts),
+        "max_preemptions": str(p.max_preemptions),
         "restart_backoff_seconds": str(p.restart_backoff_seconds),
         "grace_seconds": str(grace_seconds(stop)),
         "stop_timeout": f"{stop:g}",
+        "stop_margin": str(STOP_MARGIN_SECONDS),
         "coordinator_port": str(p.coordinator_port),
         "exports": exports,
         "trainer_argv": " ".join(shlex.quote(a) for a in argv),
@@ -1226,12 +1780,20 @@ def render_slurm(p: DeployParams) -> Rendered:
 
 
 RENDERERS: dict[str, Callable[[DeployParams], Rendered]] = {
-    "xpk": render_xpk,
     "jobset-pathways": render_jobset_pathways,
     "pathwaysjob": render_pathwaysjob,
+    "xpk": render_xpk,
     "jobset-gpu": render_jobset_gpu,
     "slurm": render_slurm,
 }
+
+
+def all_targets(p: DeployParams, notes: list[str]) -> list[str]:
+    """The targets `all` writes: every one, xpk only when accepted (else a note says why it is left out)."""
+    if p.accept_xpk_failure_policy:
+        return list(RENDERERS)
+    notes.append(f"note (xpk): not written: {XPK_FAILURE_POLICY}. To write it too, pass {XPK_ACCEPT_FLAG}")
+    return [t for t in RENDERERS if t != "xpk"]
 
 
 def render(target: str, p: DeployParams) -> Rendered:
@@ -1255,9 +1817,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "target",
         choices=[*RENDERERS, "all"],
-        help="xpk (submit script), jobset-pathways (JobSet: the whole exit-code contract), pathwaysjob "
-        "(PathwaysJob for its controller: every non-zero exit restarts the run, counted), jobset-gpu, slurm, "
-        "or all of them (-o DIRECTORY)",
+        help="jobset-pathways (JobSet: the whole exit-code contract), pathwaysjob (PathwaysJob for its "
+        f"controller: every non-zero exit restarts the run, counted), xpk (submit script; refused without "
+        f"{XPK_ACCEPT_FLAG}: any non-zero exit fails the workload), jobset-gpu, slurm, or all of them (-o "
+        f"DIRECTORY; xpk only with {XPK_ACCEPT_FLAG})",
     )
     ap.add_argument("-o", "--output", default="-", help="file to write (default stdout); a directory for `all`")
     run = ap.add_argument_group("the run (all targets)")
@@ -1289,9 +1852,52 @@ def _parser() -> argparse.ArgumentParser:
         "Slurm MAX_TASK_RESTARTS (in place); xpk and pathwaysjob cannot express it",
     )
     run.add_argument(
+        "--max-preemptions",
+        type=int,
+        default=d["max_preemptions"],
+        help="budget of preemptions and evictions (exit 42, DisruptionTarget). JobSet targets: they are counted "
+        "(podFailurePolicy Count) and the trainer Job's backoffLimit is this, which every counted pod failure of "
+        "that Job in one JobSet attempt uses (75, crashes and 1 too); one more fails the JobSet. Slurm: requeues "
+        "(SLURM_RESTART_COUNT). 0 (default): no bound",
+    )
+    run.add_argument(
         "--compile-cache",
         default=None,
         help="JAX persistent compilation cache dir (jax_cache_dir); default <output-dir>/jax_cache, '' disables",
+    )
+    k8s = ap.add_argument_group("Kubernetes pods (jobset-pathways, pathwaysjob, jobset-gpu)")
+    k8s.add_argument(
+        "--trainer-cpu",
+        default=d["trainer_cpu"],
+        help="trainer container's cpu: Pathways head requests == limits (default "
+        f"{PATHWAYS_TRAINER_RESOURCES['cpu']}), jobset-gpu request (default {MULTIPROCESS_CPU_PER_GPU} per GPU)",
+    )
+    k8s.add_argument(
+        "--trainer-memory",
+        default=d["trainer_memory"],
+        help="trainer container's memory: Pathways head requests == limits (default "
+        f"{PATHWAYS_TRAINER_RESOURCES['memory']}), jobset-gpu request (default {MULTIPROCESS_MEMORY_GI_PER_GPU}Gi "
+        "per GPU)",
+    )
+    k8s.add_argument(
+        "--trainer-ephemeral-storage",
+        default=d["trainer_ephemeral_storage"],
+        help="trainer container's ephemeral-storage: Pathways head requests == limits (default "
+        f"{PATHWAYS_TRAINER_RESOURCES['ephemeral-storage']}), jobset-gpu request (default none)",
+    )
+    k8s.add_argument(
+        "--capacity",
+        choices=CAPACITIES,
+        default=d["capacity"],
+        help=f"spot: the accelerator pods select GKE Spot nodes ({SPOT_NODE_LABEL}=true, with its toleration) and "
+        "the trainer's stop_timeout_seconds fits Spot's notice (--spot-grace-seconds)",
+    )
+    k8s.add_argument(
+        "--spot-grace-seconds",
+        type=int,
+        default=d["spot_grace_seconds"],
+        help="seconds GKE gives a Spot pod after the preemption notice (default 15; raise it only to what your "
+        "node pools' extended graceful termination gives)",
     )
     el = ap.add_argument_group("elasticity in the trainer")
     el.add_argument("--no-elastic", dest="elastic", action="store_false", help="elastic_enabled=false")
@@ -1325,7 +1931,11 @@ def _parser() -> argparse.ArgumentParser:
         default=d["pathways_gcs_location"],
         help="Pathways scratch (default <output-dir>/pathways)",
     )
-    pw.add_argument("--pathways-version", default=d["pathways_version"], help="tag of the Pathways images")
+    pw.add_argument(
+        "--pathways-version",
+        default=d["pathways_version"],
+        help="tag of the Pathways images (default jax-<the trainer image's JAX>, --trainer-jax)",
+    )
     pw.add_argument(
         "--trainer-jax",
         default=d["trainer_jax"],
@@ -1337,6 +1947,12 @@ def _parser() -> argparse.ArgumentParser:
     pw.add_argument("--proxy-memory", default=d["proxy_memory"], help="proxy memory limit (jobset-pathways)")
     pw.add_argument("--proxy-cpu", default=d["proxy_cpu"], help="proxy CPU limit (jobset-pathways)")
     pw.add_argument("--head-nodepool", default=d["head_nodepool"], help="CPU node pool of the head pod")
+    pw.add_argument(
+        XPK_ACCEPT_FLAG,
+        dest="accept_xpk_failure_policy",
+        action="store_true",
+        help="write the xpk script although xpk's JobSet fails the workload on any non-zero trainer exit",
+    )
     mp = ap.add_argument_group("multi-process JAX (jobset-gpu, slurm)")
     mp.add_argument("--platform", choices=("gpu", "cpu"), default=d["platform"])
     mp.add_argument("--nodes-per-slice", type=int, default=d["nodes_per_slice"])
@@ -1362,6 +1978,14 @@ def _parser() -> argparse.ArgumentParser:
         help="Slurm: first in-place restart delay in seconds, doubling up to 600",
     )
     mp.add_argument("--xla-flag", action="append", default=[], help="extra XLA flag (repeatable)")
+    mp.add_argument("--shm-size", default=d["shm_size"], help="jobset-gpu: sizeLimit of the in-memory /dev/shm")
+    mp.add_argument(
+        "--gpu-networking",
+        choices=GPU_NETWORKING,
+        default=d["gpu_networking"],
+        help="jobset-gpu: GKE's GPUDirect setup, tcpxo (A3 Mega) or rdma (A3 Ultra, A4); default none",
+    )
+    mp.add_argument("--tcpxo-daemon-image", default=d["tcpxo_daemon_image"], help="tcpxo: the RxDM sidecar image")
     return ap
 
 
@@ -1406,6 +2030,16 @@ def params_from_args(ns: argparse.Namespace, overrides: Sequence[str]) -> Deploy
         max_task_restarts=ns.max_task_restarts,
         restart_backoff_seconds=ns.restart_backoff,
         extra_xla_flags=tuple(ns.xla_flag),
+        accept_xpk_failure_policy=ns.accept_xpk_failure_policy,
+        max_preemptions=ns.max_preemptions,
+        trainer_cpu=ns.trainer_cpu,
+        trainer_memory=ns.trainer_memory,
+        trainer_ephemeral_storage=ns.trainer_ephemeral_storage,
+        capacity=ns.capacity,
+        spot_grace_seconds=ns.spot_grace_seconds,
+        shm_size=ns.shm_size,
+        gpu_networking=ns.gpu_networking,
+        tcpxo_daemon_image=ns.tcpxo_daemon_image,
     )
 
 
@@ -1422,9 +2056,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         i = argv.index("--")
         argv, overrides = argv[:i], argv[i + 1 :]
     ns = _parser().parse_args(argv)
+    notes: list[str] = []
     try:
         p = params_from_args(ns, overrides)
-        targets = list(RENDERERS) if ns.target == "all" else [ns.target]
+        targets = all_targets(p, notes) if ns.target == "all" else [ns.target]
         results = [render(t, p) for t in targets]
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -1432,6 +2067,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DeployError as e:
         print(f"deploy error: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(note, file=sys.stderr)
     for r in results:
         for w in r.warnings:
             print(f"warning ({r.target}): {w}", file=sys.stderr)

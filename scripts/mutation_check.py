@@ -312,6 +312,101 @@ BREAKAGES: tuple[Breakage, ...] = (
         tests=("tests/test_versions.py::test_the_cli_refuses_a_jax_outside_the_window_with_exit_2",),
         why="a JAX outside the versions the patched internals were checked against runs, and may break recovery",
     ),
+    Breakage(
+        name="preemption-budget-rule-dropped",
+        file="scripts/deploy/render.py",
+        old="            *preemption_budget_rule(p, trainer_job),\n",
+        new="",
+        tests=(
+            "tests/test_manifest_semantics.py::test_the_preemption_budget_is_enforced_the_n_plus_1th_preemption_fails_the_jobset",
+        ),
+        why="a trainer Job past its --max-preemptions budget restarts the JobSet (fresh budget), no failure",
+    ),
+    Breakage(
+        name="preemption-budget-not-counted",
+        file="scripts/deploy/render.py",
+        old='    preempted = "Count" if budget else "Ignore"',
+        new='    preempted = "Ignore"',
+        tests=(
+            "tests/test_manifest_semantics.py::test_the_preemption_budget_is_enforced_the_n_plus_1th_preemption_fails_the_jobset",
+        ),
+        why="with --max-preemptions the preemptions and evictions are still ignored: the budget bounds nothing",
+    ),
+    Breakage(
+        name="spot-stop-fit-never-checked",
+        file="scripts/deploy/render.py",
+        old="    if p.spot and pod_grace(p, stop_timeout_seconds) > p.spot_grace_seconds:",
+        new="    if False:",
+        tests=("tests/test_manifest_semantics.py::test_under_spot_the_trainers_stop_fits_the_notice",),
+        why="under --capacity spot a stop whose grace exceeds Spot's notice renders: SIGKILL before exit 42",
+    ),
+    Breakage(
+        name="lease-never-waits-for-a-silent-holder",
+        file="trainer/checkpoint/lease.py",
+        old="        if beat_again or age <= SILENT_BEATS * interval:\n",
+        new="        if True:\n",
+        tests=(
+            "tests/test_lease.py::test_a_holder_on_another_host_that_stopped_beating_is_waited_out_then_taken_over",
+        ),
+        why="a job started after its holder was killed on another host exits 2 instead of waiting it out",
+    ),
+    Breakage(
+        name="lease-wait-misses-a-live-beat",
+        file="trainer/checkpoint/lease.py",
+        old="        beat_again = waited_on is not None and waited_on != (generation, heartbeat)\n",
+        new="        beat_again = False\n",
+        tests=(
+            "tests/test_lease.py::test_a_holder_that_beats_again_while_waited_on_is_live_and_the_start_is_refused",
+        ),
+        why="a holder that renews (its clock behind ours) is waited on as if silent: two jobs on one run",
+    ),
+    Breakage(
+        name="watchdog-exit-keeps-the-lease",
+        file="trainer/train.py",
+        old="        if self.lease is not None:\n            releasing",
+        new="        if False:\n            releasing",
+        tests=(
+            "tests/test_watchdog.py::test_a_watchdog_exit_releases_the_lease_first_and_a_hung_store_does_not_hold_the_exit",
+            "tests/test_watchdog.py::test_a_hung_step_exits_75_within_the_bound_and_the_same_command_resumes_bitwise",
+        ),
+        why="a hang (or the stop deadline) exits with the run's lease held: another job waits out the bound",
+    ),
+    Breakage(
+        name="storage-failure-exits-2",
+        file="trainer/errors.py",
+        old="    if transient_cause(error) is not None:\n        return EXIT_TRANSIENT\n",
+        new="",
+        tests=("tests/test_transient_errors.py",),
+        why="a data shard or run directory the store could not serve ends the run as bad input: never retried",
+    ),
+    Breakage(
+        name="run-files-not-live-on-the-bucket",
+        file="trainer/train.py",
+        old="    upload = _live_upload(paths, events)\n",
+        new="    upload = None\n",
+        tests=(
+            "tests/test_live_run_files.py::test_a_gs_run_killed_9_after_a_committed_checkpoint_has_its_logs_in_the_bucket_through_it",
+        ),
+        why="a gs:// run killed -9 has none of its logs since the last attempt's end in the bucket",
+    ),
+    Breakage(
+        name="run-files-sync-sends-torn-lines",
+        file="trainer/observe/rundir.py",
+        old='            new = new[: new.rfind(b"\\n") + 1]',
+        new="            pass",
+        tests=("tests/test_live_run_files.py::test_new_log_lines_are_appended_by_composition_whole_lines_only",),
+        why="a log line still being written goes to the bucket torn, and its rest is appended after it",
+    ),
+    Breakage(
+        name="wandb-away-ends-the-run",
+        file="trainer/observe/wandb_sink.py",
+        old='            self._unavailable("start", e, project=project)\n            return\n',
+        new="            raise\n",
+        tests=(
+            "tests/test_live_metrics.py::test_a_wandb_service_that_cannot_be_reached_is_a_warning_and_the_sink_logs_nothing",
+        ),
+        why="an unreachable W&B (a network blip) stops the run instead of a warning",
+    ),
 )
 
 

@@ -1183,7 +1183,10 @@ def test_dockerfile_layout():
     ops = [op for op, _ in ins]
     args = {rest.split("=")[0] for op, rest in ins if op == "ARG"}
     assert "JAX_EXTRA" in args
-    assert any(op == "FROM" and "-slim" in rest for op, rest in ins)
+    # The base: a slim Python by default, replaceable by a digest-pinned one (--build-arg BASE_IMAGE=...@sha256:)
+    base = next(rest.split("=", 1)[1] for op, rest in ins if op == "ARG" and rest.startswith("BASE_IMAGE="))
+    assert base == "python:${PYTHON_VERSION}-slim"
+    assert ("FROM", "${BASE_IMAGE}") in ins
     assert ("ENTRYPOINT", '["python", "-m", "trainer.train"]') in ins
     assert ("CMD", '["base.yml"]') in ins  # default config, replaced by any docker run args
     copies = [rest for op, rest in ins if op == "COPY"]

@@ -314,7 +314,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="preemption-budget-rule-dropped",
-        file="scripts/deploy/render.py",
+        file="scripts/deploy/failure_policy.py",
         old="            *preemption_budget_rule(p, trainer_job),\n",
         new="",
         tests=(
@@ -324,7 +324,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="preemption-budget-not-counted",
-        file="scripts/deploy/render.py",
+        file="scripts/deploy/failure_policy.py",
         old='    preempted = "Count" if budget else "Ignore"',
         new='    preempted = "Ignore"',
         tests=(
@@ -334,7 +334,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="spot-stop-fit-never-checked",
-        file="scripts/deploy/render.py",
+        file="scripts/deploy/graceful_stop.py",
         old="    if p.spot and pod_grace(p, stop_timeout_seconds) > p.spot_grace_seconds:",
         new="    if False:",
         tests=("tests/test_manifest_semantics.py::test_under_spot_the_trainers_stop_fits_the_notice",),

@@ -1,9 +1,10 @@
 """Deployment artefacts, checked without a cluster or a Docker engine.
 
-Every artefact is rendered from the same parameters by scripts/deploy/render.py; here each one is
-parsed back (YAML, bash), its required structure checked, the trainer command extracted from the
-rendered text and loaded with the trainer's own config loader, and the shell scripts executed against
-stub `xpk` / `srun` / `python` commands to check the quoting and the restart policy end to end.
+Every artefact is rendered from the same parameters by the scripts/deploy/ package (its command line:
+scripts/deploy/render.py); here each one is parsed back (YAML, bash), its required structure checked, the
+trainer command extracted from the rendered text and loaded with the trainer's own config loader, and the
+shell scripts executed against stub `xpk` / `srun` / `python` commands to check the quoting and the restart
+policy end to end.
 """
 
 from __future__ import annotations
@@ -36,6 +37,29 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from scripts.deploy import render as R  # noqa: E402
+from scripts.deploy.artefact import Rendered  # noqa: E402
+from scripts.deploy.errors import DeployError  # noqa: E402
+from scripts.deploy.failure_policy import BUG_EXIT_CODES, FINAL_EXIT_CODES, PREEMPTED_EXIT_CODES  # noqa: E402
+from scripts.deploy.gpu_networking import RDMA_DOC, RDMA_INSTALLER, TCPXO_DAEMON_IMAGE, TCPXO_DOC, TCPXO_INSTALLER  # noqa: E402
+from scripts.deploy.graceful_stop import DEFAULT_STOP_TIMEOUT_SECONDS  # noqa: E402
+from scripts.deploy.manifest import manifest_text  # noqa: E402
+from scripts.deploy.multiprocess_env import xla_flags  # noqa: E402
+from scripts.deploy.params import DeployParams  # noqa: E402
+from scripts.deploy.pathways import (  # noqa: E402
+    DEFAULT_TPU_CONSTRAINTS,
+    PATHWAYS_IMAGE_REPO,
+    PATHWAYS_PROXY_PORT,
+    PATHWAYS_RM_PORT,
+    default_trainer_jax,
+    head_logs_command,
+)
+from scripts.deploy.resources import PATHWAYS_TRAINER_RESOURCES  # noqa: E402
+from scripts.deploy.shell_template import TEMPLATES, fill  # noqa: E402
+from scripts.deploy.targets import render  # noqa: E402
+from scripts.deploy.targets.slurm import pyxis_image  # noqa: E402
+from scripts.deploy.targets.xpk import XPK_ACCEPT_FLAG, XPK_FAILURE_POLICY  # noqa: E402
+from scripts.deploy.tpu import TPU_TYPES  # noqa: E402
+from scripts.deploy.trainer_command import trainer_argv  # noqa: E402
 from trainer.config import ConfigError, load_config  # noqa: E402
 
 needs_bash = pytest.mark.skipif(BASH is None, reason="bash not installed")
@@ -46,14 +70,14 @@ IMAGE = "us-docker.pkg.dev/my-proj/trainer/trainer:v1"
 # extra trainer overrides, a larger model, a Kueue queue and 2 nodes per slice for the GPU targets. Both accept
 # xpk's failure policy, so that the xpk target renders (test_xpk_is_refused_without_the_acknowledgement).
 PARAM_SETS = {
-    "reference": R.DeployParams(
+    "reference": DeployParams(
         slices=3,
         image=IMAGE,
         run_name="qwen3-0.6b-elastic",
         output_dir="gs://my-bucket/runs",
         accept_xpk_failure_policy=True,
     ),
-    "resize": R.DeployParams(
+    "resize": DeployParams(
         slices=4,
         image=IMAGE + "-b",
         run_name="resize_run_2",
@@ -81,7 +105,7 @@ MULTIPROCESS_TARGETS = ("jobset-gpu", "slurm")
 MANIFEST_TARGETS = ("jobset-pathways", "pathwaysjob", "jobset-gpu")  # Kubernetes objects, built as data
 
 
-def _params(pset: str, **changes) -> R.DeployParams:
+def _params(pset: str, **changes) -> DeployParams:
     import dataclasses
 
     return dataclasses.replace(PARAM_SETS[pset], **changes)
@@ -153,7 +177,7 @@ ALL = [(t, s) for t in (*PATHWAYS_TARGETS, *MULTIPROCESS_TARGETS) for s in PARAM
 @pytest.mark.parametrize("target,pset", ALL)
 def test_trainer_command_inside_every_artefact_loads(target, pset):
     p = PARAM_SETS[pset]
-    r = R.render(target, p)
+    r = render(target, p)
     argv = extract_argv(target, r.text)
     assert argv == r.trainer_argv
     cfg = _load(argv)
@@ -176,14 +200,11 @@ def test_trainer_command_inside_every_artefact_loads(target, pset):
 def test_one_trainer_command_shared_by_all_artefacts(pset):
     """The same argv everywhere, except the controller mode that each target fixes."""
     p = PARAM_SETS[pset]
-    argvs = {t: extract_argv(t, R.render(t, p).text) for t in (*PATHWAYS_TARGETS, *MULTIPROCESS_TARGETS)}
+    argvs = {t: extract_argv(t, render(t, p).text) for t in (*PATHWAYS_TARGETS, *MULTIPROCESS_TARGETS)}
     assert (
-        argvs["xpk"]
-        == argvs["jobset-pathways"]
-        == argvs["pathwaysjob"]
-        == R.trainer_argv(p, single_controller=True)
+        argvs["xpk"] == argvs["jobset-pathways"] == argvs["pathwaysjob"] == trainer_argv(p, single_controller=True)
     )
-    assert argvs["jobset-gpu"] == argvs["slurm"] == R.trainer_argv(p, single_controller=False)
+    assert argvs["jobset-gpu"] == argvs["slurm"] == trainer_argv(p, single_controller=False)
     swap = [a.replace("enable_single_controller=false", "enable_single_controller=true") for a in argvs["slurm"]]
     assert swap == argvs["xpk"]
 
@@ -194,7 +215,7 @@ def test_one_trainer_command_shared_by_all_artefacts(pset):
 @pytest.mark.parametrize("pset", PARAM_SETS)
 def test_jobset_pathways_structure(pset):
     p = PARAM_SETS[pset]
-    doc = _one_doc(R.render("jobset-pathways", p).text)
+    doc = _one_doc(render("jobset-pathways", p).text)
     assert doc["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
     assert doc["kind"] == "JobSet"
     assert doc["metadata"]["name"] == p.job_name
@@ -205,7 +226,7 @@ def test_jobset_pathways_structure(pset):
     if p.queue:
         assert doc["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == p.queue
 
-    tpu = R.TPU_TYPES[p.tpu_type]
+    tpu = TPU_TYPES[p.tpu_type]
     head, worker = _rjob(doc, "pathways-head"), _rjob(doc, "worker")
     assert head["replicas"] == 1
     assert worker["replicas"] == p.slices  # one worker Job per slice
@@ -234,7 +255,7 @@ def test_jobset_pathways_structure(pset):
     rm_args = hc["pathways-rm"]["args"]
     assert f"--instance_count={p.slices}" in rm_args
     assert f"--instance_type={tpu.instance_type}" in rm_args
-    rm_address = f"--resource_manager_address={p.job_name}-pathways-head-0-0.{p.job_name}:{R.PATHWAYS_RM_PORT}"
+    rm_address = f"--resource_manager_address={p.job_name}-pathways-head-0-0.{p.job_name}:{PATHWAYS_RM_PORT}"
     assert rm_address in proxy_args and rm_address in wc["args"]
     for args in (proxy_args, rm_args, wc["args"]):
         assert f"--gcs_scratch_location={p.scratch}" in args
@@ -244,35 +265,35 @@ def test_jobset_pathways_structure(pset):
     env = _env(trainer)
     assert env["ENABLE_PATHWAYS_PERSISTENCE"] == "1"
     assert env["JAX_PLATFORMS"] == "proxy"
-    assert env["JAX_BACKEND_TARGET"] == f"grpc://127.0.0.1:{R.PATHWAYS_PROXY_PORT}"
+    assert env["JAX_BACKEND_TARGET"] == f"grpc://127.0.0.1:{PATHWAYS_PROXY_PORT}"
     assert env["JAX_COMPILATION_CACHE_DIR"] == p.cache_dir
     assert f"jax_cache_dir={p.cache_dir}" in trainer["command"]
     # The trainer's exit codes (tests/test_manifest_semantics.py checks what Kubernetes makes of them).
     hspec = head["template"]["spec"]
     assert hspec["completions"] == 1 and hspec["backoffLimitPerIndex"] == p.max_task_restarts
     actions = {r["action"]: r for r in hspec["podFailurePolicy"]["rules"]}
-    assert actions["FailJob"]["onExitCodes"]["values"] == list(R.FINAL_EXIT_CODES)
-    assert actions["FailIndex"]["onExitCodes"]["values"] == list(R.BUG_EXIT_CODES)
+    assert actions["FailJob"]["onExitCodes"]["values"] == list(FINAL_EXIT_CODES)
+    assert actions["FailIndex"]["onExitCodes"]["values"] == list(BUG_EXIT_CODES)
     assert hpod["restartPolicy"] == "Never"
-    assert hpod["terminationGracePeriodSeconds"] == R.DEFAULT_STOP_TIMEOUT_SECONDS + 10
+    assert hpod["terminationGracePeriodSeconds"] == DEFAULT_STOP_TIMEOUT_SECONDS + 10
 
 
 def test_elastic_slices_defaults_and_override():
     assert PARAM_SETS["reference"].num_elastic_slices == 1  # pause-and-resume
     assert PARAM_SETS["resize"].num_elastic_slices == 4 - 2  # replica-resize: slices - min
     p = _params("reference", elastic_slices=2)
-    text = R.render("jobset-pathways", p).text
+    text = render("jobset-pathways", p).text
     assert "--num_elastic_slices=2" in text
-    assert "--elastic-slices=2" in R.render("xpk", p).text
+    assert "--elastic-slices=2" in render("xpk", p).text
 
 
 def test_no_elastic_drops_the_elastic_flags():
     p = _params("reference", elastic=False)
-    doc = _one_doc(R.render("jobset-pathways", p).text)
+    doc = _one_doc(render("jobset-pathways", p).text)
     proxy = _containers(_pod(_rjob(doc, "pathways-head")))["pathways-proxy"]
     assert not any(a.startswith("--num_elastic_slices") for a in proxy["args"])
-    assert "--elastic-slices=" not in R.render("xpk", p).text
-    assert _load(R.render("xpk", p).trainer_argv).elastic.elastic_enabled is False
+    assert "--elastic-slices=" not in render("xpk", p).text
+    assert _load(render("xpk", p).trainer_argv).elastic.elastic_enabled is False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,17 +302,17 @@ def test_no_elastic_drops_the_elastic_flags():
 @pytest.mark.parametrize("pset", PARAM_SETS)
 def test_pathwaysjob_structure(pset):
     p = PARAM_SETS[pset]
-    r = R.render("pathwaysjob", p)
+    r = render("pathwaysjob", p)
     doc = _one_doc(r.text)
     assert doc["apiVersion"] == "pathways-job.pathways.domain/v1" and doc["kind"] == "PathwaysJob"
     assert doc["metadata"]["name"] == p.job_name and doc["metadata"]["namespace"] == p.namespace
     if p.queue:  # the controller copies the labels to its JobSet, where Kueue reads them
         assert doc["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == p.queue
     spec = doc["spec"]
-    tpu = R.TPU_TYPES[p.tpu_type]
+    tpu = TPU_TYPES[p.tpu_type]
     assert spec["maxRestarts"] == p.max_restarts
     assert spec["pathwaysDir"] == p.scratch and spec["pathwaysDir"].startswith("gs://")
-    assert spec["pathwaysVersion"] == p.pathways_tag == f"jax-{R.default_trainer_jax()}"
+    assert spec["pathwaysVersion"] == p.pathways_tag == f"jax-{default_trainer_jax()}"
     assert spec["workers"] == [
         {
             "type": tpu.machine_type,
@@ -306,7 +327,7 @@ def test_pathwaysjob_structure(pset):
     assert "customComponents" not in spec  # the controller's images for pathwaysVersion
     pod = controller["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
-    assert pod["terminationGracePeriodSeconds"] == R.DEFAULT_STOP_TIMEOUT_SECONDS + 10  # as the JobSet head
+    assert pod["terminationGracePeriodSeconds"] == DEFAULT_STOP_TIMEOUT_SECONDS + 10  # as the JobSet head
     assert pod["nodeSelector"] == {"cloud.google.com/gke-nodepool": p.head_nodepool}
     assert pod["serviceAccountName"] == p.service_account
     trainer = _pathwaysjob_trainer(doc)
@@ -333,7 +354,7 @@ def test_pathwaysjob_structure(pset):
 def test_pathwaysjob_warns_what_the_operator_loses(capsys):
     """The controller cannot express the exit-code contract: one line on stderr says what is lost."""
     p = PARAM_SETS["reference"]
-    (warning,) = R.render("pathwaysjob", p).warnings
+    (warning,) = render("pathwaysjob", p).warnings
     for lost in ("exit 42", "evictions", "exit 75", "2 and 3", f"maxRestarts={p.max_restarts}", "jobset-pathways"):
         assert lost in warning, lost
     argv = ["pathwaysjob", "--slices", "3", "--image", IMAGE, "--run-name", "r", "--output-dir", "gs://b/r"]
@@ -342,14 +363,14 @@ def test_pathwaysjob_warns_what_the_operator_loses(capsys):
     (line,) = out.err.splitlines()
     assert line == f"warning (pathwaysjob): {warning}"
     assert _one_doc(out.out)["kind"] == "PathwaysJob"
-    text = R.render("pathwaysjob", p).text  # and the file says it too
+    text = render("pathwaysjob", p).text  # and the file says it too
     assert "exit-code contract (trainer/errors.py) is NOT fully kept" in text
-    assert R.head_logs_command(p) in text
+    assert head_logs_command(p) in text
 
 
 def test_pathwaysjob_without_elasticity_and_with_own_images():
     p = _params("reference", elastic=False, max_slice_restarts=2, server_image="s:1", proxy_image="x:2")
-    r = R.render("pathwaysjob", p)
+    r = render("pathwaysjob", p)
     spec = _one_doc(r.text)["spec"]
     assert "elasticSlices" not in spec["controller"]
     assert spec["customComponents"] == [
@@ -360,9 +381,9 @@ def test_pathwaysjob_without_elasticity_and_with_own_images():
     # Without elasticSlices the controller ignores maxSliceRestarts (backoffLimit = hosts x 4): said so.
     assert any("--max-slice-restarts=2 is not applied" in w for w in r.warnings)
     js = pathwaysjob_jobset(_one_doc(r.text))
-    assert _rjob(js, "worker")["template"]["spec"]["backoffLimit"] == R.TPU_TYPES[p.tpu_type].hosts * 4
+    assert _rjob(js, "worker")["template"]["spec"]["backoffLimit"] == TPU_TYPES[p.tpu_type].hosts * 4
     assert _load(r.trainer_argv).elastic.elastic_enabled is False
-    proxy_limits = R.render("pathwaysjob", _params("reference", proxy_memory="200G")).warnings
+    proxy_limits = render("pathwaysjob", _params("reference", proxy_memory="200G")).warnings
     assert any("--proxy-memory=200G" in w and "100 GB" in w for w in proxy_limits)
 
 
@@ -370,7 +391,7 @@ def test_every_tpu_type_is_a_pathwaysjob_machine_type_and_topology():
     """The CRD's workers[].type enum, and the controller's topologies per machine type (v0.1.4)."""
     crd = _crd("PathwaysJob")
     types = crd["properties"]["spec"]["properties"]["workers"]["items"]["properties"]["type"]["enum"]
-    for name, tpu in R.TPU_TYPES.items():
+    for name, tpu in TPU_TYPES.items():
         assert tpu.machine_type in types, name
         accelerator, chips_per_vm = PATHWAYSJOB_MACHINE_TYPES[tpu.machine_type]
         assert (accelerator, chips_per_vm) == (tpu.gke_accelerator, tpu.chips_per_host), name
@@ -391,7 +412,7 @@ def _bash_n(text: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("target", ("xpk", "slurm"))
 @pytest.mark.parametrize("pset", PARAM_SETS)
 def test_shell_scripts_pass_bash_n(target, pset, tmp_path):
-    _bash_n(R.render(target, PARAM_SETS[pset]).text, tmp_path)
+    _bash_n(render(target, PARAM_SETS[pset]).text, tmp_path)
 
 
 @needs_bash
@@ -400,7 +421,7 @@ def test_xpk_script_runs_against_a_stub_xpk(pset, tmp_path):
     """Run the script with a fake `xpk` that records its argv: checks the flags and that the trainer
     command survives the shell quoting intact."""
     p = PARAM_SETS[pset]
-    r = R.render("xpk", p)
+    r = render("xpk", p)
     flags = run_xpk_script(tmp_path, r.text, "--priority=high", cluster=("my-proj", "us-east5-b", "my-cluster"))
     assert flags["--num-slices"] == [str(p.slices)]
     assert flags["--tpu-type"] == [p.tpu_type]
@@ -410,7 +431,7 @@ def test_xpk_script_runs_against_a_stub_xpk(pset, tmp_path):
     assert flags["--elastic-slices"] == [str(p.num_elastic_slices)]
     assert flags["--max-slice-restarts"] == [str(p.max_slice_restarts)]
     assert flags["--max-restarts"] == [str(p.max_restarts)]
-    assert flags["--termination-grace-period-seconds"] == [str(R.DEFAULT_STOP_TIMEOUT_SECONDS + 10)]
+    assert flags["--termination-grace-period-seconds"] == [str(DEFAULT_STOP_TIMEOUT_SECONDS + 10)]
     assert flags["--pathways-gcs-location"] == [p.scratch]
     assert "ENABLE_PATHWAYS_PERSISTENCE=1" in flags["--env"]
     assert f"JAX_COMPILATION_CACHE_DIR={p.cache_dir}" in flags["--env"]
@@ -424,7 +445,7 @@ def test_xpk_script_runs_against_a_stub_xpk(pset, tmp_path):
 @needs_bash
 def test_xpk_script_refuses_to_run_without_cluster_settings(tmp_path):
     script = tmp_path / "submit.sh"
-    script.write_text(R.render("xpk", PARAM_SETS["reference"]).text)
+    script.write_text(render("xpk", PARAM_SETS["reference"]).text)
     env = {k: v for k, v in os.environ.items() if k not in ("PROJECT", "ZONE", "CLUSTER")}
     out = subprocess.run([BASH, str(script)], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "PROJECT" in out.stderr
@@ -441,7 +462,7 @@ def _trainer_codes(codes) -> dict:
 @pytest.mark.parametrize("pset", PARAM_SETS)
 def test_jobset_gpu_structure(pset, platform):
     p = _params(pset, platform=platform)
-    doc = _one_doc(R.render("jobset-gpu", p).text)
+    doc = _one_doc(render("jobset-gpu", p).text)
     assert doc["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and doc["kind"] == "JobSet"
     job = _rjob(doc, "slice")
     assert job["replicas"] == p.slices
@@ -452,14 +473,14 @@ def test_jobset_gpu_structure(pset, platform):
     assert spec["backoffLimitPerIndex"] == p.max_task_restarts >= 5 and spec["maxFailedIndexes"] == 0
     assert "backoffLimit" not in spec
     rules = spec["podFailurePolicy"]["rules"]
-    assert {"action": "FailJob", "onExitCodes": _trainer_codes(R.FINAL_EXIT_CODES)} in rules
-    assert {"action": "FailIndex", "onExitCodes": _trainer_codes(R.BUG_EXIT_CODES)} in rules
-    assert {"action": "Ignore", "onExitCodes": _trainer_codes(R.PREEMPTED_EXIT_CODES)} in rules
+    assert {"action": "FailJob", "onExitCodes": _trainer_codes(FINAL_EXIT_CODES)} in rules
+    assert {"action": "FailIndex", "onExitCodes": _trainer_codes(BUG_EXIT_CODES)} in rules
+    assert {"action": "Ignore", "onExitCodes": _trainer_codes(PREEMPTED_EXIT_CODES)} in rules
     assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
     assert doc["spec"]["failurePolicy"]["maxRestarts"] == p.max_restarts
     pod = _pod(job)
     assert pod["restartPolicy"] == "Never"
-    assert pod["terminationGracePeriodSeconds"] == R.DEFAULT_STOP_TIMEOUT_SECONDS + 10
+    assert pod["terminationGracePeriodSeconds"] == DEFAULT_STOP_TIMEOUT_SECONDS + 10
     trainer = _containers(pod)["trainer"]
     assert trainer["image"] == p.image
     env = _env(trainer)
@@ -484,7 +505,7 @@ def test_jobset_gpu_structure(pset, platform):
     "target,container", [("jobset-gpu", ("slice", "trainer")), ("jobset-pathways", ("pathways-head", "trainer"))]
 )
 def test_the_trainer_knows_its_job_so_a_restarted_pod_takes_over_the_runs_lease(target, container):
-    doc = _one_doc(R.render(target, _params("reference")).text)
+    doc = _one_doc(render(target, _params("reference")).text)
     env = _env(_containers(_pod(_rjob(doc, container[0])))[container[1]])
     assert env["JOBSET_NAME"] == {"fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/jobset-name']"}}
     assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
@@ -494,7 +515,7 @@ def test_the_trainer_knows_its_job_so_a_restarted_pod_takes_over_the_runs_lease(
 def test_jobset_gpu_prelude_computes_process_ids(tmp_path):
     """Run the container's command (bash prelude) with the env a pod would get, `env` as the program."""
     p = PARAM_SETS["resize"]  # 4 slices x 2 nodes
-    trainer = _containers(_pod(_rjob(_one_doc(R.render("jobset-gpu", p).text), "slice")))["trainer"]
+    trainer = _containers(_pod(_rjob(_one_doc(render("jobset-gpu", p).text), "slice")))["trainer"]
     command = trainer["command"]
     assert command[:2] == ["bash", "-c"]
     static_env = {k: v for k, v in _env(trainer).items() if isinstance(v, str)}
@@ -532,12 +553,12 @@ def _sbatch(text: str) -> dict[str, str]:
 @pytest.mark.parametrize("pset", PARAM_SETS)
 def test_slurm_directives_and_env(pset, platform):
     p = _params(pset, platform=platform)
-    text = R.render("slurm", p).text
+    text = render("slurm", p).text
     d = _sbatch(text)
     assert d["--nodes"] == str(p.slices * p.nodes_per_slice)
     assert d["--ntasks-per-node"] == "1"
     assert "--requeue" in d
-    assert d["--signal"] == f"TERM@{R.DEFAULT_STOP_TIMEOUT_SECONDS + 10}"
+    assert d["--signal"] == f"TERM@{DEFAULT_STOP_TIMEOUT_SECONDS + 10}"
     assert ("--gpus-per-node" in d) is (platform == "gpu")
     assert "export JAX_ENABLE_RECOVERABILITY=true" in text
     assert f"export JAX_COMPILATION_CACHE_DIR={shlex.quote(p.cache_dir)}" in text
@@ -583,7 +604,7 @@ exit $rc
 @needs_bash
 def test_slurm_tasks_get_process_ids_and_restart_in_place(tmp_path):
     p = _params("reference", nodes_per_slice=1)
-    text = R.render("slurm", p).text
+    text = render("slurm", p).text
     # The fake trainer is killed once per task (exit 137: SIGKILL), then succeeds; it logs its ids and argv.
     body = r"""
 echo "$SLURM_PROCID $JAX_PROCESS_ID $JAX_NUM_PROCESSES $JAX_COORDINATOR_ADDRESS $NODES_PER_SLICE $*" >> "$LOG"
@@ -598,14 +619,14 @@ exit 0
     for procid, pid, nprocs, coord, nodes_per_slice, rest in runs:
         assert pid == procid and nprocs == "2" and coord == f"node-a:{p.coordinator_port}"
         assert nodes_per_slice == "1"
-        assert ["python", *shlex.split(rest)] == R.trainer_argv(p, single_controller=False)
+        assert ["python", *shlex.split(rest)] == trainer_argv(p, single_controller=False)
     assert "restart 1/" in out.stderr
 
 
 @needs_bash
-@pytest.mark.parametrize("code", R.FINAL_EXIT_CODES)
+@pytest.mark.parametrize("code", FINAL_EXIT_CODES)
 def test_slurm_does_not_restart_final_exits(tmp_path, code):
-    text = R.render("slurm", PARAM_SETS["reference"]).text
+    text = render("slurm", PARAM_SETS["reference"]).text
     out = _fake_slurm(tmp_path, text, f'echo run >> "$LOG"; exit {code}\n')
     assert out.returncode == code
     assert (tmp_path / "log").read_text().count("run") == 2  # once per task, no restart
@@ -614,7 +635,7 @@ def test_slurm_does_not_restart_final_exits(tmp_path, code):
 
 @needs_bash
 def test_slurm_gives_up_after_max_task_restarts(tmp_path):
-    text = R.render("slurm", PARAM_SETS["reference"]).text
+    text = render("slurm", PARAM_SETS["reference"]).text
     out = _fake_slurm(
         tmp_path, text, 'echo run >> "$LOG"; exit 137\n', {"SLURM_NTASKS": "1", "MAX_TASK_RESTARTS": "2"}
     )
@@ -627,7 +648,7 @@ def test_slurm_gives_up_after_max_task_restarts(tmp_path):
 def test_slurm_mounts_shared_output_dirs_into_the_container(tmp_path):
     shared = tmp_path / "shared"
     p = _params("reference", output_dir=str(shared / "runs"))
-    text = R.render("slurm", p).text
+    text = render("slurm", p).text
     stub(tmp_path / "bin", "srun", 'printf "%s\\n" "$@" > "$LOG"\n')
     stub(tmp_path / "bin", "scontrol", "echo node-a\n")
     script = tmp_path / "job.sbatch"
@@ -643,15 +664,15 @@ def test_slurm_mounts_shared_output_dirs_into_the_container(tmp_path):
     args = (tmp_path / "srun_args").read_text().splitlines()
     runs, cache = shared / "runs", shared / "runs" / "jax_cache"
     assert f"--container-mounts={runs}:{runs}" in args  # the cache lives inside it
-    assert f"--container-image={R.pyxis_image(p.image)}" in args
+    assert f"--container-image={pyxis_image(p.image)}" in args
     assert runs.is_dir() and cache.is_dir()
 
 
 def test_pyxis_image_names():
-    assert R.pyxis_image("us-docker.pkg.dev/p/r/t:v1") == "us-docker.pkg.dev#p/r/t:v1"
-    assert R.pyxis_image("nvcr.io/nvidia/jax:25.04") == "nvcr.io#nvidia/jax:25.04"
-    assert R.pyxis_image("ubuntu:22.04") == "ubuntu:22.04"
-    assert R.pyxis_image("myuser/trainer:v1") == "myuser/trainer:v1"
+    assert pyxis_image("us-docker.pkg.dev/p/r/t:v1") == "us-docker.pkg.dev#p/r/t:v1"
+    assert pyxis_image("nvcr.io/nvidia/jax:25.04") == "nvcr.io#nvidia/jax:25.04"
+    assert pyxis_image("ubuntu:22.04") == "ubuntu:22.04"
+    assert pyxis_image("myuser/trainer:v1") == "myuser/trainer:v1"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -661,14 +682,14 @@ def test_pyxis_image_names():
 def test_bad_trainer_key_fails_rendering(target):
     p = _params("reference", overrides=("learning_rat=1e-4",))
     with pytest.raises(ConfigError, match=r"unknown config key 'learning_rat'.*did you mean 'learning_rate'"):
-        R.render(target, p)
+        render(target, p)
 
 
 def test_bad_trainer_value_fails_rendering():
     with pytest.raises(ConfigError, match="elastic_min_slice_count"):
-        R.render("jobset-pathways", _params("reference", min_slices=7))
+        render("jobset-pathways", _params("reference", min_slices=7))
     with pytest.raises(ConfigError, match="unknown model preset"):
-        R.render("slurm", _params("reference", model="qwen9-1t"))
+        render("slurm", _params("reference", model="qwen9-1t"))
 
 
 def test_cli_reports_config_errors_with_exit_2(capsys):
@@ -697,38 +718,38 @@ def test_cli_reports_config_errors_with_exit_2(capsys):
     ],
 )
 def test_pathways_parameter_errors(changes, match):
-    with pytest.raises(R.DeployError, match=match):
-        R.render("jobset-pathways", _params("reference", **changes))
+    with pytest.raises(DeployError, match=match):
+        render("jobset-pathways", _params("reference", **changes))
 
 
 @pytest.mark.parametrize("target", ["xpk", "jobset-pathways", "pathwaysjob"])
 def test_a_pathways_image_for_another_jax_than_the_trainers_is_refused(target, capsys):
     """The Pathways servers and the trainer (their client) run one JAX release: an image tag naming another
     is refused before anything is written (exit 2); `latest` and a matching tag render."""
-    trainer_jax = R.default_trainer_jax()
-    assert trainer_jax == re.search(r"^jax==(\S+)$", R.DEFAULT_TPU_CONSTRAINTS.read_text(), re.M).group(1)
-    with pytest.raises(R.DeployError, match=f"built for JAX 0.1.0, but the trainer .* runs JAX {trainer_jax}"):
-        R.render(target, _params("reference", pathways_version="jax-0.1.0"))
-    R.render(target, _params("reference", pathways_version=f"jax-{trainer_jax}"))
-    R.render(target, _params("reference", pathways_version="jax-0.1.0", trainer_jax="0.1.0"))
-    R.render(target, _params("reference", pathways_version="latest"))  # no version to compare
+    trainer_jax = default_trainer_jax()
+    assert trainer_jax == re.search(r"^jax==(\S+)$", DEFAULT_TPU_CONSTRAINTS.read_text(), re.M).group(1)
+    with pytest.raises(DeployError, match=f"built for JAX 0.1.0, but the trainer .* runs JAX {trainer_jax}"):
+        render(target, _params("reference", pathways_version="jax-0.1.0"))
+    render(target, _params("reference", pathways_version=f"jax-{trainer_jax}"))
+    render(target, _params("reference", pathways_version="jax-0.1.0", trainer_jax="0.1.0"))
+    render(target, _params("reference", pathways_version="latest"))  # no version to compare
     argv = [target, "--slices", "3", "--image", IMAGE, "--run-name", "r", "--output-dir", "gs://b/r"]
-    argv += [R.XPK_ACCEPT_FLAG] if target == "xpk" else []
+    argv += [XPK_ACCEPT_FLAG] if target == "xpk" else []
     assert R.main([*argv, "--pathways-version", "jax-0.1.0", "-o", os.devnull]) == 2
     assert "--pathways-version=jax-" in capsys.readouterr().err
 
 
 def test_multiprocess_output_dir_must_be_shared():
-    with pytest.raises(R.DeployError, match="every host sees"):
-        R.render("slurm", _params("reference", output_dir="runs"))
-    R.render("slurm", _params("reference", output_dir="/lustre/runs"))  # a shared filesystem is fine
+    with pytest.raises(DeployError, match="every host sees"):
+        render("slurm", _params("reference", output_dir="runs"))
+    render("slurm", _params("reference", output_dir="/lustre/runs"))  # a shared filesystem is fine
 
 
 def test_values_yaml_would_reinterpret_reach_the_trainer_unchanged():
     """Text keys are literal to the trainer, so a run name like 'true' or '1e3' is not turned into
     another value on the way (render checks it reads back the same)."""
     for name in ("true", "1e3", "007"):
-        out = R.render("jobset-gpu", _params("reference", run_name=name, name="r"))
+        out = render("jobset-gpu", _params("reference", run_name=name, name="r"))
         assert f"run_name={name}" in out.trainer_argv
 
 
@@ -742,7 +763,7 @@ ALL_ARGV += ["--min-slices", "1"]
 
 
 def test_cli_all_writes_every_artefact(tmp_path):
-    rc = R.main(["all", "-o", str(tmp_path), *ALL_ARGV, R.XPK_ACCEPT_FLAG, "--", "steps=20"])
+    rc = R.main(["all", "-o", str(tmp_path), *ALL_ARGV, XPK_ACCEPT_FLAG, "--", "steps=20"])
     assert rc == 0
     files = sorted(f.name for f in tmp_path.iterdir())
     assert files == sorted(
@@ -775,36 +796,36 @@ def test_cli_all_leaves_out_xpk_without_the_acknowledgement_and_says_so(tmp_path
     )
     err = capsys.readouterr().err
     (note,) = [line for line in err.splitlines() if line.startswith("note (xpk)")]
-    assert "not written" in note and R.XPK_ACCEPT_FLAG in note and "restartStrategy Recreate" in note
+    assert "not written" in note and XPK_ACCEPT_FLAG in note and "restartStrategy Recreate" in note
 
 
 def test_xpk_is_refused_without_the_acknowledgement(capsys):
     """Current xpk builds its JobSet with restartStrategy Recreate and no maxRestarts: any non-zero exit fails the
     workload. `render xpk` refuses (exit 2) naming that and the fix; with the flag it renders, with a warning."""
     p = _params("reference", accept_xpk_failure_policy=False)
-    with pytest.raises(R.DeployError, match="restartStrategy Recreate and no maxRestarts") as caught:
-        R.render("xpk", p)
-    assert "jobset-pathways" in str(caught.value) and R.XPK_ACCEPT_FLAG in str(caught.value)
+    with pytest.raises(DeployError, match="restartStrategy Recreate and no maxRestarts") as caught:
+        render("xpk", p)
+    assert "jobset-pathways" in str(caught.value) and XPK_ACCEPT_FLAG in str(caught.value)
     argv = ["xpk", "--slices", "3", "--image", IMAGE, "--run-name", "r", "--output-dir", "gs://b/r"]
     assert R.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("deploy error: the xpk target is refused") and R.XPK_ACCEPT_FLAG in err
-    assert R.main([*argv, R.XPK_ACCEPT_FLAG]) == 0
+    assert err.startswith("deploy error: the xpk target is refused") and XPK_ACCEPT_FLAG in err
+    assert R.main([*argv, XPK_ACCEPT_FLAG]) == 0
     out = capsys.readouterr()
-    assert out.out.startswith("#!") and f"warning (xpk): {R.XPK_FAILURE_POLICY}" in out.err
+    assert out.out.startswith("#!") and f"warning (xpk): {XPK_FAILURE_POLICY}" in out.err
     assert "restartStrategy Recreate" in out.out
-    assert R.render("xpk", PARAM_SETS["reference"]).warnings[0].startswith(R.XPK_FAILURE_POLICY)
+    assert render("xpk", PARAM_SETS["reference"]).warnings[0].startswith(XPK_FAILURE_POLICY)
 
 
 def test_template_filler():
-    assert R.fill("a: {{x}}\n  {{blk}}\nb\n", {"x": "1", "blk": ["- p", "- q"]}) == "a: 1\n  - p\n  - q\nb\n"
-    assert R.fill("a\n  {{blk}}\nb\n", {"blk": []}) == "a\nb\n"
+    assert fill("a: {{x}}\n  {{blk}}\nb\n", {"x": "1", "blk": ["- p", "- q"]}) == "a: 1\n  - p\n  - q\nb\n"
+    assert fill("a\n  {{blk}}\nb\n", {"blk": []}) == "a\nb\n"
     with pytest.raises(KeyError, match="no value"):
-        R.fill("{{missing}}", {})
+        fill("{{missing}}", {})
     with pytest.raises(KeyError, match="not used"):
-        R.fill("x", {"extra": "1"})
+        fill("x", {"extra": "1"})
     with pytest.raises(KeyError, match="alone on its line"):
-        R.fill("a: {{blk}}", {"blk": ["x"]})
+        fill("a: {{blk}}", {"blk": ["x"]})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -813,7 +834,7 @@ def test_template_filler():
 @pytest.mark.parametrize("target", MANIFEST_TARGETS)
 @pytest.mark.parametrize("pset", PARAM_SETS)
 def test_manifest_text_is_the_built_object(target, pset):
-    r = R.render(target, PARAM_SETS[pset])
+    r = render(target, PARAM_SETS[pset])
     assert r.manifest is not None and _one_doc(r.text) == r.manifest
     assert all(line.startswith("#") for line in r.text[: r.text.index("apiVersion:")].splitlines())
 
@@ -823,16 +844,16 @@ def test_strings_that_look_like_numbers_stay_strings():
     a string: label and selector values, env values, resource quantities."""
     p = _params("reference", queue="1e3", head_nodepool="0o17", service_account="true", proxy_cpu="16")
     for target in ("jobset-pathways", "pathwaysjob"):
-        text = R.render(target, p).text
+        text = render(target, p).text
         assert "queue-name: '1e3'" in text and "gke-nodepool: '0o17'" in text
         doc = _one_doc(text)
         assert doc["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "1e3"
-    dumped = R.manifest_text(["# x"], {"a": "1e3", "b": "+1.5e-3", "c": "0x1F", "d": 7, "e": "7", "f": "a\nb\n"})
+    dumped = manifest_text(["# x"], {"a": "1e3", "b": "+1.5e-3", "c": "0x1F", "d": 7, "e": "7", "f": "a\nb\n"})
     assert dumped == "# x\na: '1e3'\nb: '+1.5e-3'\nc: '0x1F'\nd: 7\ne: '7'\nf: |\n  a\n  b\n"
 
 
 def test_only_the_shell_scripts_are_templates():
-    assert sorted(t.name for t in R.TEMPLATES.iterdir()) == ["slurm.sbatch.tmpl", "xpk_submit.sh.tmpl"]
+    assert sorted(t.name for t in TEMPLATES.iterdir()) == ["slurm.sbatch.tmpl", "xpk_submit.sh.tmpl"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -971,7 +992,7 @@ SCHEMA_CASES = [
 @pytest.mark.parametrize("target,pset,platform", SCHEMA_CASES)
 def test_rendered_manifests_validate_against_their_schemas(target, pset, platform):
     p = _params(pset, platform=platform, overrides=(*PARAM_SETS[pset].overrides, "stop_timeout_seconds=45"))
-    doc = _one_doc(R.render(target, p).text)
+    doc = _one_doc(render(target, p).text)
     kv = _needs("kubernetes_validate")
     versions = [*KUBERNETES_VERSIONS, kv.latest_version().rsplit(".", 1)[0]]
     parts = {"jobset-pathways": ["pathways-head", "worker"], "jobset-gpu": ["slice"], "pathwaysjob": ["head"]}[
@@ -1088,7 +1109,7 @@ def _mutations() -> list:
 @pytest.mark.parametrize("name,target,mutate,message", _mutations(), ids=[m[0] for m in _mutations()])
 def test_schema_validation_catches_a_broken_manifest(name, target, mutate, message):
     jsonschema = _needs("jsonschema")
-    doc = copy.deepcopy(R.render(target, PARAM_SETS["reference"]).manifest)
+    doc = copy.deepcopy(render(target, PARAM_SETS["reference"]).manifest)
     crd_validator(doc["kind"]).validate(doc)  # the unbroken object passes
     mutate(doc)
     with pytest.raises(jsonschema.ValidationError) as caught:
@@ -1106,7 +1127,7 @@ def test_kubernetes_schemas_catch_a_misspelt_field_inside_a_template():
             lambda d: _rename(d["spec"]["controller"]["template"]["spec"]["containers"][0], "image", "img"),
         ),
     ):
-        doc = copy.deepcopy(R.render(target, PARAM_SETS["reference"]).manifest)
+        doc = copy.deepcopy(render(target, PARAM_SETS["reference"]).manifest)
         mutate(doc)
         with pytest.raises(jsonschema.ValidationError):
             kv.validate(core_objects(doc)[0], KUBERNETES_VERSIONS[0], strict=True)
@@ -1130,11 +1151,11 @@ def test_the_crd_rules_jsonschema_cannot_evaluate_hold_for_the_rendered_objects(
     assert on_create == {"JobSet.spec", "JobSet.spec.volumeClaimPolicies[]"}
     for target in ("jobset-pathways", "jobset-gpu"):
         for p in PARAM_SETS.values():
-            spec = R.render(target, p).manifest["spec"]
+            spec = render(target, p).manifest["spec"]
             assert "volumeClaimPolicies" not in spec and "startupPolicy" not in spec
             assert not any("dependsOn" in rj for rj in spec["replicatedJobs"])
     # The JobSet the PathwaysJob controller creates sets startupPolicy InOrder but no dependsOn: rule holds.
-    js = pathwaysjob_jobset(R.render("pathwaysjob", PARAM_SETS["reference"]).manifest)
+    js = pathwaysjob_jobset(render("pathwaysjob", PARAM_SETS["reference"]).manifest)
     assert js["spec"]["startupPolicy"] == {"startupPolicyOrder": "InOrder"}
     assert not any("dependsOn" in rj for rj in js["spec"]["replicatedJobs"])
 
@@ -1152,7 +1173,7 @@ def test_the_fixture_readme_names_each_crd_source():
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("platform", ("gpu", "cpu"))
 def test_rendered_xla_flags_are_known_to_jaxlib(platform):
-    flags = " ".join(R.xla_flags(_params("reference", platform=platform)))
+    flags = " ".join(xla_flags(_params("reference", platform=platform)))
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run(
         [sys.executable, "-c", "import jax.numpy as jnp; jnp.ones(2).block_until_ready()"],
@@ -1296,15 +1317,15 @@ def test_the_pathways_head_pod_is_guaranteed_qos(pset):
     """Every container of the head pod, the sidecars included, has requests == limits for cpu and memory; the
     trainer's ephemeral-storage too. The same holds for the head pod the PathwaysJob controller builds."""
     p = PARAM_SETS[pset]
-    head = _pod(_rjob(_one_doc(R.render("jobset-pathways", p).text), "pathways-head"))
+    head = _pod(_rjob(_one_doc(render("jobset-pathways", p).text), "pathways-head"))
     assert qos_class(head) == "Guaranteed"
     trainer = _containers(head)["trainer"]["resources"]
-    assert trainer["requests"] == trainer["limits"] == R.PATHWAYS_TRAINER_RESOURCES
-    pw = R.render("pathwaysjob", p).manifest
+    assert trainer["requests"] == trainer["limits"] == PATHWAYS_TRAINER_RESOURCES
+    pw = render("pathwaysjob", p).manifest
     assert _pathwaysjob_trainer(pw)["resources"] == trainer
     assert qos_class(_pod(_rjob(pathwaysjob_jobset(pw), "pathways-head"))) == "Guaranteed"
     flags = {"trainer_cpu": "30", "trainer_memory": "120Gi", "trainer_ephemeral_storage": "50Gi"}
-    head = _pod(_rjob(R.render("jobset-pathways", _params(pset, **flags)).manifest, "pathways-head"))
+    head = _pod(_rjob(render("jobset-pathways", _params(pset, **flags)).manifest, "pathways-head"))
     want = {"cpu": "30", "memory": "120Gi", "ephemeral-storage": "50Gi"}
     assert _containers(head)["trainer"]["resources"] == {"requests": want, "limits": want}
     assert qos_class(head) == "Guaranteed"
@@ -1313,28 +1334,28 @@ def test_the_pathways_head_pod_is_guaranteed_qos(pset):
 @pytest.mark.parametrize("platform", ("gpu", "cpu"))
 def test_the_multiprocess_trainer_requests_cpu_and_memory(platform):
     p = _params("reference", platform=platform)
-    trainer = _containers(_pod(_rjob(R.render("jobset-gpu", p).manifest, "slice")))["trainer"]
+    trainer = _containers(_pod(_rjob(render("jobset-gpu", p).manifest, "slice")))["trainer"]
     n = p.gpus_per_node if platform == "gpu" else 1
     assert trainer["resources"]["requests"] == {"cpu": str(2 * n), "memory": f"{8 * n}Gi"}
     assert trainer["resources"].get("limits") == ({"nvidia.com/gpu": "8"} if platform == "gpu" else None)
     q = _params("reference", platform=platform, trainer_cpu="200", trainer_memory="1500Gi")
     q = dataclasses.replace(q, trainer_ephemeral_storage="100Gi")
-    trainer = _containers(_pod(_rjob(R.render("jobset-gpu", q).manifest, "slice")))["trainer"]
+    trainer = _containers(_pod(_rjob(render("jobset-gpu", q).manifest, "slice")))["trainer"]
     assert trainer["resources"]["requests"] == {"cpu": "200", "memory": "1500Gi", "ephemeral-storage": "100Gi"}
 
 
 def test_a_resource_that_is_no_quantity_is_refused(capsys):
-    with pytest.raises(R.DeployError, match=r"--trainer-memory='64 GB' is not a Kubernetes quantity"):
-        R.render("jobset-pathways", _params("reference", trainer_memory="64 GB"))
-    with pytest.raises(R.DeployError, match=r"--shm-size='lots' is not a Kubernetes quantity"):
-        R.render("jobset-gpu", _params("reference", shm_size="lots"))
+    with pytest.raises(DeployError, match=r"--trainer-memory='64 GB' is not a Kubernetes quantity"):
+        render("jobset-pathways", _params("reference", trainer_memory="64 GB"))
+    with pytest.raises(DeployError, match=r"--shm-size='lots' is not a Kubernetes quantity"):
+        render("jobset-gpu", _params("reference", shm_size="lots"))
     argv = ["jobset-gpu", "--slices", "2", "--image", IMAGE, "--run-name", "r", "--output-dir", "gs://b/r"]
     assert R.main([*argv, "--trainer-cpu", "x"]) == 2 and "--trainer-cpu='x'" in capsys.readouterr().err
 
 
 def test_the_gpu_pods_get_an_in_memory_dev_shm():
     for changes, size in (({}, "64Gi"), ({"shm_size": "200Gi"}, "200Gi")):
-        pod = _pod(_rjob(R.render("jobset-gpu", _params("reference", **changes)).manifest, "slice"))
+        pod = _pod(_rjob(render("jobset-gpu", _params("reference", **changes)).manifest, "slice"))
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["shared-memory"] == {
             "name": "shared-memory",
@@ -1355,47 +1376,47 @@ SPOT_TOLERATION = {
 
 def test_spot_capacity_selects_spot_nodes_where_the_accelerators_are():
     spot = _params("reference", capacity="spot")
-    gpu = _pod(_rjob(R.render("jobset-gpu", spot).manifest, "slice"))
+    gpu = _pod(_rjob(render("jobset-gpu", spot).manifest, "slice"))
     assert gpu["nodeSelector"] == {"cloud.google.com/gke-accelerator": spot.gpu_accelerator, **SPOT_SELECTOR}
     assert SPOT_TOLERATION in gpu["tolerations"] and gpu["terminationGracePeriodSeconds"] == 15
-    doc = R.render("jobset-pathways", spot).manifest
+    doc = render("jobset-pathways", spot).manifest
     worker, head = _pod(_rjob(doc, "worker")), _pod(_rjob(doc, "pathways-head"))
     assert SPOT_SELECTOR.items() <= worker["nodeSelector"].items() and worker["tolerations"] == [SPOT_TOLERATION]
     assert worker["terminationGracePeriodSeconds"] == 15  # no more than Spot gives
     assert head["nodeSelector"] == {"cloud.google.com/gke-nodepool": spot.head_nodepool}  # the CPU head stays
-    pw = R.render("pathwaysjob", spot)
+    pw = render("pathwaysjob", spot)
     (w,) = pw.manifest["spec"]["workers"]
     assert w["nodeSelector"] == SPOT_SELECTOR and w["terminationGracePeriodSeconds"] == 15
     js_worker = _pod(_rjob(pathwaysjob_jobset(pw.manifest), "worker"))
     assert SPOT_SELECTOR.items() <= js_worker["nodeSelector"].items()
     assert any("cannot give them tolerations" in x for x in pw.warnings)
     # On demand: no Spot selector, toleration or worker grace change.
-    on_demand = R.render("jobset-pathways", PARAM_SETS["reference"]).manifest
+    on_demand = render("jobset-pathways", PARAM_SETS["reference"]).manifest
     assert "cloud.google.com/gke-spot" not in _pod(_rjob(on_demand, "worker"))["nodeSelector"]
     assert "tolerations" not in _pod(_rjob(on_demand, "worker"))
-    assert "workers" in R.render("pathwaysjob", PARAM_SETS["reference"]).manifest["spec"]
-    with pytest.raises(R.DeployError, match="--capacity must be one of on-demand, spot"):
-        R.render("jobset-gpu", _params("reference", capacity="preemptible"))
-    with pytest.raises(R.DeployError, match="--spot-grace-seconds=5 leaves the trainer no time"):
-        R.render("jobset-gpu", _params("reference", capacity="spot", spot_grace_seconds=5))
+    assert "workers" in render("pathwaysjob", PARAM_SETS["reference"]).manifest["spec"]
+    with pytest.raises(DeployError, match="--capacity must be one of on-demand, spot"):
+        render("jobset-gpu", _params("reference", capacity="preemptible"))
+    with pytest.raises(DeployError, match="--spot-grace-seconds=5 leaves the trainer no time"):
+        render("jobset-gpu", _params("reference", capacity="spot", spot_grace_seconds=5))
 
 
 def test_pathways_images_default_to_the_trainers_jax():
     p = PARAM_SETS["reference"]
-    tag = f"jax-{R.default_trainer_jax()}"
-    hc = _containers(_pod(_rjob(R.render("jobset-pathways", p).manifest, "pathways-head")))
-    assert hc["pathways-rm"]["image"] == f"{R.PATHWAYS_IMAGE_REPO}/server:{tag}"
-    assert hc["pathways-proxy"]["image"] == f"{R.PATHWAYS_IMAGE_REPO}/proxy_server:{tag}"
-    assert R.render("pathwaysjob", p).manifest["spec"]["pathwaysVersion"] == tag
+    tag = f"jax-{default_trainer_jax()}"
+    hc = _containers(_pod(_rjob(render("jobset-pathways", p).manifest, "pathways-head")))
+    assert hc["pathways-rm"]["image"] == f"{PATHWAYS_IMAGE_REPO}/server:{tag}"
+    assert hc["pathways-proxy"]["image"] == f"{PATHWAYS_IMAGE_REPO}/proxy_server:{tag}"
+    assert render("pathwaysjob", p).manifest["spec"]["pathwaysVersion"] == tag
     assert _params("reference", trainer_jax="0.9.1").pathways_tag == "jax-0.9.1"
     override = _params("reference", pathways_version="latest")
-    hc = _containers(_pod(_rjob(R.render("jobset-pathways", override).manifest, "pathways-head")))
+    hc = _containers(_pod(_rjob(render("jobset-pathways", override).manifest, "pathways-head")))
     assert hc["pathways-rm"]["image"].endswith("/server:latest")
 
 
-def _net_pod(mode: str, **changes) -> tuple[dict, dict, R.Rendered]:
+def _net_pod(mode: str, **changes) -> tuple[dict, dict, Rendered]:
     accelerator = {"tcpxo": "nvidia-h100-mega-80gb", "rdma": "nvidia-h200-141gb"}[mode]
-    r = R.render("jobset-gpu", _params("reference", gpu_networking=mode, gpu_accelerator=accelerator, **changes))
+    r = render("jobset-gpu", _params("reference", gpu_networking=mode, gpu_accelerator=accelerator, **changes))
     template = _rjob(r.manifest, "slice")["template"]["spec"]["template"]
     return template["metadata"]["annotations"], template["spec"], r
 
@@ -1415,7 +1436,7 @@ def test_gpudirect_tcpxo_renders_what_gkes_guide_asks_for():
     ]
     (rxdm,) = pod["initContainers"]  # a native sidecar: the Job completes when the trainer does
     assert rxdm["name"] == "tcpxo-daemon" and rxdm["restartPolicy"] == "Always"
-    assert rxdm["image"] == R.TCPXO_DAEMON_IMAGE and "--num_hops=2 --num_nics=8" in rxdm["args"][0]
+    assert rxdm["image"] == TCPXO_DAEMON_IMAGE and "--num_hops=2 --num_nics=8" in rxdm["args"][0]
     assert rxdm["securityContext"] == {"capabilities": {"add": ["NET_ADMIN", "NET_BIND_SERVICE"]}}
     volumes = {v["name"]: v.get("hostPath", {}).get("path") for v in pod["volumes"]}
     assert {
@@ -1431,7 +1452,7 @@ def test_gpudirect_tcpxo_renders_what_gkes_guide_asks_for():
     assert {"name": "aperture-devices", "mountPath": "/dev/aperture_devices"} in trainer["volumeMounts"]
     assert 'source "${NCCL_LIB_DIR}/nccl-env-profile.sh"' in trainer["command"][2]
     header = r.text[: r.text.index("apiVersion:")]
-    assert R.TCPXO_DOC in header and R.TCPXO_INSTALLER in header and not r.warnings
+    assert TCPXO_DOC in header and TCPXO_INSTALLER in header and not r.warnings
 
 
 def test_gpudirect_rdma_renders_what_gkes_guide_asks_for():
@@ -1451,7 +1472,7 @@ def test_gpudirect_rdma_renders_what_gkes_guide_asks_for():
     assert _env(trainer)["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib64"
     assert "source /usr/local/gib/scripts/set_nccl_env.sh" in trainer["command"][2]
     header = r.text[: r.text.index("apiVersion:")]
-    assert R.RDMA_DOC in header and R.RDMA_INSTALLER in header
+    assert RDMA_DOC in header and RDMA_INSTALLER in header
 
 
 @needs_bash
@@ -1477,13 +1498,13 @@ def test_the_gpudirect_prelude_sources_the_nccl_profile_then_derives_the_process
 
 
 def test_gpu_networking_needs_whole_gpu_nodes():
-    with pytest.raises(R.DeployError, match="needs --platform gpu and --gpus-per-node 8"):
-        R.render("jobset-gpu", _params("reference", gpu_networking="rdma", gpus_per_node=4))
-    with pytest.raises(R.DeployError, match="needs --platform gpu"):
-        R.render("jobset-gpu", _params("reference", gpu_networking="tcpxo", platform="cpu"))
-    r = R.render("jobset-gpu", _params("reference", gpu_networking="tcpxo"))  # an H100 (A3 High) node pool
+    with pytest.raises(DeployError, match="needs --platform gpu and --gpus-per-node 8"):
+        render("jobset-gpu", _params("reference", gpu_networking="rdma", gpus_per_node=4))
+    with pytest.raises(DeployError, match="needs --platform gpu"):
+        render("jobset-gpu", _params("reference", gpu_networking="tcpxo", platform="cpu"))
+    r = render("jobset-gpu", _params("reference", gpu_networking="tcpxo"))  # an H100 (A3 High) node pool
     assert any("nvidia-h100-mega-80gb" in w for w in r.warnings)
-    assert any("is GKE's" in w for w in R.render("slurm", _params("reference", gpu_networking="rdma")).warnings)
+    assert any("is GKE's" in w for w in render("slurm", _params("reference", gpu_networking="rdma")).warnings)
 
 
 VARIANTS = {
@@ -1496,7 +1517,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("target", MANIFEST_TARGETS)
 def test_the_new_settings_validate_against_the_schemas(target, variant):
-    doc = R.render(target, _params("resize", **VARIANTS[variant])).manifest
+    doc = render(target, _params("resize", **VARIANTS[variant])).manifest
     assert validate_manifest(doc)[0].endswith("(CRD)")
     if target == "pathwaysjob":
         validate_manifest(pathwaysjob_jobset(doc))
@@ -1523,7 +1544,7 @@ def test_the_guide_orders_the_pathways_routes_jobset_first_xpk_last_and_its_refe
     routes = {n: re.findall(r"python -m scripts\.deploy\.render ([\w-]+)", body) for n, body in sections.items()}
     assert routes[2] == ["jobset-pathways"] and routes[3] == ["pathwaysjob"] and routes[4] == ["xpk"]
     assert sections[4].index("any non-zero exit fails the workload") < sections[4].index("```bash")
-    assert R.XPK_ACCEPT_FLAG in sections[4].split("```bash")[1]  # the printed command carries the flag
+    assert XPK_ACCEPT_FLAG in sections[4].split("```bash")[1]  # the printed command carries the flag
     text = GUIDE.read_text()
     titles = {n: body.splitlines()[0] for n, body in sections.items()}
     for n in map(int, re.findall(r"\(section (\d+)[),;]", text) + re.findall(r"sections? (\d+)\b", text)):
@@ -1563,8 +1584,8 @@ def test_the_guides_log_commands_select_the_head_pods_trainer_container():
     JobSet route prints exactly the command the manifest's comments print."""
     text = GUIDE.read_text()
     p = _params("reference", run_name="qwen3-0.6b-elastic")
-    assert R.head_logs_command(p) in text
-    assert R.head_logs_command(p) in R.render("jobset-pathways", p).text
+    assert head_logs_command(p) in text
+    assert head_logs_command(p) in render("jobset-pathways", p).text
     for line in (line for line in text.splitlines() if "kubectl logs -f -l" in line):
         words = shlex.split(
             line.split("`")[1] if line.lstrip().startswith(("`", "-", "(")) else line, comments=True

@@ -1,5 +1,5 @@
 """What Kubernetes, the JobSet controller, xpk and Slurm do with every exit code of the trainer, under the
-artefacts scripts/deploy/render.py writes.
+artefacts the scripts.deploy package (`python -m scripts.deploy.render`) writes.
 
 The exit-code contract (trainer/errors.py): 0 finished -> the run completes; 1 a bug -> restart a few times,
 then fail; 2 bad input and 3 gave up -> fail at once; 42 preempted (SIGTERM, state saved) -> restart using no
@@ -76,12 +76,30 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.deploy import render as R  # noqa: E402
+from scripts.deploy.capacity import DEFAULT_SPOT_GRACE_SECONDS  # noqa: E402
+from scripts.deploy.errors import DeployError  # noqa: E402
+from scripts.deploy.failure_policy import (  # noqa: E402
+    BUG_EXIT_CODES,
+    FINAL_EXIT_CODES,
+    FOREIGN_EXIT_CODES,
+    PREEMPTED_EXIT_CODES,
+    TRANSIENT_EXIT_CODES,
+)
+from scripts.deploy.graceful_stop import (  # noqa: E402
+    DEFAULT_STOP_TIMEOUT_SECONDS,
+    KUBERNETES_DEFAULT_GRACE_SECONDS,
+    SPOT_STOP_MARGIN_SECONDS,
+)
+from scripts.deploy.manifest import TRAINER_CONTAINER  # noqa: E402
+from scripts.deploy.params import DeployParams  # noqa: E402
+from scripts.deploy.targets import render  # noqa: E402
+from scripts.deploy.targets.xpk import XPK_ACCEPT_FLAG, XPK_FAILURE_POLICY  # noqa: E402
+from scripts.deploy.tpu import TPU_TYPES  # noqa: E402
 
 needs_bash = pytest.mark.skipif(BASH is None, reason="bash not installed")
 
 IMAGE = "us-docker.pkg.dev/my-proj/trainer/trainer:v1"
-REFERENCE = R.DeployParams(
+REFERENCE = DeployParams(
     slices=3,
     image=IMAGE,
     run_name="qwen3-0.6b-elastic",
@@ -93,7 +111,7 @@ RESIZE = dataclasses.replace(
     REFERENCE, slices=4, nodes_per_slice=2, min_slices=2, max_restarts=2, max_task_restarts=4, max_slice_restarts=3
 )
 PARAMS = {"reference": REFERENCE, "resize": RESIZE}
-TRAINER = R.TRAINER_CONTAINER
+TRAINER = TRAINER_CONTAINER
 
 # Outcomes of one pod ending, as the JobSet sees them.
 COMPLETED = "run completes"
@@ -469,8 +487,8 @@ def test_evaluator_jobset_rules_first_match_default_and_max_restarts():
 # ------------------------------------------------------------------------------------------------
 # The rendered JobSet manifests.
 # ------------------------------------------------------------------------------------------------
-def _doc(target: str, p: R.DeployParams) -> dict:
-    docs = [d for d in yaml.safe_load_all(R.render(target, p).text) if d is not None]
+def _doc(target: str, p: DeployParams) -> dict:
+    docs = [d for d in yaml.safe_load_all(render(target, p).text) if d is not None]
     assert len(docs) == 1
     return docs[0]
 
@@ -531,8 +549,8 @@ def test_the_rows_cover_every_code_of_the_contract():
     from trainer.errors import EXIT_CODES
 
     plain = {code for _, code, conditions, _ in CONTRACT_ROWS if not conditions}
-    assert {code for code, _, _ in EXIT_CODES} | set(R.FOREIGN_EXIT_CODES) <= plain
-    groups = (R.PREEMPTED_EXIT_CODES, R.FINAL_EXIT_CODES, R.BUG_EXIT_CODES, R.TRANSIENT_EXIT_CODES)
+    assert {code for code, _, _ in EXIT_CODES} | set(FOREIGN_EXIT_CODES) <= plain
+    groups = (PREEMPTED_EXIT_CODES, FINAL_EXIT_CODES, BUG_EXIT_CODES, TRANSIENT_EXIT_CODES)
     assert sorted(c for g in groups for c in g) == sorted(code for code, _, _ in EXIT_CODES if code)
 
 
@@ -647,7 +665,7 @@ def test_pathways_workers_restart_in_place_against_their_job_backoff_limit():
     included: a podFailurePolicy needs restartPolicy Never) counts against hosts x --max-slice-restarts."""
     doc = _doc("jobset-pathways", REFERENCE)
     js = JobSet(doc)
-    limit = R.TPU_TYPES[REFERENCE.tpu_type].hosts * REFERENCE.max_slice_restarts
+    limit = TPU_TYPES[REFERENCE.tpu_type].hosts * REFERENCE.max_slice_restarts
     worker = PodEnd({"pathways-worker": 1})
     assert [js.pod_ended("worker", 0, 0, worker) for _ in range(limit)] == [POD_RESTART_COUNTED] * limit
     assert js.pod_ended("worker", 1, 0, PodEnd({"pathways-worker": 137}, frozenset({DT}))) == POD_RESTART_COUNTED
@@ -732,12 +750,12 @@ def test_the_budget_counts_every_counted_failure_of_the_job_and_a_jobset_restart
     js = JobSet(doc)
     ends = [js.pod_ended(rj, j, i, trainer_end(doc, rj, 42)) for _ in range(p.max_task_restarts + 1)]
     assert ends == [POD_RESTART_COUNTED] * p.max_task_restarts + [JOBSET_RESTART]
-    assert any("--max-preemptions=12 cannot be reached" in w for w in R.render(target, wide).warnings)
+    assert any("--max-preemptions=12 cannot be reached" in w for w in render(target, wide).warnings)
 
 
 def test_the_rendered_headers_state_the_budget():
-    def header(target: str, p: R.DeployParams) -> str:  # the comment lines as one text
-        text = R.render(target, p).text
+    def header(target: str, p: DeployParams) -> str:  # the comment lines as one text
+        text = render(target, p).text
         return " ".join(line.lstrip("#").strip() for line in text[: text.index("apiVersion:")].splitlines())
 
     for target in JOBSET_TARGETS:
@@ -745,9 +763,9 @@ def test_the_rendered_headers_state_the_budget():
         assert "counted against the trainer Job's backoffLimit=3 (--max-preemptions)" in budget
         assert "the failure past it fails the JobSet (BackoffLimitExceeded: FailJobSet)" in budget
         assert "no budget used (--max-preemptions 0: no bound)" in header(target, REFERENCE)
-    slurm = R.render("slurm", BUDGETS["reference"]).text
+    slurm = render("slurm", BUDGETS["reference"]).text
     assert "requeued MAX_PREEMPTIONS=\n#             3 times (SLURM_RESTART_COUNT" in slurm
-    pw = R.render("pathwaysjob", BUDGETS["reference"])
+    pw = render("pathwaysjob", BUDGETS["reference"])
     assert any("--max-preemptions=3 is not applied" in w for w in pw.warnings)
 
 
@@ -768,10 +786,10 @@ def _trainer_pod_graces(doc: Mapping) -> list[int]:
 
 @pytest.mark.parametrize("target", JOBSET_TARGETS)
 def test_under_spot_the_trainers_stop_fits_the_notice(target, tmp_path):
-    spot_grace = R.DEFAULT_SPOT_GRACE_SECONDS
+    spot_grace = DEFAULT_SPOT_GRACE_SECONDS
     assert spot_grace == 15  # GKE: 15 s for the pods of a preempted Spot node, then 15 s for system pods
-    r = R.render(target, SPOT)
-    assert f"stop_timeout_seconds={spot_grace - R.SPOT_STOP_MARGIN_SECONDS}" in r.trainer_argv
+    r = render(target, SPOT)
+    assert f"stop_timeout_seconds={spot_grace - SPOT_STOP_MARGIN_SECONDS}" in r.trainer_argv
     assert _trainer_pod_graces(r.manifest) == [spot_grace] * len(_trainer_pod_graces(r.manifest))
     pods = [rj["template"]["spec"]["template"]["spec"] for rj in r.manifest["spec"]["replicatedJobs"]]
     assert all(pod["terminationGracePeriodSeconds"] <= spot_grace for pod in pods)  # workers too
@@ -782,8 +800,8 @@ def test_under_spot_the_trainers_stop_fits_the_notice(target, tmp_path):
     fits = _doc(target, dataclasses.replace(SPOT, overrides=("stop_timeout_seconds=7",)))
     assert set(_trainer_pod_graces(fits)) == {12}
     for stop in ("10.5", "20"):
-        with pytest.raises(R.DeployError, match=f"stop_timeout_seconds={stop} cannot fit Spot's notice.*<=10"):
-            R.render(target, dataclasses.replace(SPOT, overrides=(f"stop_timeout_seconds={stop}",)))
+        with pytest.raises(DeployError, match=f"stop_timeout_seconds={stop} cannot fit Spot's notice.*<=10"):
+            render(target, dataclasses.replace(SPOT, overrides=(f"stop_timeout_seconds={stop}",)))
     # Node pools that give more (GKE's extended graceful termination) fit a longer stop.
     longer = dataclasses.replace(SPOT, spot_grace_seconds=60, overrides=("stop_timeout_seconds=45",))
     assert set(_trainer_pod_graces(_doc(target, longer))) == {50}
@@ -795,12 +813,12 @@ def test_under_spot_the_trainers_stop_fits_the_notice(target, tmp_path):
 
 def test_spot_and_slurm_notice_follow_the_stop_timeout():
     """Slurm's --signal lead time is the stop timeout plus the 10 s margin, Spot or not (Slurm has no Spot)."""
-    text = R.render("slurm", SPOT).text
+    text = render("slurm", SPOT).text
     assert "#SBATCH --signal=TERM@20" in text.splitlines()
     assert "stop_timeout_seconds=10 plus 10 s" in text
-    assert any("--capacity spot is GKE's" in w for w in R.render("slurm", SPOT).warnings)
-    with pytest.raises(R.DeployError, match="cannot fit Spot's notice"):
-        R.render("slurm", dataclasses.replace(SPOT, overrides=("stop_timeout_seconds=30",)))
+    assert any("--capacity spot is GKE's" in w for w in render("slurm", SPOT).warnings)
+    with pytest.raises(DeployError, match="cannot fit Spot's notice"):
+        render("slurm", dataclasses.replace(SPOT, overrides=("stop_timeout_seconds=30",)))
 
 
 @pytest.mark.parametrize("target", JOBSET_TARGETS)
@@ -810,7 +828,7 @@ def test_trainer_pods_get_the_stop_timeout_plus_10_s(target, tmp_path):
     config = tmp_path / "slow_stop.yml"
     config.write_text("stop_timeout_seconds: 33\n")
     for p, grace in (
-        (REFERENCE, R.DEFAULT_STOP_TIMEOUT_SECONDS + 10),
+        (REFERENCE, DEFAULT_STOP_TIMEOUT_SECONDS + 10),
         (dataclasses.replace(REFERENCE, overrides=("stop_timeout_seconds=45",)), 55),
         (dataclasses.replace(REFERENCE, overrides=("stop_timeout_seconds=5", "stop_timeout_seconds=7.5")), 18),
         (dataclasses.replace(REFERENCE, config=str(config)), 43),
@@ -820,16 +838,16 @@ def test_trainer_pods_get_the_stop_timeout_plus_10_s(target, tmp_path):
         pods = [rj["template"]["spec"]["template"]["spec"] for rj in doc["spec"]["replicatedJobs"]]
         trainer_pods = [pod for pod in pods if any(c["name"] == TRAINER for c in pod["containers"])]
         assert trainer_pods and all(pod["terminationGracePeriodSeconds"] == grace for pod in trainer_pods)
-    with pytest.raises(R.DeployError, match="stop_timeout_seconds"):
-        R.render(target, dataclasses.replace(REFERENCE, overrides=("stop_timeout_seconds=soon",)))
+    with pytest.raises(DeployError, match="stop_timeout_seconds"):
+        render(target, dataclasses.replace(REFERENCE, overrides=("stop_timeout_seconds=soon",)))
 
 
 # ------------------------------------------------------------------------------------------------
 # xpk: the JobSet `xpk workload create-pathways` builds from the rendered command, under the same rules.
 # ------------------------------------------------------------------------------------------------
-def _xpk_flags(tmp_path: Path, p: R.DeployParams) -> tuple[dict[str, list[str]], list[str]]:
+def _xpk_flags(tmp_path: Path, p: DeployParams) -> tuple[dict[str, list[str]], list[str]]:
     """Run the rendered submit script against a stub xpk; its flags, and the renderer's warnings."""
-    r = R.render("xpk", p)
+    r = render("xpk", p)
     flags = run_xpk_script(tmp_path, r.text, cluster=("p", "z", "c"))
     return flags, r.warnings
 
@@ -929,15 +947,15 @@ XPK_GAPS = {
 def test_xpk_flags_and_what_xpk_makes_of_each_exit_code(pset, tmp_path):
     p = PARAMS[pset]
     flags, warnings = _xpk_flags(tmp_path, p)
-    grace = R.DEFAULT_STOP_TIMEOUT_SECONDS + 10
+    grace = DEFAULT_STOP_TIMEOUT_SECONDS + 10
     assert flags["--max-restarts"] == [str(p.max_restarts)]
     assert flags["--max-slice-restarts"] == [str(p.max_slice_restarts)]
     assert flags["--elastic-slices"] == [str(p.num_elastic_slices)]
     assert flags["--termination-grace-period-seconds"] == [str(grace)]
     assert "--restart-on-exit-codes" not in flags  # xpk applies it to `workload create` only
     # Only the acknowledged failure policy: the head pod's default grace (30 s) covers the default stop timeout.
-    assert warnings == [f"{R.XPK_FAILURE_POLICY} (accepted with {R.XPK_ACCEPT_FLAG})"]
-    hosts = R.TPU_TYPES[p.tpu_type].hosts
+    assert warnings == [f"{XPK_FAILURE_POLICY} (accepted with {XPK_ACCEPT_FLAG})"]
+    hosts = TPU_TYPES[p.tpu_type].hosts
 
     gaps = set()
     for what, code, conditions, contract in CONTRACT_ROWS:
@@ -963,17 +981,17 @@ def test_xpk_flags_and_what_xpk_makes_of_each_exit_code(pset, tmp_path):
     assert (
         "terminationGracePeriodSeconds" not in _rjob(doc, "pathways-head")["template"]["spec"]["template"]["spec"]
     )
-    assert R.KUBERNETES_DEFAULT_GRACE_SECONDS == grace
+    assert KUBERNETES_DEFAULT_GRACE_SECONDS == grace
 
 
 def test_xpk_warns_when_the_trainer_needs_more_grace_than_the_head_pod_gets():
-    r = R.render("xpk", dataclasses.replace(REFERENCE, overrides=("stop_timeout_seconds=60",)))
+    r = render("xpk", dataclasses.replace(REFERENCE, overrides=("stop_timeout_seconds=60",)))
     assert "--termination-grace-period-seconds=70" in r.text
     assert any("70 s of grace" in w and "30 s" in w for w in r.warnings)
 
 
 def test_xpk_script_documents_each_code():
-    text = R.render("xpk", REFERENCE).text
+    text = render("xpk", REFERENCE).text
     table = text[text.index("What xpk makes of") : text.index("xpk workload create-pathways \\")]
     for code in ("0 ", "42", "75", "1 ", "2, 3"):
         assert f"#   {code}" in table, code
@@ -1002,7 +1020,7 @@ def test_what_the_pathwaysjob_controller_makes_of_each_exit_code(pset):
         if got != contract:
             gaps.add(what)
     assert gaps == XPK_GAPS  # what the renderer's warning and the manifest's comments list
-    warning = " ".join(R.render("pathwaysjob", p).warnings)
+    warning = " ".join(render("pathwaysjob", p).warnings)
     assert "exit 42" in warning and "evictions" in warning and "2 and 3" in warning
     # Preemptions use up maxRestarts: the (max_restarts + 1)-th ends the run.
     js = JobSet(doc)
@@ -1020,7 +1038,7 @@ def test_pathwaysjob_head_pod_gets_the_trainers_grace_and_workers_their_budget()
         _rjob(doc, "pathways-head")["template"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 55
     )
     js = JobSet(doc)
-    limit = R.TPU_TYPES[p.tpu_type].hosts * p.max_slice_restarts
+    limit = TPU_TYPES[p.tpu_type].hosts * p.max_slice_restarts
     worker = PodEnd({"pathways-worker": 1})
     assert [js.pod_ended("worker", 0, 0, worker) for _ in range(limit)] == [POD_RESTART_COUNTED] * limit
     assert js.pod_ended("worker", 0, 0, worker) == JOBSET_RESTART
@@ -1080,7 +1098,7 @@ def _slurm_setup(tmp_path: Path, codes: list[int], tasks: int, trainer: str, env
     for task in range(tasks):
         (stubs / f"codes.{task}").write_text("".join(f"{c}\n" for c in codes))
     script = tmp_path / "job.sbatch"
-    script.write_text(R.render("slurm", REFERENCE).text)
+    script.write_text(render("slurm", REFERENCE).text)
     environ = {
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "STUBS": str(stubs),
@@ -1120,10 +1138,10 @@ def _per_task(pairs: list[tuple[int, int]], task: int = 0) -> list[int]:
 
 
 def test_slurm_directives_give_the_trainer_its_notice_and_allow_requeue():
-    text = R.render("slurm", REFERENCE).text
+    text = render("slurm", REFERENCE).text
     assert "#SBATCH --requeue" in text.splitlines()
-    assert f"#SBATCH --signal=TERM@{R.DEFAULT_STOP_TIMEOUT_SECONDS + 10}" in text.splitlines()
-    slow = R.render("slurm", dataclasses.replace(REFERENCE, overrides=("stop_timeout_seconds=45",))).text
+    assert f"#SBATCH --signal=TERM@{DEFAULT_STOP_TIMEOUT_SECONDS + 10}" in text.splitlines()
+    slow = render("slurm", dataclasses.replace(REFERENCE, overrides=("stop_timeout_seconds=45",))).text
     assert "#SBATCH --signal=TERM@55" in slow.splitlines()
     assert f"MAX_TASK_RESTARTS:-{REFERENCE.max_task_restarts}" in text
     assert f"MAX_RESTARTS:-{REFERENCE.max_restarts}" in text
@@ -1187,7 +1205,7 @@ def test_slurm_preemption_budget_stops_requeueing(tmp_path, restarts, requeued):
     got = _slurm(tmp_path, [42], tasks=1, MAX_PREEMPTIONS="2", SLURM_RESTART_COUNT=restarts)
     assert got.rc == 42 and got.requeues == (["4242"] if requeued else [])
     assert ("MAX_PREEMPTIONS=2): not requeued" in got.stderr) is not requeued
-    text = R.render("slurm", dataclasses.replace(REFERENCE, max_preemptions=4)).text
+    text = render("slurm", dataclasses.replace(REFERENCE, max_preemptions=4)).text
     assert "MAX_PREEMPTIONS=${MAX_PREEMPTIONS:-4}" in text
 
 

@@ -320,17 +320,18 @@ def test_a_pathways_image_for_the_clients_jax_passes():
 
 
 def test_the_renderers_default_pathways_images_name_the_trainers_jax(monkeypatch):
-    """render.py's default images are tagged jax-<the trainer image's JAX> (the pin of the Dockerfile's TPU
+    """The renderer's default images are tagged jax-<the trainer image's JAX> (the pin of the Dockerfile's TPU
     build), so the check passes for it and refuses another client JAX; --pathways-version=jax-X.Y.Z pins
     another."""
     monkeypatch.syspath_prepend(str(REPO))
-    from scripts.deploy import render
+    from scripts.deploy.params import DeployParams
+    from scripts.deploy.pathways import default_trainer_jax
 
-    default = render.DeployParams(slices=1, image="trainer:tpu", run_name="r", output_dir="gs://b/o")
+    default = DeployParams(slices=1, image="trainer:tpu", run_name="r", output_dir="gs://b/o")
     for image in (default.image_server, default.image_proxy):
-        assert pathways_image_jax(image) == render.default_trainer_jax()
-        assert check_pathways_image(image, render.default_trainer_jax()) == render.default_trainer_jax()
-    pinned = render.DeployParams(
+        assert pathways_image_jax(image) == default_trainer_jax()
+        assert check_pathways_image(image, default_trainer_jax()) == default_trainer_jax()
+    pinned = DeployParams(
         slices=1, image="trainer:tpu", run_name="r", output_dir="gs://b/o", pathways_version="jax-0.10.2"
     )
     for image in (pinned.image_server, pinned.image_proxy):

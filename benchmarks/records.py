@@ -125,6 +125,14 @@ MEASURES = {
         "configs",
         "benchmarks/goodput_planner.py",
     ],
+    # Data preparation's tokens/s with 1 and N worker processes on the real-text corpus: the readers, the
+    # tokenizer, the work units and the merge (trainer/data), the paths and outputs (trainer/io).
+    "prepare_throughput": [
+        "trainer/data",
+        "trainer/io",
+        "benchmarks/prepare_throughput.py",
+        "benchmarks/corpus.py",
+    ],
 }
 
 

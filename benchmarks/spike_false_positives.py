@@ -26,7 +26,6 @@ import json
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from cli_runs import (  # noqa: E402
     smoke_overrides,
     step_records,
 )
+from corpus import text_inputs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARK = "spike_false_positives"
@@ -51,16 +51,6 @@ THRESHOLDS = [1.25, 1.5, 2.0, 3.0, 5.0]
 WARMUP_STEPS = 20  # "first steps" in the tables
 SFT_FILES = REPO / "data" / "fc_sample" / "*.arrayrecord"
 TOKENIZER = REPO / "data" / "tokenizer" / "fc_sp8k.model"
-
-
-def text_inputs() -> list[str]:
-    """The corpus: the standard library's top-level modules and the packages' METADATA and licences."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    site = Path(sysconfig.get_paths()["purelib"])
-    files = sorted(stdlib.glob("*.py"))
-    files += sorted(site.glob("*.dist-info/METADATA")) + sorted(site.glob("*.dist-info/LICEN[CS]E*"))
-    files += sorted(site.glob("*.dist-info/licenses/*"))
-    return [str(f) for f in files if f.is_file()]
 
 
 def prepare(out: Path) -> dict:

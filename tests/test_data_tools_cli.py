@@ -236,6 +236,32 @@ def test_help_says_formats_fields_exit_codes_and_outputs(tmp_path, script):
     ):
         assert needle in text, needle
     assert ("dataset_info.json" in text) if script == PREPARE else (".model file" in text)
+    if script == PREPARE:
+        for needle in ("--workers", "--unit-size", "gs://", "byte-identical", "rerun the same command", "kill -9"):
+            assert needle in text, needle
+
+
+def test_prepare_data_in_parallel_reports_tokens_per_second_and_the_line_of_a_bad_record(tmp_path):
+    lines = [json.dumps({"text": f"record {i} " + "word " * (i % 7)}).encode() for i in range(200)]
+    lines[149] = b'{"text": "caf\xe9"}'
+    (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    tokenizer = REPO / "data" / "tokenizer" / "fc_sp8k.model"
+    args = ["--input", "in.jsonl", "--output-dir", "out", "--num-shards", "2", "--tokenizer", str(tokenizer)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.data.prepare", *args, "--workers", "2", "--unit-size", "1K"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "199 written, 1 bad" in proc.stdout
+    assert re.search(r"in\.jsonl:150: not UTF-8 text \(byte 0xe9", proc.stdout), proc.stdout  # in a later unit
+    assert re.search(r"speed: +[\d,]+ tokens/s, [\d,]+ tokens/s per core \(2 workers\), [\d.]+ s", proc.stdout)
+    info = json.loads((tmp_path / "out" / "dataset_info.json").read_text())
+    assert info["units"] > 5 and info["workers"] == 2 and info["tokens_per_s"] > 0 and info["seconds"] > 0
+    assert info["tokens_per_s_per_core"] == pytest.approx(info["tokens_per_s"] / 2, rel=1e-3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out"]
 
 
 # -- train_tokenizer.py ---------------------------------------------------------------------------------

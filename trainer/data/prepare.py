@@ -8,7 +8,13 @@ Every input record becomes {"text": ...} or {"messages": [...]}, or with a token
 cannot be used (invalid JSON, not UTF-8, a missing field) are counted by reason and reported with
 their file and line, never dropped silently. Shards get records round-robin, so they hold equal
 shares; `dataset_info.json` records the summary. The shards are written aside and moved into place
-only when the run succeeded (trainer/io/staging.py): a failed run leaves the old output untouched.
+only when the run succeeded: a failed run leaves the old output untouched.
+
+Parallel and resumable (trainer/data/shards.py): --workers processes tokenize work units fixed by the
+inputs (a file, or a --unit-size byte range of a big JSONL or line-per-record text file), and the
+shards are byte-identical whatever the worker count. A run that is stopped (Ctrl-C, kill -9, a lost
+machine) and rerun with the same command skips the units it completed. Inputs and --output-dir may
+be local or gs://. The summary reports tokens/s and tokens/s per core.
 """
 
 # The CLI only: it parses the arguments, calls the library (trainer/data/readers.py reads the inputs,
@@ -19,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 
+from trainer.data.prepare_units import UNIT_BYTES, available_cpus
 from trainer.data.readers import SHARD_SUFFIX, TEXT_UNITS, expand_inputs
 from trainer.data.shards import INFO_FILE, prepare
 from trainer.data.tokenizer import Tokenizer
@@ -45,12 +53,30 @@ EPILOG = f"""\
 
 outputs:
   <--output-dir>/<prefix>-NNNNN-of-MMMMM{SHARD_SUFFIX}  the records as JSON, round-robin over the shards
-  <--output-dir>/{INFO_FILE}                    records, tokens, bad records by reason, shards, inputs
+  <--output-dir>/{INFO_FILE}                    records, tokens, bad records by reason, shards,
+                                                      inputs; the run's units, workers, seconds, tokens/s
   Train on them with dataset_type=arrayrecord grain_train_files='<--output-dir>/*{SHARD_SUFFIX}'.
-  --output-dir is a local directory (copy it to an object store afterwards if needed).
+  --output-dir is a local directory or a gs:// prefix.
   The output is written aside and moved into place only when the run succeeded: a failed run leaves
   an existing output untouched and nothing new behind. An existing output is replaced only with
-  --overwrite (and never a directory holding files this tool did not write).
+  --overwrite (and never a directory holding files this tool did not write). A gs:// output is
+  built locally, then each shard is uploaded (an object appears only once complete), and
+  {INFO_FILE} last: on an object store, {INFO_FILE} marks a complete output.
+
+parallel and resumable:
+  --workers N      worker processes (default: the CPUs this process may use); the shards are
+                   byte-identical whatever N, and equal to what one process writes
+  --unit-size S    work units: one per input file, and uncompressed .jsonl/.ndjson files (plain text
+                   with --text-unit line) bigger than S cut into ranges of about S at line starts
+                   (default 64M; suffixes K, M, G); bad records keep their file:line
+  The work lives in a hidden sibling of --output-dir (.<name>.prepare-<digest>; for a gs:// output,
+  under $TRAINER_CACHE_DIR/prepare/, default ~/.cache/elastic-trainer), named by a digest of what
+  determines the output (the inputs with their sizes and modification times or generations, the
+  tokenizer, the fields, --text-unit, --num-shards, --prefix, --unit-size, --output-dir). A run that
+  is stopped (Ctrl-C, kill -9, a lost machine) keeps it; rerun the same command and it skips the
+  units already done ("units: N (M completed by an earlier run, skipped)"). It is removed when the
+  output is in place, or when the input is bad. It holds the records uncompressed until then: allow
+  about twice the output's size of free disk beside it.
 
 exit codes:
   0  success (the summary is printed on stdout)
@@ -95,11 +121,32 @@ def build_parser() -> argparse.ArgumentParser:
     add_record_arguments(parser)
     parser.add_argument("--prefix", default="data", help="shard name prefix")
     parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help=f"worker processes (default: the CPUs this process may use, here {available_cpus()})",
+    )
+    parser.add_argument(
+        "--unit-size",
+        type=_size,
+        default=UNIT_BYTES,
+        metavar="SIZE",
+        help="split uncompressed line-per-record files bigger than this into work units (default: 64M)",
+    )
+    parser.add_argument(
         "--overwrite",
         action="store_true",
         help="replace an existing --output-dir (only once the new shards are written)",
     )
     return parser
+
+
+def _size(text: str) -> int:
+    """A byte count: an integer, optionally with a K, M or G suffix (powers of 1024)."""
+    found = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if not found:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 65536, 512K, 64M or 1G")
+    return int(found[1]) * 1024 ** " kmg".index(found[2].lower() or " ")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -115,6 +162,8 @@ def _run(args: argparse.Namespace) -> int:
         text_unit=args.text_unit,
         prefix=args.prefix,
         overwrite=args.overwrite,
+        workers=args.workers,
+        unit_bytes=args.unit_size,
     )
     print(summary.report())
     return 0

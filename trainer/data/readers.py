@@ -7,6 +7,11 @@ silently. The format is told by the extension (before .gz); any other file is pl
 per paragraph, line or file. `check_inputs` refuses, from the first few KiB, a file that cannot be read
 at all (binary, a broken .gz, Parquet without pyarrow). Shared by scripts/prepare_data.py
 (trainer/data/shards.py writes the records) and scripts/train_tokenizer.py.
+
+A big file with one record per line (`splittable`: uncompressed JSONL, or plain text read line by line)
+can also be read in byte ranges that start at line starts (`line_starts`, `LineRange`), each by another
+process; a range numbers its lines from 1 and counts them, so the caller can locate a record at the
+file's line. Read range by range, the file gives the same records as read whole.
 """
 
 from __future__ import annotations
@@ -122,9 +127,10 @@ def _open_bytes(path: str) -> Iterator[IO[bytes]]:
             ) from None
 
 
-def _decode(raw: bytes, line_no: int) -> str:
-    """One line as text; RecordError naming the first byte that is not UTF-8 (the caller adds file:line)."""
-    if line_no == 1:
+def _decode(raw: bytes, line_no: int, bom: bool = True) -> str:
+    """One line as text; RecordError naming the first byte that is not UTF-8 (the caller adds file:line).
+    A UTF-8 byte-order mark is dropped from the file's first line (`bom`: line 1 is the file's first)."""
+    if bom and line_no == 1:
         raw = raw.removeprefix(codecs.BOM_UTF8)
     try:
         return raw.decode("utf-8")
@@ -176,13 +182,71 @@ def read_records(
         yield from _arrayrecord_records(path, fields)
 
 
-def _jsonl_records(path: str, lines: Iterable[tuple[int, bytes]], fields: dict):
+def splittable(path: str, text_unit: str) -> bool:
+    """Whether `path` may be read in byte ranges (`LineRange`): an uncompressed file with one record per
+    line (JSONL, NDJSON; plain text with text_unit "line"). Every other file is read whole."""
+    if path.endswith(".gz"):
+        return False
+    kind = _kind(path)
+    return kind == "jsonl" or (kind == "text" and text_unit == "line")
+
+
+def line_starts(path: str, size: int, range_bytes: int) -> list[int]:
+    """Offsets [0, b1, ..., size] cutting a `size`-byte file into ranges of at least `range_bytes` (the
+    last may be shorter), each starting at a line start: fixed by the file's bytes and `range_bytes`."""
+    bounds = [0]
+    with _open_bytes(path) as f:
+        while bounds[-1] + range_bytes < size:
+            f.seek(bounds[-1] + range_bytes - 1)
+            f.readline()  # to the end of the line holding that byte
+            if f.tell() >= size:
+                break
+            bounds.append(f.tell())
+    return [*bounds, size]
+
+
+class LineRange:
+    """The lines in bytes [start, end) of a `splittable` file, `start` at a line start, as records:
+    (line number within the range, record or RecordError). After `records` is exhausted, `lines` holds
+    the range's line count, so that the next range's line numbers continue from this one's."""
+
+    def __init__(self, path: str, start: int, end: int):
+        self.path, self.start, self.end = path, start, end
+        self.lines = 0
+
+    def records(
+        self, *, text_field: str = "text", messages_field: str = "messages", text_unit: str = "line"
+    ) -> Iterator[tuple[int, dict | RecordError]]:
+        bom = self.start == 0  # a byte-order mark is dropped from the file's first line only
+        fields = {"text_field": text_field, "messages_field": messages_field}
+        if _kind(self.path) == "jsonl":
+            found = _jsonl_records("", self._lines(), fields, bom)
+        else:
+            assert text_unit == "line", "only line-per-record text is read in ranges"
+            found = _text_line_units("", "line", self._lines(), bom)
+        for where, record in found:  # where is ":<line>" (no path)
+            yield int(where[1:]), record
+
+    def _lines(self) -> Iterator[tuple[int, bytes]]:
+        with _open_bytes(self.path) as f:
+            f.seek(self.start)
+            left = self.end - self.start
+            while left > 0:
+                raw = f.readline()
+                if not raw:
+                    break
+                left -= len(raw)
+                self.lines += 1
+                yield self.lines, raw
+
+
+def _jsonl_records(path: str, lines: Iterable[tuple[int, bytes]], fields: dict, bom: bool = True):
     for line_no, raw in lines:
         if not raw.strip():
             continue
         where = f"{path}:{line_no}"
         try:
-            yield where, normalize(json.loads(_decode(raw, line_no)), **fields)
+            yield where, normalize(json.loads(_decode(raw, line_no, bom)), **fields)
         except json.JSONDecodeError as e:
             yield where, RecordError(f"invalid JSON ({e.msg})")
         except RecordError as e:
@@ -291,24 +355,28 @@ def _skip_space(text: str, pos: int) -> int:
 def _text_units(path: str, unit: str) -> Iterator[tuple[str, dict | RecordError]]:
     """Plain text as records: one per paragraph (blank-line separated), line or whole file. A unit with
     a line that is not UTF-8 is one bad record, reported at that line; the rest of the file is used."""
-    start, pieces, error = 0, [], None
     with _open_bytes(path) as f:
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                line, bad = _decode(raw, line_no), None
-            except RecordError as e:
-                line, bad = "", (f"{path}:{line_no}", e)
-            if unit != "file" and bad is None and not line.strip():
-                yield from _text_unit(path, unit, start, pieces, error)
-                pieces, error = [], None
-                continue
-            if not pieces and error is None:
-                start = line_no
-            pieces.append(line)
-            error = error or bad
-            if unit == "line":
-                yield from _text_unit(path, unit, start, pieces, error)
-                pieces, error = [], None
+        yield from _text_line_units(path, unit, enumerate(f, start=1))
+
+
+def _text_line_units(path: str, unit: str, lines: Iterable[tuple[int, bytes]], bom: bool = True):
+    start, pieces, error = 0, [], None
+    for line_no, raw in lines:
+        try:
+            line, bad = _decode(raw, line_no, bom), None
+        except RecordError as e:
+            line, bad = "", (f"{path}:{line_no}", e)
+        if unit != "file" and bad is None and not line.strip():
+            yield from _text_unit(path, unit, start, pieces, error)
+            pieces, error = [], None
+            continue
+        if not pieces and error is None:
+            start = line_no
+        pieces.append(line)
+        error = error or bad
+        if unit == "line":
+            yield from _text_unit(path, unit, start, pieces, error)
+            pieces, error = [], None
     yield from _text_unit(path, unit, start, pieces, error)
 
 

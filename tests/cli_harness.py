@@ -35,6 +35,22 @@ def cli_env(devices: int) -> dict:
     return env
 
 
+def pod_env(server, tmp_path: Path, pod: str, devices: int = 1) -> dict:
+    """The CLI's environment on one pod reaching gs:// through `server` (tests/gcs_server.py): its own
+    local mirror of remote run directories and its own cache under tmp_path/pod."""
+    env = cli_env(devices)
+    env.update(server.env)
+    env.update({"TRAINER_LOCAL_RUN_ROOT": str(tmp_path / pod), "TRAINER_CACHE_DIR": str(tmp_path / pod / "cache")})
+    return env
+
+
+def pod_mirror(tmp_path: Path, pod: str, run_dir: str) -> Path:
+    """The pod's local mirror of a gs:// run directory (trainer/observe/rundir.py): its events and metrics."""
+    import re
+
+    return tmp_path / pod / "trainer_runs" / re.sub(r"[^A-Za-z0-9_.-]+", "_", run_dir)
+
+
 def command(run_root: Path, run_name: str, *overrides: str) -> list[str]:
     return [
         sys.executable,

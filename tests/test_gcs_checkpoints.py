@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_harness import MICRO, cli_env
+from cli_harness import MICRO, cli_env, pod_env, pod_mirror
 from gcs_server import PreconditionFailed
 
 from trainer.checkpoint.commit import COMMIT_MARKER, committed_steps
@@ -145,16 +145,9 @@ def test_generations_and_create_only_writes(gcs):
     assert gcs.delete(bucket, "other") and not gcs.delete(bucket, "other")
 
 
-def _env(server, tmp_path: Path, pod: str) -> dict:
-    env = cli_env(1)
-    env.update(server.env)
-    env.update({"TRAINER_LOCAL_RUN_ROOT": str(tmp_path / pod), "TRAINER_CACHE_DIR": str(tmp_path / pod / "cache")})
-    return env
-
-
 def _train(server, tmp_path: Path, pod: str, *args: str) -> subprocess.CompletedProcess:
     """The CLI on one pod (its own local mirror and cache), reaching gs:// through the server."""
-    env = _env(server, tmp_path, pod)
+    env = pod_env(server, tmp_path, pod)
     return subprocess.run(
         [sys.executable, "-m", "trainer.train", "base.yml", *MICRO, *args],
         capture_output=True,
@@ -194,13 +187,6 @@ def test_the_cli_checkpoints_to_gs_and_a_fresh_pod_resumes_from_the_bucket(gcs_s
     assert not [n for n in names if ".orbax-checkpoint-tmp" in n]
     metrics = [json.loads(line) for line in gcs_server.read(bucket, "runs/gcs/metrics.jsonl").splitlines()]
     assert [r["step"] for r in metrics] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
-
-
-def _mirror(tmp_path: Path, pod: str, run_dir: str) -> Path:
-    """The pod's local mirror of a gs:// run directory (trainer/observe/rundir.py): its events and metrics."""
-    import re
-
-    return tmp_path / pod / "trainer_runs" / re.sub(r"[^A-Za-z0-9_.-]+", "_", run_dir)
 
 
 def _params_in(server, run_dir: str) -> dict:
@@ -246,7 +232,7 @@ def test_a_gs_run_killed_mid_save_resumes_bitwise_and_cleans_up_only_its_own_par
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
-        env=_env(gcs_server, tmp_path, "pod"),
+        env=pod_env(gcs_server, tmp_path, "pod"),
     )
     try:
         deadline = time.time() + 300  # a hang guard, not a speed claim
@@ -263,7 +249,7 @@ def test_a_gs_run_killed_mid_save_resumes_bitwise_and_cleans_up_only_its_own_par
         proc.kill()
     assert proc.returncode == -signal.SIGKILL, "the run finished before a save was caught in flight"
     in_flight = killed_during(
-        _mirror(tmp_path, "pod", run_dir), proc.pid, "checkpoint_save_start", "checkpoint_save_committed"
+        pod_mirror(tmp_path, "pod", run_dir), proc.pid, "checkpoint_save_start", "checkpoint_save_committed"
     )
     assert in_flight["step"] in saving - set(committed)
 
@@ -272,7 +258,7 @@ def test_a_gs_run_killed_mid_save_resumes_bitwise_and_cleans_up_only_its_own_par
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env=_env(gcs_server, tmp_path, "pod"),
+        env=pod_env(gcs_server, tmp_path, "pod"),
         timeout=300,
     )
     assert again.returncode == 0, again.stderr[-3000:]
@@ -289,7 +275,7 @@ def test_a_gs_run_killed_mid_save_resumes_bitwise_and_cleans_up_only_its_own_par
 
 
 def _events(tmp_path: Path, pod: str, run_dir: str) -> list[dict]:
-    text = (_mirror(tmp_path, pod, run_dir) / "events.jsonl").read_text()
+    text = (pod_mirror(tmp_path, pod, run_dir) / "events.jsonl").read_text()
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 

@@ -11,7 +11,6 @@ events in the bucket through that step.
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_harness import MICRO, cli_env
+from cli_harness import MICRO, pod_env, pod_mirror
 
 from trainer.observe import catalogue, rundir
 from trainer.observe.live_upload import LiveUpload
@@ -162,12 +161,7 @@ def test_a_gs_run_killed_9_after_a_committed_checkpoint_has_its_logs_in_the_buck
     gcs_server, tmp_path
 ):
     bucket = gcs_server.new_bucket("kill9")
-    env = {
-        **cli_env(1),
-        **gcs_server.env,
-        "TRAINER_LOCAL_RUN_ROOT": str(tmp_path / "pod"),
-        "TRAINER_CACHE_DIR": str(tmp_path / "pod" / "cache"),
-    }
+    env = pod_env(gcs_server, tmp_path, "pod")
     # Checkpoints every 5 steps. The host stalls 3 s after step 11, which lets the save of step 10 finish in
     # the background (it commits at a step boundary), then 20 s after step 14 (no effect on the math): the
     # kill lands in that stall, a few steps after the commit, long before the attempt's end sends anything.
@@ -187,7 +181,7 @@ def test_a_gs_run_killed_9_after_a_committed_checkpoint_has_its_logs_in_the_buck
         cwd=tmp_path,
         env=env,
     )
-    mirror = tmp_path / "pod" / "trainer_runs" / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"gs://{bucket}/runs/k")
+    mirror = pod_mirror(tmp_path, "pod", f"gs://{bucket}/runs/k")
     try:
         deadline = time.time() + 300  # a hang guard, not a speed claim
         while time.time() < deadline and proc.poll() is None:

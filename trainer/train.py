@@ -78,7 +78,6 @@ def main(argv=None) -> int:
     deterministic_gpu_ops()  # bitwise replays on GPUs too; before anything starts a backend
     from trainer.config.loader import load_explained
     from trainer.distributed.internals import check_versions
-    from trainer.errors import UserInputError, transient_cause
 
     try:
         check_versions()  # a JAX or Orbax outside the window the internals were checked in: exit 2
@@ -87,14 +86,7 @@ def main(argv=None) -> int:
             sys.stdout.write(config_text)
             return EXIT_OK
         paths, preflight = _prepare(cfg)
-    except UserInputError as e:
-        if transient_cause(e) is None:
-            status = _input_status(e)
-            print(f"{status.replace('_', ' ')}: {e}", file=sys.stderr)
-            _status(status)
-            return EXIT_BAD_INPUT
-        return _ended_before_training(e)
-    except Exception as e:  # the store unreachable (75), or a bug (1): the contract's code and STATUS line
+    except Exception as e:  # bad input (2), the store unreachable (75), a bug (1): the contract's code
         return _ended_before_training(e)
     return _train(cfg, paths, preflight, config_text)
 

@@ -125,6 +125,20 @@ MEASURES = {
         "configs",
         "benchmarks/goodput_planner.py",
     ],
+    # The loss curve of a run on real text against MaxText's: what decides this trainer's numbers (the model,
+    # the step and optimizer, the data pipeline and tokenizer) and the MaxText side's scripts. Every
+    # hyperparameter is passed explicitly, so the schema's defaults are not measured.
+    "loss_parity": [
+        "trainer/model",
+        "trainer/runtime/step.py",
+        "trainer/runtime/optim.py",
+        "trainer/data",
+        "configs/models",
+        "benchmarks/loss_parity.py",
+        "benchmarks/maxtext_side.py",
+        "benchmarks/maxtext_cpu.py",
+        "benchmarks/corpus.py",
+    ],
     # Data preparation's tokens/s with 1 and N worker processes on the real-text corpus: the readers, the
     # tokenizer, the work units and the merge (trainer/data), the paths and outputs (trainer/io).
     "prepare_throughput": [

@@ -6,11 +6,12 @@
 # Run: docker run --rm trainer:cpu                                 # = python -m trainer.train base.yml
 #      docker run --rm trainer:cpu base.yml steps=10 model=qwen3-tiny   # any args replace the default config
 # Push (Artifact Registry): see docs/running_at_scale.md.
-# PYTHON_VERSION: 3.11 or 3.12, the Pythons constraints/ pins a tested set for.
-# BASE_IMAGE: pin it by digest for a release build, so a rebuild gets the same OS and Python:
-#   --build-arg BASE_IMAGE=python:3.11-slim@sha256:<digest>   (docker buildx imagetools inspect python:3.11-slim)
-ARG PYTHON_VERSION=3.11
-ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim
+# BASE_IMAGE: the slim Python the image is built on, pinned by digest (the official image's multi-arch
+# index), so every rebuild gets the same OS and Python. 3.11 by default; the other Python constraints/ pins a
+# tested set for is 3.12:
+#   --build-arg BASE_IMAGE=python:3.12-slim@sha256:229a2c5bfa27522db7815ea81f9bed70af17ccb9de9fc7ad142b1877b5830d36
+# A newer base: the digest `docker buildx imagetools inspect python:3.11-slim` prints; or a mirror's copy.
+ARG BASE_IMAGE=python:3.11-slim@sha256:90744cff8f32887f075c47d747a173ff333e9e98801667af93c357fa9f5e28ff
 FROM ${BASE_IMAGE}
 
 ARG JAX_EXTRA=cpu

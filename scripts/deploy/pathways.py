@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from scripts.deploy.params import DeployParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The Dockerfile's default TPU build (PYTHON_VERSION=3.11, JAX_EXTRA=tpu) installs these exact versions.
+# The Dockerfile's default TPU build (Python 3.11, JAX_EXTRA=tpu) installs these exact versions.
 DEFAULT_TPU_CONSTRAINTS = REPO_ROOT / "constraints" / "tpu-py3.11.txt"
 
 # Pathways component ports (the defaults the Pathways images and xpk use).

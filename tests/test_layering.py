@@ -107,6 +107,8 @@ LAYERS = [
             "trainer.compile",
             "trainer.convert",
             "trainer.decode",
+            "trainer.evaluate",
+            "trainer.evaluate.*",
             "trainer.report",
             "trainer.chaos",
             "trainer.plan.__main__",

@@ -1,8 +1,9 @@
 """This trainer's side of a conversion: which model a checkpoint holds, its params read, params saved.
 
-A checkpoint's model config comes from --model, the run config a training checkpoint records, or the
-model.yml hf-to-trainer writes; params are read onto the host CPU (Orbax's shape errors reworded for a
-user) and saved params-only in place (no second copy of the model).
+A checkpoint's model config (and the tokenizer and sharding rules it was trained with) comes from --model,
+the run config a training checkpoint records, or the model.yml hf-to-trainer writes; params are read onto
+the host CPU (Orbax's shape errors reworded for a user) and saved params-only in place (no second copy of
+the model).
 """
 
 from __future__ import annotations
@@ -24,18 +25,19 @@ MODEL_FIX = (
 RECORDED_FIX = "the config recorded with the checkpoint does not describe its params; pass --model explicitly"
 
 
-def checkpoint_model_config(ckpt, model: str | None = None):
-    """The ModelConfig of a checkpoint: --model if given, else the training run's resolved config
-    (metadata/metadata), else model.yml next to an hf-to-trainer checkpoint."""
+def _recorded_config(ckpt, model: str | None = None):
+    """The config a checkpoint was made with: --model if given (base.yml with that model), else the training
+    run's resolved config (metadata/metadata), else base.yml with the model.yml next to an hf-to-trainer
+    checkpoint. Callers take the sections they need from it."""
     from trainer.config import ConfigError, build, load_config
 
     if model:
-        return load_config("base.yml", [f"model={model}"]).model
+        return load_config("base.yml", [f"model={model}"])
     ckpt = resolve(ckpt)
     meta = ckpt / "metadata" / "metadata"
     if meta.is_file():
         try:
-            return build(json.loads(meta.read_text())["config"]).model
+            return build(json.loads(meta.read_text())["config"])
         except (ValueError, KeyError, TypeError) as e:  # ConfigError is a ValueError
             kind = "ConfigError" if isinstance(e, ConfigError) else "unreadable"
             raise UserInputError(
@@ -44,11 +46,25 @@ def checkpoint_model_config(ckpt, model: str | None = None):
                 f"trained with"
             ) from None
     if (ckpt / "model.yml").is_file():
-        return load_config("base.yml", [f"model={ckpt / 'model.yml'}"]).model
+        return load_config("base.yml", [f"model={ckpt / 'model.yml'}"])
     raise UserInputError(
         f"cannot tell the model config of {ckpt}: it has no metadata/metadata (a training "
         f"checkpoint step dir) and no model.yml (hf-to-trainer); pass --model PRESET_OR_YAML"
     )
+
+
+def checkpoint_model_config(ckpt, model: str | None = None):
+    """The ModelConfig of a checkpoint: --model if given, else the training run's resolved config
+    (metadata/metadata), else model.yml next to an hf-to-trainer checkpoint."""
+    return _recorded_config(ckpt, model).model
+
+
+def checkpoint_sections(ckpt, model: str | None = None):
+    """(ModelConfig, DataConfig, MeshConfig) a checkpoint was made with, from the same source as
+    `checkpoint_model_config`: the tokenizer (tokenizer_path, tokenizer_type, add_bos) and the sharding rules
+    the run used come with the model."""
+    cfg = _recorded_config(ckpt, model)
+    return cfg.model, cfg.data, cfg.mesh
 
 
 def check_matches(ckpt, cfg, model: str | None) -> None:

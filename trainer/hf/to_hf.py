@@ -2,7 +2,9 @@
 
 Everything that can be checked without reading an array is, first (checkpoint directory, output, model
 config and its HF equivalent, stored shapes); the checkpoint is then restored once and each HF tensor is
-produced from its slice of a param leaf only as it is written, so the model is never held twice.
+produced from its slice of a param leaf only as it is written, so the model is never held twice. The
+checkpoint's tokenizer goes with it where transformers can load it to the same token ids
+(trainer/hf/tokenizer_export.py), and its special-token ids into config.json.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from trainer.checkpoint.checks import check_checkpoint_dir
-from trainer.hf.checkpoints import check_matches, checkpoint_model_config, load_checkpoint_params
+from trainer.hf.checkpoints import check_matches, checkpoint_sections, load_checkpoint_params
 from trainer.hf.outputs import check_output
 from trainer.hf.safetensors_io import OutTensor, write_hf_safetensors
+from trainer.hf.tokenizer_export import export_tokenizer
 from trainer.io.staging import staged_dir
 
 
@@ -43,7 +46,7 @@ def trainer_to_hf(
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
 ) -> Path:
-    """Write config.json + safetensors of a checkpoint; returns output_dir.
+    """Write config.json + safetensors (+ the tokenizer, where exportable) of a checkpoint; returns output_dir.
 
     Everything that can be checked without reading an array is, first: the checkpoint directory, the
     output, the model config and its HF equivalent, and the stored shapes against that config."""
@@ -51,15 +54,14 @@ def trainer_to_hf(
 
     ckpt = check_checkpoint_dir(ckpt)
     output_dir = check_output(output_dir, overwrite=overwrite, flag="--output-dir", inputs=[ckpt])
-    cfg = checkpoint_model_config(ckpt, model)
+    cfg, data, _ = checkpoint_sections(ckpt, model)
     dtype = dtype or cfg.weight_dtype
     config = hf_config(cfg, dtype)  # raises before anything is written if cfg has no HF equivalent
     plan = tensor_plan(cfg)
     check_matches(ckpt, cfg, model)
     params = load_checkpoint_params(ckpt, cfg)
     with staged_dir(output_dir, overwrite=overwrite) as staging:
+        config.update(export_tokenizer(data, ckpt, staging))
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         write_hf_safetensors(staging, hf_tensors(params, plan, dtype), max_shard_bytes)
-        if (ckpt / "tokenizer.json").is_file():
-            (staging / "tokenizer.json").write_bytes((ckpt / "tokenizer.json").read_bytes())
     return output_dir

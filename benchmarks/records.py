@@ -139,6 +139,22 @@ MEASURES = {
         "benchmarks/maxtext_cpu.py",
         "benchmarks/corpus.py",
     ],
+    # The losses of real-text runs through failures against the uninterrupted run's: the step, the data
+    # pipeline (its iterator state), the elastic recovery, the checkpoints and the fault injection.
+    "curves_through_failures": [
+        "trainer/runtime",
+        "trainer/model",
+        "trainer/parallel",
+        "trainer/data",
+        "trainer/elastic",
+        "trainer/checkpoint",
+        "trainer/failures",
+        "trainer/run.py",
+        "trainer/config/schema.py",
+        "configs",
+        "benchmarks/curves_through_failures.py",
+        "benchmarks/corpus.py",
+    ],
     # Data preparation's tokens/s with 1 and N worker processes on the real-text corpus: the readers, the
     # tokenizer, the work units and the merge (trainer/data), the paths and outputs (trainer/io).
     "prepare_throughput": [

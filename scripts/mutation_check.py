@@ -407,6 +407,25 @@ BREAKAGES: tuple[Breakage, ...] = (
         ),
         why="an unreachable W&B (a network blip) stops the run instead of a warning",
     ),
+    Breakage(
+        name="data-restore-skips-a-document",
+        file="trainer/data/grain_pipeline.py",
+        old='            self.base, self.cursors = int(state["base"]), cursors\n',
+        new='            self.base, self.cursors = int(state["base"]), cursors + 1\n',
+        tests=(
+            "tests/test_curves_through_failures.py::"
+            "test_a_slice_lost_and_back_pauses_resumes_and_keeps_every_loss_bit_for_bit",
+        ),
+        why="a restored real-text iterator skips one document per row: the resumed run trains other tokens",
+    ),
+    Breakage(
+        name="eval-scores-drop-the-last-continuation-token",
+        file="trainer/evaluate/batching.py",
+        old="        scored[r, n - n_scored : n] = True\n",
+        new="        scored[r, n - n_scored : n - 1] = True\n",
+        tests=("tests/test_evaluate.py::test_scores_equal_one_unpadded_forward_per_request_on_a_two_device_mesh",),
+        why="lm-eval log-likelihoods leave out an answer's last token: accuracies no longer match the HF backend",
+    ),
 )
 
 

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import records  # noqa: E402
 from cli_runs import (  # noqa: E402
     SMOKE_SHAPE,
@@ -55,6 +56,8 @@ from cli_runs import (  # noqa: E402
     trainer_cmd,
 )
 from corpus import text_inputs  # noqa: E402
+
+from trainer.observe import catalogue  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARK = "curves_through_failures"
@@ -125,15 +128,15 @@ def failures(run_dir: Path) -> dict:
     """What the run's events say happened: the slices lost, the attempts, the steps on fewer slices, a restart."""
     events = read_jsonl(run_dir / "events.jsonl")
     pick = {
-        "slice_killed": ("slice", "step", "down_s", "down_steps"),
-        "attempt_start": ("attempt", "slices", "start_step", "source", "global_batch_size"),
-        "scale_up": ("step",),
-        "restart_resumed": ("last_step", "start_step", "source", "steps_lost"),
+        catalogue.SLICE_KILLED: ("slice", "step", "down_s", "down_steps"),
+        catalogue.ATTEMPT_START: ("attempt", "slices", "start_step", "source", "global_batch_size"),
+        catalogue.SCALE_UP: ("step",),
+        catalogue.RESTART_RESUMED: ("last_step", "start_step", "source", "steps_lost"),
     }
-    out = {n: [{k: e.get(k) for k in keys} for e in events if e["event"] == n] for n, keys in pick.items()}
-    out["steps_on_fewer_slices"] = sorted({r["step"] for r in step_records(run_dir) if r["devices"] < SLICES})
-    out["pids"] = len({r["pid"] for r in step_records(run_dir)})
-    return out
+    seen = {n: [{k: e.get(k) for k in keys} for e in events if e["event"] == n] for n, keys in pick.items()}
+    seen["steps_on_fewer_slices"] = sorted({r["step"] for r in step_records(run_dir) if r["devices"] < SLICES})
+    seen["pids"] = len({r["pid"] for r in step_records(run_dir)})
+    return seen
 
 
 def compare(clean: list[list], got: list[list]) -> dict:
@@ -157,12 +160,13 @@ def compare(clean: list[list], got: list[list]) -> dict:
 def check(name: str, f: dict) -> None:
     """Exit unless the run's events show its failure as planned: a benchmark of failures must fail."""
     full = list(range(SLICES))
-    slices = [a["slices"] for a in f["attempt_start"]]
+    slices = [a["slices"] for a in f[catalogue.ATTEMPT_START]]
+    killed, resumed = f[catalogue.SLICE_KILLED], f[catalogue.RESTART_RESUMED]
     happened = {
-        RUNS[0]: slices == [full] and not f["slice_killed"],
-        RUNS[1]: len(f["slice_killed"]) == 1 and slices == [full, full],
-        RUNS[2]: len(f["slice_killed"]) == 1 and slices == [full, full[:-1], full] and f["steps_on_fewer_slices"],
-        RUNS[3]: len(f["restart_resumed"]) == 1 and f["restart_resumed"][0]["steps_lost"] > 0 and f["pids"] == 2,
+        RUNS[0]: slices == [full] and not killed,
+        RUNS[1]: len(killed) == 1 and slices == [full, full],
+        RUNS[2]: len(killed) == 1 and slices == [full, full[:-1], full] and f["steps_on_fewer_slices"],
+        RUNS[3]: len(resumed) == 1 and resumed[0]["steps_lost"] > 0 and f["pids"] == 2,
     }[name]
     if not happened:
         sys.exit(f"{name}: the run's events do not show its failure as planned: {json.dumps(f)}")
@@ -170,14 +174,14 @@ def check(name: str, f: dict) -> None:
 
 def describe(name: str, f: dict) -> str:
     if name == "pause-and-resume":
-        k = f["slice_killed"][0]
+        k = f[catalogue.SLICE_KILLED][0]
         return f"slice {k['slice']} lost at step {k['step']}, back after {k['down_s']:g} s; waited for it"
     if name == "replica-resize":
-        k, on = f["slice_killed"][0], f["steps_on_fewer_slices"]
+        k, on = f[catalogue.SLICE_KILLED][0], f["steps_on_fewer_slices"]
         span = f"steps {on[0]}-{on[-1]}" if on else "no step"
         return f"slice {k['slice']} lost at step {k['step']} for {k['down_steps']} steps; {span} on 2 slices"
     if name.startswith("kill"):
-        r = f["restart_resumed"][0]
+        r = f[catalogue.RESTART_RESUMED][0]
         return f"SIGKILL after step {r['last_step']}; the rerun resumed from {r['source']}"
     return "none"
 

@@ -6,41 +6,20 @@ tests/test_evaluate_interop.py.)"""
 from __future__ import annotations
 
 import sys
-from functools import partial
 from pathlib import Path
 
-import jax
 import pytest
-import yaml
+from eval_checkpoint import TOKENIZER, write_checkpoint
 
-from trainer import model as qwen3
-from trainer.checkpoint import save_parameters
-from trainer.config.schema import ModelConfig
 from trainer.evaluate.cli import main
 from trainer.evaluate.source import checkpoint_dir
-
-REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = REPO / "tests" / "fixtures" / "lm_eval" / "tokenizer.json"
-ARCH = {
-    "base_num_decoder_layers": 1,
-    "base_emb_dim": 32,
-    "base_num_query_heads": 2,
-    "base_num_kv_heads": 1,
-    "head_dim": 16,
-    "base_mlp_dim": 64,
-    "vocab_size": 512,
-}
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """A params-only checkpoint with its model.yml (as hf-to-trainer writes one) and the fixture tokenizer."""
     root = tmp_path_factory.mktemp("ckpt") / "ckpt"
-    cfg = ModelConfig(**ARCH, dtype="float32", weight_dtype="float32")
-    save_parameters(root, jax.jit(partial(qwen3.init_params, cfg))(jax.random.key(0)))
-    keys = {**ARCH, "tokenizer_path": str(TOKENIZER), "tokenizer_type": "huggingface"}
-    (root / "model.yml").write_text(yaml.safe_dump(keys))
-    return root
+    return write_checkpoint(root, tokenizer_path=str(TOKENIZER), tokenizer_type="huggingface")
 
 
 def _error(capsys, *argv) -> str:

@@ -9,40 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
-from functools import partial
-from pathlib import Path
 
-import jax
-import yaml
+from eval_checkpoint import TOKENIZER, write_checkpoint
 
-from trainer import model as qwen3
-from trainer.checkpoint import save_parameters
-from trainer.config.schema import ModelConfig
 from trainer.hf.to_hf import trainer_to_hf
-
-REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = REPO / "tests" / "fixtures" / "lm_eval" / "tokenizer.json"
-ARCH = {
-    "base_num_decoder_layers": 1,
-    "base_emb_dim": 32,
-    "base_num_query_heads": 2,
-    "base_num_kv_heads": 1,
-    "head_dim": 16,
-    "base_mlp_dim": 64,
-    "vocab_size": 512,
-}
-
-
-def _checkpoint(root: Path, **tokenizer) -> Path:
-    """A params-only checkpoint and its model.yml (as hf-to-trainer writes one), with `tokenizer` keys."""
-    cfg = ModelConfig(**ARCH, dtype="float32", weight_dtype="float32")
-    save_parameters(root, jax.jit(partial(qwen3.init_params, cfg))(jax.random.key(0)))
-    (root / "model.yml").write_text(yaml.safe_dump({**ARCH, **tokenizer}))
-    return root
 
 
 def test_a_huggingface_tokenizer_is_exported_with_its_class_and_special_tokens(tmp_path):
-    ckpt = _checkpoint(tmp_path / "ckpt", tokenizer_path=str(TOKENIZER), tokenizer_type="huggingface")
+    ckpt = write_checkpoint(tmp_path / "ckpt", tokenizer_path=str(TOKENIZER), tokenizer_type="huggingface")
     out = trainer_to_hf(ckpt, tmp_path / "hf")
     assert (out / "tokenizer.json").read_bytes() == TOKENIZER.read_bytes()
     assert json.loads((out / "tokenizer_config.json").read_text()) == {
@@ -57,7 +31,7 @@ def test_a_huggingface_tokenizer_is_exported_with_its_class_and_special_tokens(t
 
 
 def test_a_sentencepiece_tokenizer_is_left_out_with_a_warning(tmp_path, caplog):
-    ckpt = _checkpoint(tmp_path / "ckpt")  # base.yml's tokenizer: data/tokenizer/fc_sp8k.model
+    ckpt = write_checkpoint(tmp_path / "ckpt")  # base.yml's tokenizer: data/tokenizer/fc_sp8k.model
     with caplog.at_level(logging.WARNING, logger="trainer.hf.tokenizer_export"):
         out = trainer_to_hf(ckpt, tmp_path / "hf")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
@@ -66,7 +40,9 @@ def test_a_sentencepiece_tokenizer_is_left_out_with_a_warning(tmp_path, caplog):
 
 
 def test_a_missing_tokenizer_file_is_left_out_with_a_warning_not_an_error(tmp_path, caplog):
-    ckpt = _checkpoint(tmp_path / "ckpt", tokenizer_path=str(tmp_path / "gone.json"), tokenizer_type="huggingface")
+    ckpt = write_checkpoint(
+        tmp_path / "ckpt", tokenizer_path=str(tmp_path / "gone.json"), tokenizer_type="huggingface"
+    )
     with caplog.at_level(logging.WARNING, logger="trainer.hf.tokenizer_export"):
         out = trainer_to_hf(ckpt, tmp_path / "hf")
     assert not (out / "tokenizer.json").exists()

@@ -2,8 +2,8 @@
 
 Every input problem is a UserInputError naming the input and the fix: lm-eval not installed (the `eval`
 extra), an --include-path that is not a directory, a task name no task directory defines. Tasks are
-looked up in --include-path alone first (indexing lm-eval's own ~15k bundled task files takes about
-10 s), and among the bundled ones only when a name is not there.
+looked up in --include-path alone first, and among lm-eval's own bundled tasks (thousands of files to
+index) only when a name is not there.
 """
 
 from __future__ import annotations

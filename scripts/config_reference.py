@@ -15,19 +15,13 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import yaml
-
+from trainer.config.render_base import yaml_scalar
 from trainer.config.schema import section_classes
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "configuration.md"
 START = "<!-- config reference: rendered from trainer/config/schema.py by `python -m scripts.config_reference` -->"
 END = "<!-- end of config reference -->"
-
-
-def _scalar(value) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...").strip()
-    return text if text else '""'
 
 
 def _cell(text: str) -> str:
@@ -41,9 +35,9 @@ def _allowed(meta: dict) -> str:
     low, high = meta["minimum"], meta["maximum"]
     bounds = []
     if low is not None:
-        bounds.append(f"≥ {_scalar(low)}")
+        bounds.append(f"≥ {yaml_scalar(low)}")
     if high is not None:
-        bounds.append(f"≤ {_scalar(high)}")
+        bounds.append(f"≤ {yaml_scalar(high)}")
     text = ", ".join(bounds)
     if meta["auto"]:
         text = f"`auto` or {text}" if text else "`auto` or a number"
@@ -59,7 +53,7 @@ def render() -> str:
         out += ["| key | default | allowed | meaning |", "| --- | --- | --- | --- |"]
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            shown = _scalar(default)
+            shown = yaml_scalar(default)
             if f.metadata["auto"] and default == -1:
                 shown = "auto"
             out.append(

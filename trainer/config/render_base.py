@@ -14,7 +14,8 @@ import yaml
 from trainer.config.schema import section_classes
 
 
-def _scalar(value) -> str:
+def yaml_scalar(value) -> str:
+    """`value` as one YAML flow scalar (what base.yml and the docs' reference show as a default)."""
     return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...").strip()
 
 
@@ -33,9 +34,9 @@ def render() -> str:
             if isinstance(default, list) and default:  # an empty list stays `[]` (a bare key is null)
                 lines.append(f"# {doc}")
                 lines.append(f"{f.name}:")
-                lines.extend(f"  - {_scalar(item)}" for item in default)
+                lines.extend(f"  - {yaml_scalar(item)}" for item in default)
             else:
-                lines.append(f"{f.name}: {_scalar(default)}  # {doc}")
+                lines.append(f"{f.name}: {yaml_scalar(default)}  # {doc}")
         lines.append("")
     return "\n".join(lines)
 

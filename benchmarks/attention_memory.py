@@ -51,7 +51,7 @@ def _compile(attention: str, length: int, steps: int, overrides: list[str]):
     """(compiled step, train state, batches, its row of the table without timings)."""
     import jax
 
-    from trainer import model as qwen3
+    from trainer import model
     from trainer.config import load_config
     from trainer.data.synthetic import SyntheticIterator
     from trainer.parallel.mesh import build_mesh
@@ -63,7 +63,7 @@ def _compile(attention: str, length: int, steps: int, overrides: list[str]):
     cfg = load_config("base.yml", [*args, *overrides, f"max_target_length={length}", f"attention={attention}"])
     mesh = build_mesh(cfg.mesh, [jax.devices()[:1]])
     opt = make_optimizer(
-        cfg.optim, qwen3.param_logical_axes(cfg.model), schedule=learning_rate_schedule(cfg.optim, steps=100)
+        cfg.optim, model.param_logical_axes(cfg.model), schedule=learning_rate_schedule(cfg.optim, steps=100)
     )
     shardings, _ = state_shardings(cfg.model, cfg.mesh.logical_axis_rules, mesh, opt)
     state = init_state(cfg.model, opt, shardings, seed=0)

@@ -92,12 +92,12 @@ def initial_weights(model_cfg, work: Path) -> tuple[Path, Path]:
     """This trainer's initialisation at SEED as a params-only checkpoint and as Hugging Face safetensors."""
     import jax
 
-    from trainer import model as qwen3
+    from trainer import model
     from trainer.checkpoint.params import save_parameters
     from trainer.hf.to_hf import trainer_to_hf
 
     params_dir, hf_dir = work / "init_params", work / "init_hf"
-    save_parameters(params_dir, qwen3.init_params(model_cfg, jax.random.key(SEED)))
+    save_parameters(params_dir, model.init_params(model_cfg, jax.random.key(SEED)))
     trainer_to_hf(params_dir, hf_dir, model=model_cfg.model)
     return params_dir, hf_dir
 

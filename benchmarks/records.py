@@ -41,13 +41,22 @@ def _runtime_imports(entry: str) -> list[str]:
     return sorted(seen)
 
 
-# What each benchmark measures: a change to any of these files makes its records stale.
-_STEP = ["trainer/runtime", "trainer/model", "trainer/parallel", "trainer/config/schema.py", "configs"]
+# What each benchmark measures: a change to any of these files makes its records stale. The model goes with
+# trainer/config/rope_scaling.py, the `rope_scaling` grammar whose frequencies it computes.
+_STEP = [
+    "trainer/runtime",
+    "trainer/model",
+    "trainer/config/rope_scaling.py",
+    "trainer/parallel",
+    "trainer/config/schema.py",
+    "configs",
+]
 # The compiled step alone (what the compile benchmarks read): the runtime modules that build it, not the
 # loop, the attempt builder or recovery around it.
 _PROGRAM = [
     *_runtime_imports("trainer/runtime/layout.py"),
     "trainer/model",
+    "trainer/config/rope_scaling.py",
     "trainer/parallel",
     "trainer/config/schema.py",
     "configs",
@@ -108,6 +117,7 @@ MEASURES = {
     "spike_false_positives": [
         "trainer/runtime",
         "trainer/model",
+        "trainer/config/rope_scaling.py",
         "trainer/data",
         "trainer/config/schema.py",
         "configs",
@@ -130,6 +140,7 @@ MEASURES = {
     # hyperparameter is passed explicitly, so the schema's defaults are not measured.
     "loss_parity": [
         "trainer/model",
+        "trainer/config/rope_scaling.py",
         "trainer/runtime/step.py",
         "trainer/runtime/optim.py",
         "trainer/data",
@@ -144,6 +155,7 @@ MEASURES = {
     "curves_through_failures": [
         "trainer/runtime",
         "trainer/model",
+        "trainer/config/rope_scaling.py",
         "trainer/parallel",
         "trainer/data",
         "trainer/elastic",

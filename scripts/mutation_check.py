@@ -362,7 +362,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="watchdog-exit-keeps-the-lease",
-        file="trainer/train.py",
+        file="trainer/process_root.py",
         old="        if self.lease is not None:\n            releasing",
         new="        if False:\n            releasing",
         tests=(
@@ -381,9 +381,9 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="run-files-not-live-on-the-bucket",
-        file="trainer/train.py",
-        old="    upload = _live_upload(paths, events)\n",
-        new="    upload = None\n",
+        file="trainer/process_root.py",
+        old="        self.upload = _live_upload(paths, events)\n",
+        new="        self.upload = None\n",
         tests=(
             "tests/test_live_run_files.py::test_a_gs_run_killed_9_after_a_committed_checkpoint_has_its_logs_in_the_bucket_through_it",
         ),

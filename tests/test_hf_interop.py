@@ -1,7 +1,7 @@
 """Hugging Face interop: the converter and the model agree with transformers on its own fixtures.
 
-tests/fixtures/hf/ holds tiny random Qwen3 / Qwen3-MoE models saved by transformers, with the float32
-logits, loss and greedy continuation transformers computed for them (scripts/make_hf_fixtures.py;
+tests/fixtures/hf/ holds tiny random Qwen3 / Qwen3-MoE / Llama 3 models saved by transformers, with the
+float32 logits, loss and greedy continuation transformers computed for them (scripts/make_hf_fixtures.py;
 no torch needed here). Contract: logits within 1e-4, the same loss and the same greedy tokens; export
 -> import -> export is bitwise identical; bad inputs fail naming the tensor or key and leave nothing.
 """
@@ -35,7 +35,7 @@ from trainer.model.hf import HfFormatError, model_keys_from_hf, tensor_plan
 from trainer.runtime.step import loss_sums
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-NAMES = ["dense_tied", "dense_untied_kv1", "moe"]
+NAMES = ["dense_tied", "dense_untied_kv1", "moe", "llama_tied", "llama_untied_kv1"]
 LOGITS_ATOL = 1e-4
 
 
@@ -400,6 +400,7 @@ def test_unexpected_tensor_is_named(tmp_path):
     "name,edit,fragment",
     [
         ("dense_tied", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "LlamaForCausalLM"),
+        ("dense_tied", {"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "GemmaForCausalLM"),
         ("dense_tied", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "yarn"),
         ("dense_tied", {"attention_bias": True}, "attention_bias"),
         ("dense_tied", {"use_sliding_window": True}, "use_sliding_window"),

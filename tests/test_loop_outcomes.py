@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from trainer.checkpoint import NoCheckpoints
 from trainer.data.batch import BATCH_KEYS
 from trainer.elastic.boundary import RecoveryStats, StepBoundary
-from trainer.plan.auto import FixedPeriods
+from trainer.elastic.periods import FixedPeriods
 from trainer.runtime.attempt import Attempt
 from trainer.runtime.layout import BatchLayout
 from trainer.runtime.loop import train_loop

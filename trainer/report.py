@@ -27,11 +27,11 @@ import os
 import sys
 import textwrap
 
+from trainer.elastic.periods import KEYS
 from trainer.errors import EXIT_OK, UserInputError, tool_main
 from trainer.io.paths import is_remote, resolve
 from trainer.io.staging import check_writable, staged_file
 from trainer.observe import catalogue
-from trainer.plan.auto import KEYS
 
 PROG = "python -m trainer.report"
 DEFAULT_NAME = "report.png"

@@ -17,7 +17,7 @@ import time
 
 import jax
 
-from trainer import model as qwen3
+from trainer import model
 from trainer.aot import analysis, hlo
 from trainer.aot.topology import Target, topology_devices
 from trainer.config.schema import RunConfig
@@ -85,8 +85,8 @@ def compile_layout(spec: TrainSpec, slices: list[list], target: Target, *, label
     summary = hlo.summarize(found)
     length = spec.data.max_target_length
     tokens = layout.batch.global_batch_size * length
-    model_flops = qwen3.training_flops_per_token(spec.model, length) * tokens / chips
-    recompute_flops = qwen3.recompute_flops_per_token(spec.model, length) * tokens / chips
+    model_flops = model.training_flops_per_token(spec.model, length) * tokens / chips
+    recompute_flops = model.recompute_flops_per_token(spec.model, length) * tokens / chips
     memory = analysis.memory(compiled, layout.abstract_state, target.chip)
     result = LayoutResult(
         label=label,

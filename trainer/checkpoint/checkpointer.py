@@ -45,11 +45,11 @@ from jax.experimental.multihost_utils import ProcessFailureError
 from trainer.checkpoint import commit, single_replica, verify
 from trainer.checkpoint.compat import CheckpointMismatch, leaf_differences, signature, stored_orbax_signature
 from trainer.checkpoint.fence import FencedWrite, SaveFence, fenced_path_class
-from trainer.config.schema import CheckpointConfig
+from trainer.config.schema import UNPLANNED_CHECKPOINT_PERIOD, CheckpointConfig
 from trainer.errors import TransientError, UserInputError
 from trainer.failures.storage import StorageFaults
+from trainer.io.nbytes import tree_nbytes
 from trainer.observe import catalogue, procio
-from trainer.runtime.state import tree_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +132,6 @@ def open_checkpointer(
         storage_faults=storage_faults,
         due=due,
     )
-
-
-# checkpoint_period=auto where nobody plans it (elastic off, several processes, tools): the default period.
-UNPLANNED_CHECKPOINT_PERIOD = 10_000
 
 
 def every(period: int) -> Callable[[int], bool]:

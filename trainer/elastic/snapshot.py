@@ -23,7 +23,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainer.observe import catalogue
+from trainer.runtime.restore import LOCAL, choose_source
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +259,10 @@ class HostSnapshots:
     def _persist(self, snap: Snapshot) -> bool:
         return self._write_local_copy(snap.step, snap.state, snap.data_state)
 
+    def lose(self, devices: Iterable) -> None:
+        """The hosts of `devices` lost their memory (a failed slice). This process's copy is in its own
+        RAM, which a slice's loss leaves alone (`PinnedSnapshots` keeps copies on the devices' hosts)."""
+
     def attempt_started(self) -> None:
         """An attempt's loop starts: local steps commit as its metrics rows are written."""
         if self.store is not None and self.store.recorded is not None:
@@ -313,10 +318,11 @@ class HostSnapshots:
         from trainer.checkpoint.local_store import LocalStepUnusable
 
         self.store.cleanup_partial()
-        in_ram = -1 if self.latest is None else self.latest.step
+        in_ram = None if self.latest is None else self.latest.step
         for step in reversed(self.store.steps()):
-            # A tie with the persistent step goes to the local one (the faster read); RAM is never older.
-            if step <= in_ram or (checkpoint_step is not None and step < checkpoint_step):
+            # Newest first: once the restore order prefers RAM or the checkpoint to a local step, it
+            # prefers them to every older one too.
+            if choose_source(snapshot_step=in_ram, local_step=step, checkpoint_step=checkpoint_step) != LOCAL:
                 return
             t0 = time.perf_counter()
             try:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from trainer.config.errors import ConfigError
+from trainer.errors import ConfigError
 from trainer.observe.catalogue import Event
 
 Fields = Mapping[str, str]  # one schedule entry's key=value pairs

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trainer import model as qwen3
+from trainer import model
 from trainer.config.loader import to_flat_dict
 from trainer.config.schema import (
     AUTO,
@@ -208,7 +208,7 @@ def slice_layout(spec: TrainSpec, slices: list[list]) -> SliceLayout:
     )
     loader_index, loader_count = loader_shard(batch_sharding, batch.global_batch_size)
     schedule = learning_rate_schedule(spec.optim, steps=spec.steps, lr_scale=batch.lr_scale)
-    optimizer = make_optimizer(spec.optim, qwen3.param_logical_axes(spec.model), schedule=schedule)
+    optimizer = make_optimizer(spec.optim, model.param_logical_axes(spec.model), schedule=schedule)
     shardings, abstract_state = state_shardings(spec.model, spec.mesh.logical_axis_rules, mesh, optimizer)
     eval_batch, eval_loader = None, (0, 1)
     if spec.eval.eval_interval > 0:

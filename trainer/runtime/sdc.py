@@ -161,6 +161,11 @@ class SdcCheck:
         self._step_times: collections.deque[float] = collections.deque(maxlen=50)
         self._check_s: float | None = None
 
+    @classmethod
+    def off(cls, events) -> SdcCheck:
+        """The check of `sdc_check_period=0`: never due."""
+        return cls(0, events)
+
     def attempt_started(self, start_step: int) -> None:
         """An attempt starts from `start_step`: its state is the one the run goes on from, and no state after
         it is verified any more (it is computed again)."""

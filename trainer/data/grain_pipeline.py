@@ -55,6 +55,7 @@ from trainer.data.errors import DataError
 from trainer.data.formatting import DocumentFormat, RecordError
 from trainer.data.packing import empty_row, pack_row, pairs
 from trainer.data.tokenizer import Tokenizer
+from trainer.data.worker_lifetime import exit_with_parent
 from trainer.io.paths import expand_globs, local_copy, looked_at
 
 log = logging.getLogger(__name__)
@@ -334,7 +335,8 @@ class ArrayRecordIterator:
         if workers > 0:
             _absl_flags_parsed()
             ds = ds.mp_prefetch(
-                grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=self.worker_buffer_size)
+                grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=self.worker_buffer_size),
+                worker_init_fn=exit_with_parent,  # a killed trainer leaves no worker behind
             )
         return iter(ds), max(workers, 1)
 

@@ -55,9 +55,9 @@ def _compile(attention: str, length: int, steps: int, overrides: list[str]):
     from trainer.config import load_config
     from trainer.data.synthetic import SyntheticIterator
     from trainer.parallel.mesh import build_mesh
-    from trainer.runtime.optim import learning_rate_schedule, make_optimizer
-    from trainer.runtime.state import init_state, state_shardings
-    from trainer.runtime.step import make_train_step
+    from trainer.program.optim import learning_rate_schedule, make_optimizer
+    from trainer.program.state import init_state, state_shardings
+    from trainer.program.step import make_train_step
 
     args = ["model=qwen3-tiny", "per_device_batch_size=1", "remat_policy=full", "dtype=float32", "run_name=b"]
     cfg = load_config("base.yml", [*args, *overrides, f"max_target_length={length}", f"attention={attention}"])

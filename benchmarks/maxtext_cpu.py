@@ -45,6 +45,7 @@ def maxtext_overrides(model, *, max_target_length: int, per_device_batch_size: i
     return [
         "decoder_block=qwen3",
         "mlp_activations=[silu,linear]",
+        "normalize_embedding_logits=false",  # Qwen3's tied logits (MaxText's configs/models/qwen3-*.yml)
         *(f"{k}={_value(getattr(model, k))}" for k in SHARED_MODEL_KEYS),
         f"attention={attention}",
         f"max_target_length={max_target_length}",

@@ -15,6 +15,8 @@ import jax
 import pytest
 from jax.experimental.multihost_utils import ProcessFailureError
 
+from trainer.attempt.builder import AttemptParts
+from trainer.attempt.outcome import Finished, Rollback, ScaleUp
 from trainer.config.schema import ElasticConfig
 from trainer.distributed.fatal import PeerFailed
 from trainer.elastic.cluster import ActiveSlices, Cluster, FixedCluster
@@ -25,9 +27,7 @@ from trainer.elastic.process_cluster import ProcessCluster
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.elastic.supervisor import Supervisor
 from trainer.failures.slice_loss import Outages, SliceLoss, slice_down_error
-from trainer.runtime.attempt import AttemptParts
-from trainer.runtime.outcome import Finished, Rollback, ScaleUp
-from trainer.runtime.preemption import Preempted
+from trainer.process.preemption import Preempted
 
 ELASTIC = ElasticConfig(elastic_enabled=True, elastic_poll_interval_seconds=0.01, elastic_timeout_seconds=30)
 

@@ -32,7 +32,7 @@ from trainer.hf.to_hf import hf_tensors, trainer_to_hf
 from trainer.hf.to_trainer import hf_to_trainer
 from trainer.model import generation
 from trainer.model.hf import HfFormatError, model_keys_from_hf, tensor_plan
-from trainer.runtime.step import loss_sums
+from trainer.program.step import loss_sums
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 NAMES = ["dense_tied", "dense_untied_kv1", "moe", "llama_tied", "llama_untied_kv1"]
@@ -76,7 +76,7 @@ def test_converted_checkpoint_logits_match_transformers_within_1e_4(converted, n
 
 @pytest.mark.parametrize("name", NAMES)
 def test_training_loss_on_the_fixture_equals_transformers_loss(converted, name):
-    """The trainer's own loss code (trainer.runtime.step.loss_sums) on inputs/targets shifted by one, as HF's
+    """The trainer's own loss code (trainer.program.step.loss_sums) on inputs/targets shifted by one, as HF's
     `labels=input_ids` loss: mean next-token cross-entropy."""
     cfg, params = _checkpoint(converted, name)
     ids = jnp.asarray(_expected(name)["input_ids"])

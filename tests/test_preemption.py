@@ -1,4 +1,4 @@
-"""SIGTERM in every phase (trainer/runtime/preemption.py): between steps the loop saves and stops; elsewhere the
+"""SIGTERM in every phase (trainer/process/preemption.py): between steps the loop saves and stops; elsewhere the
 handler raises at once; a native call that never returns is bounded by the watchdog, which saves what
 it can and exits 42."""
 
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from trainer.errors import EXIT_PREEMPTED, exit_code_for
-from trainer.runtime.preemption import STEPPING, Phases, Preempted, StopSignal
+from trainer.process.preemption import STEPPING, Phases, Preempted, StopSignal
 
 
 @pytest.fixture

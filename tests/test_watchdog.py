@@ -22,9 +22,9 @@ from trainer.config import ConfigError, load_config
 from trainer.failures.plan import parse_plan
 from trainer.observe.rundir import run_paths
 from trainer.observe.runlog import load_run, summarize
+from trainer.process.preemption import EVALUATING, SAVING, STEPPING, Phases, Preempted, StopSignal
+from trainer.process.watchdog import AUTO, AUTO_FLOOR_S, AUTO_MULTIPLE, HangTimeouts, ProgressWatchdog
 from trainer.report import format_summary
-from trainer.runtime.preemption import EVALUATING, SAVING, STEPPING, Phases, Preempted, StopSignal
-from trainer.runtime.watchdog import AUTO, AUTO_FLOOR_S, AUTO_MULTIPLE, HangTimeouts, ProgressWatchdog
 
 
 class Fake:

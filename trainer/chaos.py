@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.elastic.chaos_requests import attempt_of, request_kill
 from trainer.errors import UserInputError, tool_main
+from trainer.failures.chaos_requests import attempt_of, request_kill
 from trainer.io.jsonl import read_jsonl
 from trainer.io.paths import is_remote, resolve
 from trainer.observe import catalogue

@@ -147,8 +147,8 @@ DATA_SECTIONS = ("data",)
 def abstract_state(cfg: RunConfig) -> dict:
     """The train state {"step", "params", "opt_state"} `cfg` builds, as shapes: no mesh."""
     from trainer import model
-    from trainer.runtime.optim import learning_rate_schedule, make_optimizer
-    from trainer.runtime.state import abstract_train_state
+    from trainer.program.optim import learning_rate_schedule, make_optimizer
+    from trainer.program.state import abstract_train_state
 
     schedule = learning_rate_schedule(cfg.optim, steps=cfg.train.steps, lr_scale=1.0)
     optimizer = make_optimizer(cfg.optim, model.param_logical_axes(cfg.model), schedule=schedule)

@@ -3,7 +3,7 @@
 `ProcessRoot.open` takes, in this order, each pushed on one ExitStack: SIGTERM (`StopSignal`, with the
 process's `Phases`), the run's lease (process 0 of the job, unless run_lease_stale_seconds=0: two jobs
 never train one run directory), the run directory (config.yml, the event log `events.jsonl`, its live
-upload when the run directory is on a bucket) and the progress watchdog (trainer.runtime.watchdog). `run()`
+upload when the run directory is on a bucket) and the progress watchdog (trainer.process.watchdog). `run()`
 (trainer.run) gets the root and reads its parts: the phases, the stop signal, the save fence, the events,
 the paths, the backend, the watchdog's `beat` and `writable`. `close(ending)` unwinds the stack in the
 reverse order: the watchdog stops, goodput and the `finish` event are recorded, the event log closes, the
@@ -37,8 +37,8 @@ from trainer.config.schema import TrainConfig
 from trainer.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_PREEMPTED, EXIT_TRANSIENT, exit_code_for
 from trainer.observe import catalogue
 from trainer.observe.events import EventLog
-from trainer.runtime.preemption import Phases, Preempted, StopSignal
-from trainer.runtime.watchdog import Hang, HangTimeouts, ProgressWatchdog
+from trainer.process.preemption import Phases, Preempted, StopSignal
+from trainer.process.watchdog import Hang, HangTimeouts, ProgressWatchdog
 
 if TYPE_CHECKING:
     from trainer.elastic.backends import Backend

@@ -22,6 +22,12 @@ from typing import TYPE_CHECKING, TextIO
 
 import jax
 
+from trainer.attempt.builder import AttemptBuilder
+from trainer.attempt.loop import train_loop
+from trainer.attempt.loss_spikes import LossSpikePolicy, skipped_fingerprints
+from trainer.attempt.nonfinite import NonFinitePolicy
+from trainer.attempt.outcome import Outcome
+from trainer.attempt.sdc import SdcCheck
 from trainer.checkpoint.local_store import LocalStore
 from trainer.config.errors import ConfigError
 from trainer.config.loader import to_flat_dict
@@ -41,13 +47,7 @@ from trainer.observe.sinks import JsonlSink, LogSink, ProgressSink, RecordedStep
 from trainer.observe.slowsteps import HostTimes, SlowStepMonitor
 from trainer.plan import model as plan_model
 from trainer.plan.auto import plan as plan_periods
-from trainer.runtime.attempt import AttemptBuilder
-from trainer.runtime.layout import train_spec
-from trainer.runtime.loop import train_loop
-from trainer.runtime.loss_spikes import LossSpikePolicy, skipped_fingerprints
-from trainer.runtime.nonfinite import NonFinitePolicy
-from trainer.runtime.outcome import Outcome
-from trainer.runtime.sdc import SdcCheck
+from trainer.program.layout import train_spec
 
 if TYPE_CHECKING:
     from trainer.process_root import ProcessRoot

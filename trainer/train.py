@@ -129,9 +129,9 @@ def _prepare(cfg):
 
 
 def _train(cfg, root, checked) -> int:
+    from trainer.process.preemption import Preempted
     from trainer.process_root import ending_of_error, print_status
     from trainer.run import run
-    from trainer.runtime.preemption import Preempted
 
     with root:
         try:
@@ -145,8 +145,8 @@ def _train(cfg, root, checked) -> int:
 
 def _ending_of(outcome, cfg, paths, checked):
     """The ending of a run that returned: preempted at a step boundary, the eval target reached, finished."""
+    from trainer.attempt import outcome as ended
     from trainer.process_root import Ending
-    from trainer.runtime import outcome as ended
 
     fields = {"step": outcome.step}
     if isinstance(outcome, ended.Preempted):

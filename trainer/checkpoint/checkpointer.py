@@ -194,8 +194,8 @@ class Checkpointer:
         which ends with ProcessFailureError when a peer dies); None: the coordination service's.
         `fence`: the process's save fence (one per process; this checkpointer advances it, so saves of
         earlier checkpointers can no longer commit). `storage_faults`: injected storage failures.
-        `due(step)`: whether a periodic save falls on `step` (a planned period: trainer.plan.auto);
-        default every checkpoint_period steps."""
+        `due(step)`: whether a periodic save falls on `step` (a period planned by
+        trainer.elastic.periods.AutoPeriods); default every checkpoint_period steps."""
         self._manager = None  # first, so that close() works on a half-built object
         self._barrier = barrier_sync_fn
         self.directory = epath.Path(directory)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainer.failures.plan import FaultPlan
 
-AUTO = -1  # a period key set to `auto`: the trainer plans it (trainer.plan.auto)
+AUTO = -1  # a period key set to `auto`: the trainer plans it (trainer.elastic.periods.AutoPeriods)
 # checkpoint_period=auto where nobody plans it (elastic off, several processes, tools): the default period.
 UNPLANNED_CHECKPOINT_PERIOD = 10_000
 
@@ -50,7 +50,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Logical-axis -> mesh-axes rules. Params and activations are annotated with the logical names on
 # the left; each maps to the mesh axes on the right (in order, as many as divide the dimension).
 # The vocabulary takes fsdp too: the embedding table is stored split by rows, and the loss splits
-# the vocabulary over the devices (trainer/runtime/step.py), so the table never moves.
+# the vocabulary over the devices (trainer/program/step.py), so the table never moves.
 DEFAULT_LOGICAL_AXIS_RULES = [
     ["activation_batch", ["data", "fsdp", "expert"]],
     ["activation_length", []],

@@ -10,7 +10,7 @@ cluster has it:
                                 whether they came with fresh device objects (compiled plans then go)
   devices(active)               each active slice's devices, in that order
   slice_down_cause(err)         why a device or peer error is a slice-down event, or None: the run ends
-  attempt_parts(active, snaps)  what an attempt takes besides the devices (`trainer.runtime.attempt.AttemptParts`)
+  attempt_parts(active, snaps)  what an attempt takes besides the devices (`trainer.attempt.builder.AttemptParts`)
   returning(active)             the step boundary's callable: inactive slices that came back
   fail(err)                     this process's own error ends the run: tell whoever must know (default: nobody)
   at_step_boundary(next_step)   between steps and before an attempt's first step (default: nothing; fault
@@ -36,7 +36,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from trainer.runtime.attempt import AttemptParts
+from trainer.attempt.builder import AttemptParts
 
 if TYPE_CHECKING:
     from trainer.elastic.snapshot import HostSnapshots

@@ -18,12 +18,12 @@ from collections.abc import Callable, Sequence
 from jax.experimental.multihost_utils import ProcessFailureError
 from pathwaysutils.elastic import elastic as pw_elastic
 
+from trainer.attempt.builder import AttemptParts
 from trainer.elastic.cluster import ActiveSlices, Cluster
 from trainer.elastic.faults import FaultInjector
 from trainer.elastic.slices import ReturnPoller, make_checker
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.failures.slice_loss import Outages
-from trainer.runtime.attempt import AttemptParts
 
 log = logging.getLogger(__name__)
 

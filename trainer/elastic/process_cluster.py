@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 from jax.experimental.multihost_utils import ProcessFailureError
 
+from trainer.attempt.builder import AttemptParts
 from trainer.distributed import fatal
 from trainer.distributed.heartbeat import watch_orbax_barriers
 from trainer.elastic.cluster import ActiveSlices, Cluster
@@ -30,7 +31,6 @@ from trainer.elastic.shared_snapshots import SharedSnapshots
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.failures.process_death import ProcessFaultInjector
 from trainer.observe import catalogue
-from trainer.runtime.attempt import AttemptParts
 
 log = logging.getLogger(__name__)
 

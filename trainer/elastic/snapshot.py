@@ -7,7 +7,7 @@ turns it into this process's numpy on a background thread while training continu
 what survives a change of formation, which renews the process's JAX client and with it every buffer.
 A process keeps only what its own devices hold: the whole state when its slice is one process, else its
 blocks of each array (`Blocks`). Recovery restores the newest
-complete snapshot by the restore order of `trainer.runtime.restore` (unless a committed checkpoint is newer),
+complete snapshot by the restore order of `trainer.attempt.restore` (unless a committed checkpoint is newer),
 so a slice failure rewinds at most `snapshot_period` steps instead of `checkpoint_period`.
 
 With the local checkpoint tier on (`trainer.checkpoint.local_store`), every `local_checkpoint_period`
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trainer.attempt.restore import LOCAL, choose_source
 from trainer.observe import catalogue
-from trainer.runtime.restore import LOCAL, choose_source
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ class HostSnapshots:
         self, abstract_state=None, checkpoint_step: int | None = None, not_after: int | None = None
     ) -> int | None:
         """Step of the newest complete snapshot (after any in-flight copy), in RAM or, when newer than
-        RAM and `checkpoint_step`, in the local tier; `trainer.runtime.restore` decides whether it beats the
+        RAM and `checkpoint_step`, in the local tier; `trainer.attempt.restore` decides whether it beats the
         checkpoint. `not_after`: snapshots and local steps of later steps are dropped first."""
         self.wait_for_copy()
         if not_after is not None:

@@ -32,9 +32,9 @@ When a slice dies at step N (its step fails; the steps before it completed):
    faster than progress: `trainer.elastic.retry_budget`) and starts the downtime clock.
 3. `wait_for_slices` waits until enough slices are healthy (all of them under pause-and-resume). A
    formation that brings fresh devices (new communicators) drops the compiled plans.
-4. The next attempt is built on them (`trainer.runtime.attempt`: a slice set seen before reuses its compiled
+4. The next attempt is built on them (`trainer.attempt.builder`: a slice set seen before reuses its compiled
    step; the cluster's `AttemptParts` give its snapshot source, step guard and checkpoint barrier) and
-   restores by the one restore order (`trainer.runtime.restore`): the newest host snapshot, else the newest
+   restores by the one restore order (`trainer.attempt.restore`): the newest host snapshot, else the newest
    committed checkpoint. The steps between that point and N-1 are counted as lost.
 5. Its first completed step ends the downtime (`trainer.elastic.boundary`); training goes on. When the
    lost slice returns (`Cluster.returning`), the loop ends at a step boundary with a scale-up outcome: the
@@ -58,6 +58,8 @@ from typing import Any, Protocol
 import jax
 from jax.experimental.multihost_utils import ProcessFailureError
 
+from trainer.attempt.builder import MAX_LAYOUTS, Attempt, AttemptParts
+from trainer.attempt.outcome import SDC, Outcome, Rollback, ScaleUp
 from trainer.config.schema import ElasticConfig
 from trainer.distributed.fatal import PeerFailed
 from trainer.elastic.boundary import RecoveryStats, StepBoundary
@@ -67,15 +69,13 @@ from trainer.elastic.periods import FixedPeriods
 from trainer.elastic.retry_budget import RetryBudget
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.observe import catalogue
-from trainer.runtime.attempt import MAX_LAYOUTS, Attempt, AttemptParts
-from trainer.runtime.outcome import SDC, Outcome, Rollback, ScaleUp
-from trainer.runtime.preemption import Phases, Preempted
+from trainer.process.preemption import Phases, Preempted
 
 log = logging.getLogger(__name__)
 
 
 class Attempts(Protocol):
-    """What builds the attempts of a run (`trainer.runtime.attempt.AttemptBuilder`)."""
+    """What builds the attempts of a run (`trainer.attempt.builder.AttemptBuilder`)."""
 
     def __call__(self, slices: list[list], parts: AttemptParts, *, not_after: int | None = None) -> Attempt:
         """One attempt on `slices` (the active ones' devices) with the cluster's `parts`."""
@@ -95,8 +95,8 @@ class Supervisor:
 
     cluster    the slices and what differs between one controller and several processes
                (`trainer.elastic.cluster`)
-    attempts   (slices, parts) -> Attempt (`Attempts`: `trainer.runtime.attempt.AttemptBuilder`)
-    run_loop   (attempt, boundary=...) -> Outcome (`runtime.loop.train_loop` with the run's sinks and policy)
+    attempts   (slices, parts) -> Attempt (`Attempts`: `trainer.attempt.builder.AttemptBuilder`)
+    run_loop   (attempt, boundary=...) -> Outcome (`attempt.loop.train_loop` with the run's sinks and policy)
     snapshots  this process's host-RAM snapshots (`trainer.elastic.snapshot.HostSnapshots`)
     sync       copies the run's logs to their final place (`RunPaths.sync`), after every attempt
     periods    the snapshot and local-tier periods (`trainer.elastic.periods`: numbers, or planned when
@@ -147,7 +147,7 @@ class Supervisor:
     def run(self) -> Outcome:
         try:
             return self._run()
-        except Preempted:  # SIGTERM outside a step boundary (trainer.runtime.preemption)
+        except Preempted:  # SIGTERM outside a step boundary (trainer.process.preemption)
             self.emergency_save()
             self.cluster.propose_stop(self.stats.last_step)  # several processes: the others stop too
             raise

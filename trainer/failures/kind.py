@@ -76,7 +76,7 @@ class Injection:
         return state, metrics
 
     def replay_batch(self, step: int, batch, slices: Mapping[int, list]):
-        """The batch as the replay check (trainer.runtime.sdc) of `step` computes on it on the slices."""
+        """The batch as the replay check (trainer.attempt.sdc) of `step` computes on it on the slices."""
         return batch
 
 

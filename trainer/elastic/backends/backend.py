@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from trainer.failures.plan import FaultPlan
     from trainer.observe.rundir import RunPaths
     from trainer.observe.slowsteps import HostTimes
-    from trainer.runtime.preemption import StopSignal
+    from trainer.process.preemption import StopSignal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Backend:
     @property
     def freeze_bound_s(self) -> float:
         """A process frozen longer than this has been left behind by its peers: it must write nothing
-        (`trainer.runtime.watchdog`). 0: nobody goes on without it."""
+        (`trainer.process.watchdog`). 0: nobody goes on without it."""
         return 0.0
 
     def log_paths(self, paths: RunPaths) -> RunPaths:

@@ -44,7 +44,7 @@ from trainer.failures.process_death import ProcessFaultInjector, copy_delays
 from trainer.observe.rundir import RunPaths
 from trainer.observe.slowsteps import CoordinationHostTimes, HostTimes
 from trainer.parallel.mesh import build_mesh
-from trainer.runtime.preemption import StopSignal
+from trainer.process.preemption import StopSignal
 
 log = logging.getLogger(__name__)
 

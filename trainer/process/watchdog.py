@@ -2,7 +2,7 @@
 
 A collective that never returns, a host stuck in I/O or a wedged device raise nothing: the main thread
 just waits. A watchdog thread watches two signals of progress, the main thread's phase
-(`trainer.runtime.preemption.Phases`: compile, restore, steps, checkpoint_save, evaluation, ...) and, in
+(`trainer.process.preemption.Phases`: compile, restore, steps, checkpoint_save, evaluation, ...) and, in
 the step loop, each completed step (`beat`). When neither has moved for the phase's bound it calls
 `on_hang` with a `Hang`; the process root (`trainer.process_root`) then dumps every thread's stack, emits
 `hang_detected`, writes the newest host snapshot to the local tier when it can, and exits with the
@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from trainer.runtime.preemption import STEPPING
+from trainer.process.preemption import STEPPING
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""The train state {"step", "params", "opt_state"}: its shardings on a mesh, a fresh one, and its size
-(`tree_nbytes`, whose home is `trainer.io.nbytes`, below the checkpointer that counts bytes too)."""
+"""The train state {"step", "params", "opt_state"}: its shardings on a mesh, its abstract form, a fresh one,
+and one around given parameters. Its size in bytes is `trainer.io.nbytes.tree_nbytes`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer.config.schema import ModelConfig
-from trainer.io.nbytes import tree_nbytes as tree_nbytes  # re-exported: the runtime's name for it
 from trainer.model import abstract_params, init_params, param_logical_axes
 from trainer.parallel.rules import tree_shardings
 

@@ -5,7 +5,7 @@ failure starts from clean objects (no threads, arrays of a dead mesh or stale ca
 passed in: the run's `TrainSpec` (config sections), the active slices, the parts the cluster adds
 (`AttemptParts`), and long-lived services that the caller owns (event log, host snapshots, phases).
 Only `AttemptBuilder.layouts` outlives attempts: per slice set, the `SliceLayout` of
-`trainer.runtime.layout` (mesh, shardings, compiled steps), which holds no device data.
+`trainer.program.layout` (mesh, shardings, compiled steps), which holds no device data.
 """
 
 from __future__ import annotations
@@ -25,16 +25,17 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from trainer import model
+from trainer.attempt.compile_ahead import BackgroundCompiler
+from trainer.attempt.evaluate import EvalSchedule, Evaluator
+from trainer.attempt.restore import Restored, SnapshotSource, restore_state
 from trainer.checkpoint import open_checkpointer
 from trainer.checkpoint.fence import SaveFence
 from trainer.data.pipeline import make_eval_iterator, make_train_iterator
+from trainer.io.nbytes import tree_nbytes
 from trainer.observe import catalogue
-from trainer.runtime.compile_ahead import BackgroundCompiler
-from trainer.runtime.evaluate import EvalSchedule, Evaluator
-from trainer.runtime.layout import BatchLayout, SliceLayout, TrainSpec, slice_layout
-from trainer.runtime.preemption import Phases
-from trainer.runtime.restore import Restored, SnapshotSource, restore_state
-from trainer.runtime.state import init_state, state_around, tree_nbytes
+from trainer.process.preemption import Phases
+from trainer.program.layout import BatchLayout, SliceLayout, TrainSpec, slice_layout
+from trainer.program.state import init_state, state_around
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ MULTIPROCESS_CLOSE_TIMEOUT_S = 5.0
 class AttemptParts:
     """The parts of one attempt that depend on the cluster it runs on (`trainer.elastic.cluster.Cluster`).
 
-    snapshots                   where host-RAM snapshots are restored from (`runtime.restore.SnapshotSource`)
+    snapshots                   where host-RAM snapshots are restored from (`attempt.restore.SnapshotSource`)
     wrap_step                   wraps the compiled step (a fault injector's or the membership's guard), or None
     wrap_replay                 wraps the compiled replay check (the fault injector's), or None
     checkpoint_multiprocessing  Orbax MultiprocessingOptions when only some processes take part, or None
@@ -157,7 +158,7 @@ class AttemptBuilder:
         """Compile the train and eval steps of each slice set in the background, one after the other, so
         the first attempt on one (a replica-resize onto survivors) finds its executable; an attempt that
         needs one still compiling waits for it. The sets within the latest attempt's slices go first
-        (`trainer.runtime.compile_ahead`). Each is a `compile_ahead` event. Returns a future that is done
+        (`trainer.attempt.compile_ahead`). Each is a `compile_ahead` event. Returns a future that is done
         when all are."""
         futures = []
         for slices in slice_sets:
@@ -308,7 +309,7 @@ class AttemptBuilder:
     def _restore(
         self, layout: SliceLayout, checkpointer, snapshots: SnapshotSource | None, not_after: int | None = None
     ) -> Restored:
-        """The train state by the one restore order (`trainer.runtime.restore`), on the devices."""
+        """The train state by the one restore order (`trainer.attempt.restore`), on the devices."""
         spec = self.spec
         t0 = time.perf_counter()
         self.events.emit(catalogue.RESTORE_START)

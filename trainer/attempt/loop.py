@@ -1,6 +1,6 @@
 """The step loop of one attempt: batch -> compiled step -> metrics (one step late) -> maybe save.
 
-It returns what ended it, at a step boundary (`trainer.runtime.outcome`), through one end path; the
+It returns what ended it, at a step boundary (`trainer.attempt.outcome`), through one end path; the
 supervisor decides what follows. Only a failure (a lost slice, a bug) leaves it as an exception.
 """
 
@@ -15,14 +15,10 @@ from typing import Any, Protocol
 
 import jax
 
-from trainer.data.batch import fingerprint
-from trainer.observe import catalogue
-from trainer.observe.peaks import peak_tflops
-from trainer.observe.sinks import Sinks
-from trainer.runtime.attempt import Attempt
-from trainer.runtime.loss_spikes import LossSpikePolicy
-from trainer.runtime.nonfinite import NonFinitePolicy
-from trainer.runtime.outcome import (
+from trainer.attempt.builder import Attempt
+from trainer.attempt.loss_spikes import LossSpikePolicy
+from trainer.attempt.nonfinite import NonFinitePolicy
+from trainer.attempt.outcome import (
     LOSS_SPIKE,
     SDC,
     Finished,
@@ -32,8 +28,12 @@ from trainer.runtime.outcome import (
     ScaleUp,
     TargetReached,
 )
-from trainer.runtime.preemption import EVALUATING, SAVING, STEPPING, Phases
-from trainer.runtime.sdc import SdcCheck
+from trainer.attempt.sdc import SdcCheck
+from trainer.data.batch import fingerprint
+from trainer.observe import catalogue
+from trainer.observe.peaks import peak_tflops
+from trainer.observe.sinks import Sinks
+from trainer.process.preemption import EVALUATING, SAVING, STEPPING, Phases
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def train_loop(
 
     outcome: Outcome | None = None
     try:
-        with phases.enter(STEPPING):  # a SIGTERM here is acted on at the step boundary (runtime.preemption)
+        with phases.enter(STEPPING):  # a SIGTERM here is acted on at the step boundary (process.preemption)
             while outcome is None and step < steps:
                 if nonfinite.skips(step + 1):
                     next(iterator)  # the batch that produced a non-finite update is skipped
@@ -325,7 +325,7 @@ def _evaluate(
     evaluator, step: int, state, records: StepRecords, sinks: Sinks, interrupt, phases: Phases
 ) -> dict[str, Any] | None:
     """Evaluate the state after `step` and write its eval row; the eval's wall time is its own, not the
-    step's (trainer.runtime.evaluate). None, with no row, when `interrupt()` ended it early (a SIGTERM)."""
+    step's (trainer.attempt.evaluate). None, with no row, when `interrupt()` ended it early (a SIGTERM)."""
     t0 = time.perf_counter()
     jax.block_until_ready(state)  # the step's remaining device time stays in the step's time
     records.waited_for_devices(time.perf_counter() - t0)

@@ -9,7 +9,7 @@ Every `period` steps, before the step runs (its input state is still there: the 
    slices both are suspects). This finds a memory fault that already landed, at any step since the
    last check.
 2. The step is replayed. Each data-parallel replica computes its part of the step twice from the same
-   state and batch (`trainer.runtime.step.make_replica_checksums`: the objective's parts and every
+   state and batch (`trainer.program.step.make_replica_checksums`: the objective's parts and every
    gradient leaf's sum, before the reduction across replicas): once on its own rows, once with the batch
    rotated by one slice, so that each slice computes the next slice's rows. Steps are bitwise
    deterministic, so on healthy devices the two results for any rows are equal bit for bit wherever

@@ -396,7 +396,7 @@ def make_replica_checksums(
 
     The same computation (`_summed_grads`) as the train step, per replica and without the reduction, so
     two runs of it on the same rows are bitwise equal on healthy devices wherever they run: the
-    silent-data-corruption check (trainer.runtime.sdc) compares them with the rows moved to other slices."""
+    silent-data-corruption check (trainer.attempt.sdc) compares them with the rows moved to other slices."""
     summed_grads = _summed_grads(cfg, z_loss_multiplier, micro_steps, batch_spec)
 
     def checksums(out):

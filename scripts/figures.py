@@ -2,6 +2,7 @@
 
     python -m scripts.figures            # rewrite every figures block from benchmarks/records/
     python -m scripts.figures --check    # exit 1, naming each block, when a doc differs from its record
+    python -m scripts.figures --stale    # the documented records the code has moved past, with their commands
 
 A block in a document is
 
@@ -71,10 +72,34 @@ def render(text: str, load, problems: list[str] | None = None) -> str:
     return BLOCK.sub(one, text)
 
 
+def stale_records(records) -> list[dict]:
+    """The documented records whose measured modules changed since they were measured (what the figures
+    test fails on), each once, in the order the documents first quote them."""
+    out: dict[str, dict] = {}
+    for doc in documents():
+        for record_id, _, _ in blocks(doc.read_text()):
+            if record_id in out or not (records.RECORDS / f"{record_id}.json").exists():
+                continue
+            record = records.load(record_id)
+            if record["digest"] != records.digest(record["benchmark"]):
+                out[record_id] = record
+    return list(out.values())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m scripts.figures", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 when a block is out of date")
+    p.add_argument(
+        "--stale",
+        action="store_true",
+        help="list the stale documented records and the commands that re-measure them",
+    )
     args = p.parse_args(argv)
+    if args.stale:
+        stale = stale_records(records_module())
+        for record in stale:
+            print(f"{record['record']} (measured at {record['commit'][:10]}): {record['command']}")
+        return 1 if stale else 0
     load = records_module().load
     stale, problems = [], []
     for doc in documents():

@@ -197,3 +197,17 @@ def test_a_record_takes_newly_declared_modules_only_if_they_did_not_change_since
     monkeypatch.setitem(RECORDS.MEASURES, "bench", ["m/a.py"])  # unchanged since the record's commit
     RECORDS.redeclare("r")
     assert RECORDS.load("r")["modules"] == ["m/a.py"] and RECORDS.load("r")["digest"] == RECORDS.digest("bench")
+
+
+def test_stale_lists_each_documented_record_whose_modules_changed_once(monkeypatch, capsys):
+    documented = {rid for _, rid, _, _ in _documented()}
+    assert figures.stale_records(RECORDS) == []  # the test above holds: nothing is stale
+    changed = RECORDS.load("elastic_recovery")["benchmark"]
+    real = RECORDS.digest
+    monkeypatch.setattr(RECORDS, "digest", lambda b: "changed" if b == changed else real(b))
+    stale = [r["record"] for r in figures.stale_records(RECORDS)]
+    expected = sorted(rid for rid in documented if RECORDS.load(rid)["benchmark"] == changed)
+    assert sorted(stale) == expected and "elastic_recovery" in stale and len(stale) == len(set(stale))
+    monkeypatch.setattr(figures, "records_module", lambda: RECORDS)
+    assert figures.main(["--stale"]) == 1
+    assert "python benchmarks/elastic_recovery.py" in capsys.readouterr().out

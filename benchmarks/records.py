@@ -134,6 +134,7 @@ MEASURES = {
         "trainer/config/schema.py",
         "configs",
         "benchmarks/spike_false_positives.py",
+        "benchmarks/corpus.py",
     ],
     "goodput_planner": [
         "trainer/plan",

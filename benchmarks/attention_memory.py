@@ -51,19 +51,19 @@ def _compile(attention: str, length: int, steps: int, overrides: list[str]):
     """(compiled step, train state, batches, its row of the table without timings)."""
     import jax
 
-    from trainer import model as qwen3
+    from trainer import model
     from trainer.config import load_config
     from trainer.data.synthetic import SyntheticIterator
     from trainer.parallel.mesh import build_mesh
-    from trainer.runtime.optim import learning_rate_schedule, make_optimizer
-    from trainer.runtime.state import init_state, state_shardings
-    from trainer.runtime.step import make_train_step
+    from trainer.program.optim import learning_rate_schedule, make_optimizer
+    from trainer.program.state import init_state, state_shardings
+    from trainer.program.step import make_train_step
 
     args = ["model=qwen3-tiny", "per_device_batch_size=1", "remat_policy=full", "dtype=float32", "run_name=b"]
     cfg = load_config("base.yml", [*args, *overrides, f"max_target_length={length}", f"attention={attention}"])
     mesh = build_mesh(cfg.mesh, [jax.devices()[:1]])
     opt = make_optimizer(
-        cfg.optim, qwen3.param_logical_axes(cfg.model), schedule=learning_rate_schedule(cfg.optim, steps=100)
+        cfg.optim, model.param_logical_axes(cfg.model), schedule=learning_rate_schedule(cfg.optim, steps=100)
     )
     shardings, _ = state_shardings(cfg.model, cfg.mesh.logical_axis_rules, mesh, opt)
     state = init_state(cfg.model, opt, shardings, seed=0)

@@ -13,7 +13,7 @@ Runs the CLI with async checkpoints every `--save-every` steps (default: `--peri
   as long as saves do not overlap, so saving more often than the period measures the same cost in a
   shorter run; the benchmark refuses a run whose saves overlapped (raise `--save-every`);
 - with `--ab`, also a run without checkpoints and the ratio of mean step times, the cruder cross-check
-  (run-to-run noise here is a few percent);
+  (it compares two runs, so run-to-run noise enters it);
 - the restore time of the newest checkpoint (the run resumed for one more step) next to this disk's
   sequential write (fsync) and read bandwidth, measured on a file of the checkpoint's size.
 `--tier` picks what is saved: `persistent` (Orbax checkpoints), `local` (the local checkpoint tier:

@@ -2,8 +2,8 @@
 
 Smoke mode: with TRAINER_SMOKE=1 in the environment a benchmark runs its whole path (the same CLI runs,
 measurements and report) at minimal sizes (few steps, short sequences), whatever its arguments say, so
-that a documented command can be checked in well under a minute and a half. Its figures then mean
-nothing, and a benchmark says so on its first line (`announce_smoke`).
+that every documented command can be checked quickly. Its figures then mean nothing, and a benchmark
+says so on its first line (`announce_smoke`).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ from cli_runs import (  # noqa: E402
     step_records,
     trainer_cmd,
 )
-from corpus import text_inputs  # noqa: E402
+from corpus import prepare as prepare_corpus  # noqa: E402
 
 from trainer.observe import catalogue  # noqa: E402
 
@@ -68,16 +68,8 @@ RUNS = ("uninterrupted", "pause-and-resume", "replica-resize", "kill -9 and rest
 
 
 def prepare(out: Path) -> dict:
-    inputs = text_inputs()[: 20 if smoke() else None]
-    cmd = [sys.executable, "-m", "trainer.data.prepare", "--output-dir", str(out), "--num-shards", "2"]
-    cmd += ["--tokenizer", str(TOKENIZER), "--text-unit", "paragraph", "--prefix", "text"]
-    for f in inputs:
-        cmd += ["--input", f]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    if proc.returncode != 0:
-        sys.exit(f"preparing the corpus failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    info = json.loads((out / "dataset_info.json").read_text())
-    return {"files": len(inputs), "records": info.get("records"), "tokens": info.get("tokens")}
+    corpus = prepare_corpus(out, tokenizer=TOKENIZER, limit=20 if smoke() else None)
+    return {k: corpus[k] for k in ("files", "records", "tokens")}
 
 
 def plan(steps: int) -> dict:

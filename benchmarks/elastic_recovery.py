@@ -3,7 +3,7 @@
     python benchmarks/elastic_recovery.py [--model qwen3-tiny] [--max-target-length 128] [--hugepages on|off]
 
 Measures, from the events each run writes (medians over several failures, since one recovery on a
-shared 2-core machine is a noisy sample):
+shared machine is a noisy sample):
 - pause-and-resume with an immediate replacement (down_s=0), three failures in one run: kill -> first
   completed step after recovery, against (restore + one steady step) of the same recovery;
 - replica-resize onto the 2 surviving slices, first time and a second time after scale-up (executable
@@ -317,8 +317,8 @@ def main() -> None:
     args.max_target_length = smoke_cap(args.max_target_length, SMOKE_SHAPE["max_target_length"])
     ckpt_period, snap_period = smoke_cap(20, 4), smoke_cap(10, 2)
     pr_steps = (3, 6, 9) if smoke() else (15, 35, 55)
-    # Replica-resize: after the survivor sets compiled ahead from an empty cache (about 30 s of a 2-core
-    # machine shared with the steps), so the steps run longer.
+    # Replica-resize: the first failure comes after the survivor sets have compiled ahead from an empty
+    # cache (on CPU devices those compiles share the cores with the steps), so the run is longer.
     rr_steps = args.steps if smoke() else args.steps + 40
     rr_faults = (
         "step=3,slice=2,down_s=1; step=8,slice=2,down_s=60"

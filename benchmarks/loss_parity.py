@@ -47,9 +47,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_runs import read_jsonl, run, step_records  # noqa: E402
-from corpus import text_inputs  # noqa: E402
+from corpus import prepare as prepare_text  # noqa: E402
 from maxtext_cpu import maxtext_overrides, maxtext_version, run_maxtext  # noqa: E402
 from records import REPO, write_record  # noqa: E402
+
+from trainer.config.schema import ARCHITECTURE_KEYS, FAMILY_KEYS  # noqa: E402
 
 BENCHMARK = "loss_parity"
 TOKENIZER = REPO / "data" / "tokenizer" / "fc_sp8k.model"
@@ -68,17 +70,6 @@ OPTIM = {  # this trainer's key -> MaxText's key, value
 }
 
 
-def prepare_corpus(out: Path) -> str:
-    cmd = [sys.executable, "-m", "trainer.data.prepare", "--output-dir", str(out), "--num-shards", "2"]
-    cmd += ["--text-unit", "paragraph", "--prefix", "text"]
-    for f in text_inputs():
-        cmd += ["--input", f]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    if proc.returncode != 0:
-        sys.exit(f"preparing the corpus failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return str(out / "*.arrayrecord")
-
-
 def maxtext_side(python: str, *args: str) -> str:
     cmd = [python, str(REPO / "benchmarks" / "maxtext_side.py"), *args]
     env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE")
@@ -92,12 +83,12 @@ def initial_weights(model_cfg, work: Path) -> tuple[Path, Path]:
     """This trainer's initialisation at SEED as a params-only checkpoint and as Hugging Face safetensors."""
     import jax
 
-    from trainer import model as qwen3
+    from trainer import model
     from trainer.checkpoint.params import save_parameters
     from trainer.hf.to_hf import trainer_to_hf
 
     params_dir, hf_dir = work / "init_params", work / "init_hf"
-    save_parameters(params_dir, qwen3.init_params(model_cfg, jax.random.key(SEED)))
+    save_parameters(params_dir, model.init_params(model_cfg, jax.random.key(SEED)))
     trainer_to_hf(params_dir, hf_dir, model=model_cfg.model)
     return params_dir, hf_dir
 
@@ -256,7 +247,7 @@ def main() -> None:
     lr = cfg.optim.learning_rate
     with tempfile.TemporaryDirectory(prefix="loss_parity_") as tmp:
         work = Path(tmp)
-        files = args.train_files or prepare_corpus(work / "corpus")
+        files = args.train_files or prepare_text(work / "corpus")["glob"]
         corpus = (
             "the given shards" if args.train_files else "the project's real-text corpus (benchmarks/corpus.py)"
         )
@@ -301,20 +292,8 @@ def main() -> None:
     )
 
 
-_ARCH_KEYS = {
-    "base_num_decoder_layers",
-    "base_emb_dim",
-    "base_num_query_heads",
-    "base_num_kv_heads",
-    "head_dim",
-    "base_mlp_dim",
-    "vocab_size",
-    "rope_max_timescale",
-    "normalization_layer_epsilon",
-    "use_qk_norm",
-    "logits_via_embedding",
-    "scan_layers",
-}
+# The keys MaxText's HF converter needs to build the same architecture (dtypes and remat are run settings).
+_ARCH_KEYS = {*(k for k in ARCHITECTURE_KEYS if k not in FAMILY_KEYS), "scan_layers"}
 
 if __name__ == "__main__":
     main()

@@ -21,10 +21,16 @@ from pathlib import Path
 from records import REPO, package_versions
 
 sys.path.insert(0, str(REPO))
-from trainer.config.schema import ARCHITECTURE_KEYS  # noqa: E402
+from trainer.config.schema import ARCHITECTURE_KEYS, FAMILY_KEYS  # noqa: E402
 
-# This trainer's model keys that MaxText reads under the same name and meaning.
-SHARED_MODEL_KEYS = (*ARCHITECTURE_KEYS, "dtype", "weight_dtype", "scan_layers", "remat_policy")
+# This trainer's model keys that MaxText reads under the same name and meaning (the family keys are ours).
+SHARED_MODEL_KEYS = (
+    *(k for k in ARCHITECTURE_KEYS if k not in FAMILY_KEYS),
+    "dtype",
+    "weight_dtype",
+    "scan_layers",
+    "remat_policy",
+)
 
 
 def _value(v) -> str:
@@ -33,12 +39,13 @@ def _value(v) -> str:
 
 def maxtext_overrides(model, *, max_target_length: int, per_device_batch_size: int, steps: int, devices: int):
     """MaxText key=value arguments for this trainer's resolved (dense Qwen3) `model` config and run shape."""
-    if model.num_experts > 1:
-        raise SystemExit("--maxtext-python compares dense models only")
+    if model.num_experts > 1 or model.model_family != "qwen3" or model.rope_scaling != "none":
+        raise SystemExit("--maxtext-python compares dense Qwen3 models only (MaxText's decoder_block=qwen3)")
     attention = "dot_product" if model.attention == "autoselected" else model.attention  # CPU: dot_product
     return [
         "decoder_block=qwen3",
         "mlp_activations=[silu,linear]",
+        "normalize_embedding_logits=false",  # Qwen3's tied logits (MaxText's configs/models/qwen3-*.yml)
         *(f"{k}={_value(getattr(model, k))}" for k in SHARED_MODEL_KEYS),
         f"attention={attention}",
         f"max_target_length={max_target_length}",

@@ -26,9 +26,14 @@ REPO = Path(__file__).resolve().parents[1]
 RECORDS = REPO / "benchmarks" / "records"
 
 
+# What one trainer process runs: the program on the devices, the attempt around it, the process's signals
+# and watchdog (each a package under trainer/).
+_RUNTIME = ["trainer/program", "trainer/attempt", "trainer/process"]
+
+
 def _runtime_imports(entry: str) -> list[str]:
-    """`entry` and the trainer/runtime modules it imports, directly or through each other."""
-    seen, todo = set(), [entry]
+    """`entry` and the modules of the `_RUNTIME` packages it imports, directly or through each other."""
+    seen, todo, runtime = set(), [entry], tuple(f"{p}/" for p in _RUNTIME)
     while todo:
         rel = todo.pop()
         if rel in seen:
@@ -37,30 +42,42 @@ def _runtime_imports(entry: str) -> list[str]:
         for node in ast.walk(ast.parse((REPO / rel).read_text())):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            todo += [f"{n.replace('.', '/')}.py" for n in names if n.startswith("trainer.runtime.")]
+            todo += [f"{n.replace('.', '/')}.py" for n in names if n.replace(".", "/").startswith(runtime)]
     return sorted(seen)
 
 
-# What each benchmark measures: a change to any of these files makes its records stale.
-_STEP = ["trainer/runtime", "trainer/model", "trainer/parallel", "trainer/config/schema.py", "configs"]
+# What each benchmark measures: a change to any of these files makes its records stale. The model goes with
+# trainer/config/rope_scaling.py, the `rope_scaling` grammar whose frequencies it computes.
+_STEP = [
+    *_RUNTIME,
+    "trainer/model",
+    "trainer/config/rope_scaling.py",
+    "trainer/parallel",
+    "trainer/config/schema.py",
+    "configs",
+]
 # The compiled step alone (what the compile benchmarks read): the runtime modules that build it, not the
 # loop, the attempt builder or recovery around it.
 _PROGRAM = [
-    *_runtime_imports("trainer/runtime/layout.py"),
+    *_runtime_imports("trainer/program/layout.py"),
     "trainer/model",
+    "trainer/config/rope_scaling.py",
     "trainer/parallel",
     "trainer/config/schema.py",
     "configs",
 ]
 # Saves and restores of both tiers: the local tier is the host snapshot (snapshot.py, pinned_snapshots.py)
-# written by trainer/checkpoint/local_store.py when the step boundary (boundary.py) says it is due.
+# written by trainer/checkpoint/local_store.py when the step boundary (boundary.py) says it is due; the
+# run's wiring (run.py, the process root, the backends) decides which tiers a run has.
 _SAVES = [
     "trainer/checkpoint",
-    "trainer/runtime",
+    *_RUNTIME,
     "trainer/elastic/snapshot.py",
     "trainer/elastic/pinned_snapshots.py",
     "trainer/elastic/boundary.py",
+    "trainer/elastic/backends",
     "trainer/run.py",
+    "trainer/process_root.py",
     "trainer/config/schema.py",
     "configs",
 ]
@@ -74,7 +91,9 @@ MEASURES = {
     "train_throughput": [
         *_STEP,
         "trainer/data/synthetic.py",
+        "trainer/elastic/backends",
         "trainer/run.py",
+        "trainer/process_root.py",
         "trainer/hostmem.py",
         "benchmarks/train_throughput.py",
         "benchmarks/maxtext_cpu.py",
@@ -84,9 +103,10 @@ MEASURES = {
     "elastic_recovery": [
         "trainer/elastic",
         "trainer/failures",
-        "trainer/runtime",
+        *_RUNTIME,
         "trainer/checkpoint",
         "trainer/run.py",
+        "trainer/process_root.py",
         "trainer/observe",
         "trainer/hostmem.py",
         "benchmarks/elastic_recovery.py",
@@ -94,9 +114,10 @@ MEASURES = {
     "elastic_soak": [
         "trainer/elastic",
         "trainer/failures",
-        "trainer/runtime",
+        *_RUNTIME,
         "trainer/checkpoint",
         "trainer/run.py",
+        "trainer/process_root.py",
         "trainer/plan",
         "trainer/observe",
         "benchmarks/elastic_soak.py",
@@ -106,20 +127,23 @@ MEASURES = {
     # The losses of clean runs on real text: the step (model, optimizer, schedule), the data pipeline and
     # the defaults; the detector is off in these runs (its judgement is recomputed offline).
     "spike_false_positives": [
-        "trainer/runtime",
+        *_RUNTIME,
         "trainer/model",
+        "trainer/config/rope_scaling.py",
         "trainer/data",
         "trainer/config/schema.py",
         "configs",
         "benchmarks/spike_false_positives.py",
+        "benchmarks/corpus.py",
     ],
     "goodput_planner": [
         "trainer/plan",
         "trainer/elastic",
-        "trainer/runtime",
+        *_RUNTIME,
         "trainer/checkpoint",
         "trainer/observe",
         "trainer/run.py",
+        "trainer/process_root.py",
         "trainer/config/schema.py",
         "trainer/failures",
         "configs",
@@ -130,8 +154,9 @@ MEASURES = {
     # hyperparameter is passed explicitly, so the schema's defaults are not measured.
     "loss_parity": [
         "trainer/model",
-        "trainer/runtime/step.py",
-        "trainer/runtime/optim.py",
+        "trainer/config/rope_scaling.py",
+        "trainer/program/step.py",
+        "trainer/program/optim.py",
         "trainer/data",
         "configs/models",
         "benchmarks/loss_parity.py",
@@ -142,14 +167,16 @@ MEASURES = {
     # The losses of real-text runs through failures against the uninterrupted run's: the step, the data
     # pipeline (its iterator state), the elastic recovery, the checkpoints and the fault injection.
     "curves_through_failures": [
-        "trainer/runtime",
+        *_RUNTIME,
         "trainer/model",
+        "trainer/config/rope_scaling.py",
         "trainer/parallel",
         "trainer/data",
         "trainer/elastic",
         "trainer/checkpoint",
         "trainer/failures",
         "trainer/run.py",
+        "trainer/process_root.py",
         "trainer/config/schema.py",
         "configs",
         "benchmarks/curves_through_failures.py",

@@ -40,8 +40,8 @@ from scripts.multiprocess_demo import Job, collect, kill_at_step, trainer_args  
 from trainer.observe import catalogue  # noqa: E402
 
 # qwen3-tiny widened to an 86 MiB train state, 3x a process's shard with 3 processes per slice. A state
-# several times a CPU process's base resident memory (~1 GB) does not train on 2 cores in minutes, so the
-# printed peaks include that base.
+# several times a CPU process's base resident memory would not train on CPU devices in a benchmark's
+# time, so the printed peaks include that base.
 MODEL = [
     "base_num_decoder_layers=4",
     "base_emb_dim=256",

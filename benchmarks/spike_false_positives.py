@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,7 +40,7 @@ from cli_runs import (  # noqa: E402
     smoke_overrides,
     step_records,
 )
-from corpus import text_inputs  # noqa: E402
+from corpus import prepare as prepare_corpus  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARK = "spike_false_positives"
@@ -54,18 +53,8 @@ TOKENIZER = REPO / "data" / "tokenizer" / "fc_sp8k.model"
 
 
 def prepare(out: Path) -> dict:
-    inputs = text_inputs()
-    if smoke():
-        inputs = inputs[:20]
-    cmd = [sys.executable, "-m", "trainer.data.prepare", "--output-dir", str(out), "--num-shards", "2"]
-    cmd += ["--tokenizer", str(TOKENIZER), "--text-unit", "paragraph", "--prefix", "text"]
-    for f in inputs:
-        cmd += ["--input", f]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    if proc.returncode != 0:
-        sys.exit(f"preparing the corpus failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    info = json.loads((out / "dataset_info.json").read_text())
-    return {"files": len(inputs), "records": info.get("records"), "tokens": info.get("tokens")}
+    corpus = prepare_corpus(out, tokenizer=TOKENIZER, limit=20 if smoke() else None)
+    return {k: corpus[k] for k in ("files", "records", "tokens")}
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:

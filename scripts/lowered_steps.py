@@ -19,7 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from trainer.config import load_config  # noqa: E402
-from trainer.runtime.layout import lower_step, slice_layout, train_spec  # noqa: E402
+from trainer.program.layout import lower_step, slice_layout, train_spec  # noqa: E402
 
 SMALL = [
     "base_num_decoder_layers=2",

@@ -4,6 +4,7 @@ Needs `transformers` and a CPU `torch`, which the tests do not:
 
     pip install /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl transformers
     python scripts/make_hf_fixtures.py            # rewrites tests/fixtures/hf/
+    python scripts/make_hf_fixtures.py --only llama_tied --only llama_untied_kv1   # just these
 
 Then it checks the other direction, which the tests cannot (they run without torch): each fixture goes
 through `python -m trainer.convert hf-to-trainer` and `trainer-to-hf`, and transformers must load the
@@ -18,8 +19,11 @@ Each fixture is a tiny random model saved by `save_pretrained` (float32 safetens
 
 The models are deliberately awkward: head_dim is not hidden/heads, every RMSNorm weight is random
 (not 1), one model has a single KV head and an untied head, and weights are scaled up from the HF
-init so that logits differ clearly between tokens. `dense_untied_kv1` is written with the legacy
-top-level `rope_theta` spelling (transformers 4.x checkpoints); the others with `rope_parameters`.
+init so that logits differ clearly between tokens. `dense_untied_kv1` and `llama_untied_kv1` are written
+with the legacy spelling (transformers 4.x checkpoints: a top-level `rope_theta`, the scaling under
+`rope_scaling`, and for the Llama no `head_dim`, which then defaults to hidden / heads); the others with
+`rope_parameters`. The Llama models use the `llama3` RoPE scaling with an original context of a few dozen
+positions, so that most of their frequencies are rescaled or smoothed within the fixtures' sequences.
 """
 
 from __future__ import annotations
@@ -93,7 +97,46 @@ FIXTURES = {
         ),
     ),
 }
-LEGACY_ROPE_SPELLING = {"dense_untied_kv1"}
+LLAMA = dict(COMMON, rms_norm_eps=1e-5, mlp_bias=False, intermediate_size=80)
+FIXTURES.update(
+    {
+        "llama_tied": (
+            transformers.LlamaConfig,
+            transformers.LlamaForCausalLM,
+            dict(
+                LLAMA,
+                num_key_value_heads=2,
+                tie_word_embeddings=True,
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 500_000.0,
+                    "factor": 32.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            ),
+        ),
+        "llama_untied_kv1": (
+            transformers.LlamaConfig,
+            transformers.LlamaForCausalLM,
+            dict(
+                {k: v for k, v in LLAMA.items() if k != "head_dim"},
+                num_key_value_heads=1,
+                tie_word_embeddings=False,
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 500_000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 2.0,
+                    "original_max_position_embeddings": 32,
+                },
+            ),
+        ),
+    }
+)
+LEGACY_ROPE_SPELLING = {"dense_untied_kv1", "llama_untied_kv1"}
 BATCH, SEQ, PROMPT_LEN, NEW_TOKENS = 2, 10, 6, 12
 
 
@@ -140,7 +183,12 @@ def make(name: str, seed: int) -> dict:
     if name in LEGACY_ROPE_SPELLING:
         cfg_path = out_dir / "config.json"
         cfg = json.loads(cfg_path.read_text())
-        cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+        rope = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = rope.pop("rope_theta")
+        if rope.get("rope_type", "default") != "default":
+            cfg["rope_scaling"] = rope
+        if "head_dim" not in kwargs:
+            cfg.pop("head_dim", None)
         cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     for extra in out_dir.glob("generation_config.json"):
         extra.unlink()
@@ -194,11 +242,14 @@ def verify_export(name: str) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", action="append", choices=list(FIXTURES), help="default: every fixture")
     args = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    for i, name in enumerate(FIXTURES):
-        print(name, make(name, args.seed + i))
-    for name in FIXTURES:
+    names = args.only or list(FIXTURES)
+    for i, name in enumerate(FIXTURES):  # each fixture's seed is its position, whichever are made
+        if name in names:
+            print(name, make(name, args.seed + i))
+    for name in names:
         print(name, "export loads in transformers, max-abs logits diff:", verify_export(name))
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
 

@@ -47,9 +47,10 @@ TINY = [
     "enable_tensorboard=false",
     "log_period=1",
 ]
-# Detection in ~2-3 s; a receive stuck on the dead peer fails after the collective timeout at worst.
-# The collective timeout must exceed any legitimate wait inside one collective on a loaded 2-core CI box
-# (step skew); it only delays detection when a receive hangs on the dead peer.
+# A lost process is detected once its heartbeat is overdue (heartbeat_timeout_seconds); a receive stuck on
+# the dead peer fails after the collective timeout at worst. The collective timeout must exceed any
+# legitimate wait inside one collective on a loaded CI machine (step skew); it only delays detection when
+# a receive hangs on the dead peer.
 FAST_FT = ["heartbeat_timeout_seconds=2", "collective_timeout_seconds=20", "elastic_poll_interval_seconds=0.05"]
 # TRAINER_SMOKE=1: the demo at minimal sizes (benchmarks/cli_runs.py reads it for the benchmarks).
 SMOKE = os.environ.get("TRAINER_SMOKE", "") not in ("", "0")

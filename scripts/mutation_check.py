@@ -94,7 +94,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="restore-prefers-older-source",
-        file="trainer/runtime/restore.py",
+        file="trainer/attempt/restore.py",
         old="return max(saved, key=lambda s: (s[0], -s[1]))[2]",
         new="return min(saved, key=lambda s: (s[0], -s[1]))[2]",
         tests=(_RESTORE + "test_one_restore_order_for_every_source",),
@@ -102,7 +102,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="restore-ignores-snapshot",
-        file="trainer/runtime/restore.py",
+        file="trainer/attempt/restore.py",
         old="[(snapshot_step, SNAPSHOT), (local_step, LOCAL), (checkpoint_step, CHECKPOINT)]",
         new="[(local_step, LOCAL), (checkpoint_step, CHECKPOINT)]",
         tests=(_RESTORE + "test_one_restore_order_for_every_source",),
@@ -110,7 +110,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="restore-tie-goes-to-slower-read",
-        file="trainer/runtime/restore.py",
+        file="trainer/attempt/restore.py",
         old="return max(saved, key=lambda s: (s[0], -s[1]))[2]",
         new="return max(saved, key=lambda s: (s[0], s[1]))[2]",
         tests=(_RESTORE + "test_one_restore_order_for_every_source",),
@@ -166,7 +166,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="replica-digests-never-differ",
-        file="trainer/runtime/sdc.py",
+        file="trainer/attempt/sdc.py",
         old="    if len(counts) == 1:\n        return Verdict((), ())",
         new="    if len(counts) >= 1:\n        return Verdict((), ())",
         tests=(
@@ -176,7 +176,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="sdc-rollback-to-newest-not-verified",
-        file="trainer/runtime/loop.py",
+        file="trainer/attempt/loop.py",
         old="suspects=verdict.suspects, not_after=sdc.verified_step)",
         new="suspects=verdict.suspects, not_after=None)",
         tests=(
@@ -186,7 +186,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="replay-checksums-all-zero",
-        file="trainer/runtime/step.py",
+        file="trainer/program/step.py",
         old='row = jnp.stack([parts["ce_sum"], parts["z_sum"], parts["tokens"], *sums])',
         new='row = 0.0 * jnp.stack([parts["ce_sum"], parts["z_sum"], parts["tokens"], *sums])',
         tests=("tests/test_sdc.py::test_replay_checksums_differ_per_replica_and_change_with_one_devices_numbers",),
@@ -194,7 +194,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="nonfinite-update-applied",
-        file="trainer/runtime/step.py",
+        file="trainer/program/step.py",
         old="return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)",
         new="return new",
         tests=("tests/test_nonfinite.py::test_a_non_finite_update_is_never_applied",),
@@ -202,7 +202,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="nonfinite-never-detected",
-        file="trainer/runtime/step.py",
+        file="trainer/program/step.py",
         old="finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)",
         new="finite = jnp.isfinite(jnp.zeros(()))",
         tests=("tests/test_nonfinite.py::test_a_non_finite_update_is_never_applied",),
@@ -210,7 +210,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="loss-spike-reference-is-max",
-        file="trainer/runtime/loss_spikes.py",
+        file="trainer/attempt/loss_spikes.py",
         old="median = statistics.median(self._losses)",
         new="median = max(self._losses)",
         tests=("tests/test_loss_spikes.py::test_a_loss_over_threshold_times_the_running_median_is_a_spike",),
@@ -218,7 +218,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="loss-spike-threshold-inclusive",
-        file="trainer/runtime/loss_spikes.py",
+        file="trainer/attempt/loss_spikes.py",
         old="if loss <= self.threshold * median:",
         new="if loss < self.threshold * median:",
         tests=("tests/test_loss_spikes.py::test_a_loss_over_threshold_times_the_running_median_is_a_spike",),
@@ -237,7 +237,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="nonfinite-ignores-gradients",
-        file="trainer/runtime/step.py",
+        file="trainer/program/step.py",
         old="finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)",
         new="finite = jnp.isfinite(loss)",
         tests=("tests/test_nonfinite.py::test_a_finite_loss_with_non_finite_gradients_is_never_applied",),
@@ -255,7 +255,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="restore-starts-over-when-local-steps-unusable",
-        file="trainer/runtime/restore.py",
+        file="trainer/attempt/restore.py",
         old="        refuse_to_start_over(snapshots)  # a run whose saved steps are all unusable",
         new="        pass  # a run whose saved steps are all unusable",
         tests=(
@@ -362,7 +362,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="watchdog-exit-keeps-the-lease",
-        file="trainer/train.py",
+        file="trainer/process_root.py",
         old="        if self.lease is not None:\n            releasing",
         new="        if False:\n            releasing",
         tests=(
@@ -381,9 +381,9 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="run-files-not-live-on-the-bucket",
-        file="trainer/train.py",
-        old="    upload = _live_upload(paths, events)\n",
-        new="    upload = None\n",
+        file="trainer/process_root.py",
+        old="        self.upload = _live_upload(paths, events)\n",
+        new="        self.upload = None\n",
         tests=(
             "tests/test_live_run_files.py::test_a_gs_run_killed_9_after_a_committed_checkpoint_has_its_logs_in_the_bucket_through_it",
         ),
@@ -417,6 +417,14 @@ BREAKAGES: tuple[Breakage, ...] = (
             "test_a_slice_lost_and_back_pauses_resumes_and_keeps_every_loss_bit_for_bit",
         ),
         why="a restored real-text iterator skips one document per row: the resumed run trains other tokens",
+    ),
+    Breakage(
+        name="data-workers-outlive-a-killed-trainer",
+        file="trainer/data/grain_pipeline.py",
+        old="worker_init_fn=exit_with_parent,",
+        new="worker_init_fn=None,",
+        tests=("tests/test_data_pipeline.py::test_a_killed_trainer_leaves_no_data_worker_behind",),
+        why="a trainer killed by SIGKILL or the OOM killer leaves its Grain workers running, holding memory",
     ),
     Breakage(
         name="eval-scores-drop-the-last-continuation-token",

@@ -78,8 +78,8 @@ def fresh_state_on_one_device(cfg):
 
     from trainer import model as qwen3
     from trainer.parallel.mesh import build_mesh
-    from trainer.runtime.optim import learning_rate_schedule, make_optimizer
-    from trainer.runtime.state import init_state, state_shardings
+    from trainer.program.optim import learning_rate_schedule, make_optimizer
+    from trainer.program.state import init_state, state_shardings
 
     mesh = build_mesh(cfg.mesh, [jax.devices()[:1]])
     schedule = learning_rate_schedule(cfg.optim, steps=cfg.train.steps)

@@ -30,7 +30,7 @@ from trainer.model import attention
 from trainer.parallel.activations import ActivationSharding
 from trainer.parallel.mesh import build_mesh
 from trainer.parallel.rules import logical_to_spec, tree_shardings
-from trainer.runtime.step import loss_sums
+from trainer.program.step import loss_sums
 
 TOL = {jnp.float32: (2e-5, 5e-5), jnp.bfloat16: (3e-2, 6e-2)}  # (outputs, gradients)
 N_HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16

@@ -10,8 +10,9 @@ import pytest
 
 from trainer.config import ConfigError, load_config
 from trainer.config.schema import AUTO
+from trainer.elastic.periods import WARMUP_STEPS, AutoPeriods, FixedPeriods
 from trainer.plan import model
-from trainer.plan.auto import WARMUP_STEPS, AutoPeriods, FixedPeriods, plan, snapshot_floor
+from trainer.plan.auto import plan, snapshot_floor
 
 COSTS = model.Costs(step_s=0.5, snapshot_save_s=0.1, snapshot_write_s=0.6, checkpoint_save_s=2.0)
 
@@ -72,6 +73,7 @@ def _auto(measure, events, **kw):
         max_overhead=0.05,
         events=events,
         measure=measure,
+        planner=plan,
         clock=lambda: clock[0],
     )
     clock = [0.0]
@@ -188,25 +190,28 @@ def test_fixed_periods_save_at_multiples():
     assert math.isclose(snapshot_floor(COSTS, 1.0), 2)
 
 
-def test_several_processes_take_numbers_only(monkeypatch, tmp_path):
+def test_several_processes_take_numbers_only(tmp_path):
     """Each process would plan from its own costs, but every process must snapshot the same steps."""
-    import jax
-
     from trainer.observe.rundir import run_paths
-    from trainer.run import save_periods
+    from trainer.run import backend_for, save_periods
 
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    two = ["num_processes=2", "process_id=0", "coordinator_address=localhost:1"]
     slices = [[object()], [object()]]
-    cfg = load_config("base.yml", ["elastic_enabled=true", "num_slices=2"])
+    cfg = load_config("base.yml", ["elastic_enabled=true", "num_slices=2", *two])
     paths = run_paths(str(tmp_path), "r")
-    fixed = save_periods(cfg, slices, paths, Events())
+    fixed = save_periods(cfg, slices, paths, Events(), backend_for(cfg))
     assert fixed == FixedPeriods(0, 0) and fixed.checkpoint_due is None  # checkpoint_period=auto: 10,000
     local = load_config(
-        "base.yml", ["local_checkpoint_directory=/tmp/node", "local_checkpoint_period=auto", "snapshot_period=2"]
+        "base.yml",
+        ["local_checkpoint_directory=/tmp/node", "local_checkpoint_period=auto", "snapshot_period=2", *two],
     )
     with pytest.raises(ConfigError, match="local_checkpoint_period=auto needs one controller"):
         save_periods(
-            local, slices, run_paths(str(tmp_path), "r", local_checkpoint_directory="/tmp/node"), Events()
+            local,
+            slices,
+            run_paths(str(tmp_path), "r", local_checkpoint_directory="/tmp/node"),
+            Events(),
+            backend_for(local),
         )
 
 
@@ -236,9 +241,9 @@ def test_the_trainer_measures_itself_through_the_bounded_window_and_counts_every
 
     import trainer.observe.runlog as runlog
     from trainer.checkpoint.checkpointer import UNPLANNED_CHECKPOINT_PERIOD as checkpointer_default
+    from trainer.elastic.periods import UNPLANNED_CHECKPOINT_PERIOD
     from trainer.observe.rundir import run_paths
-    from trainer.plan.auto import UNPLANNED_CHECKPOINT_PERIOD
-    from trainer.run import MEASURE_WINDOW_BYTES, save_periods
+    from trainer.run import MEASURE_WINDOW_BYTES, backend_for, save_periods
 
     assert UNPLANNED_CHECKPOINT_PERIOD == checkpointer_default  # the planner's and the checkpointer's default
     cfg = load_config("base.yml", ["elastic_enabled=true", "num_slices=2"])
@@ -251,7 +256,7 @@ def test_the_trainer_measures_itself_through_the_bounded_window_and_counts_every
     windows = []
     real = runlog.load_run
     monkeypatch.setattr(runlog, "load_run", lambda d, **kw: windows.append(kw) or real(d, **kw))
-    periods = save_periods(cfg, [[object()], [object()]], paths, Events())
+    periods = save_periods(cfg, [[object()], [object()]], paths, Events(), backend_for(cfg))
     assert isinstance(periods, AutoPeriods) and periods.measure()[1] == 3
     with open(paths.local / "events.jsonl", "a") as f:
         f.write(json.dumps(down) + "\n")

@@ -21,8 +21,8 @@ import pytest
 from cli_harness import cli_env, command
 
 from trainer.config import load_config, to_yaml
-from trainer.elastic.chaos_requests import attempt_of, request_kill
 from trainer.elastic.faults import FaultInjector
+from trainer.failures.chaos_requests import attempt_of, request_kill
 from trainer.failures.slice_loss import Outages
 from trainer.io.jsonl import read_jsonl
 

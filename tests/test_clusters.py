@@ -15,9 +15,11 @@ import jax
 import pytest
 from jax.experimental.multihost_utils import ProcessFailureError
 
+from trainer.attempt.builder import AttemptParts
+from trainer.attempt.outcome import Finished, Rollback, ScaleUp
 from trainer.config.schema import ElasticConfig
 from trainer.distributed.fatal import PeerFailed
-from trainer.elastic.cluster import ActiveSlices, AttemptParts, FixedCluster
+from trainer.elastic.cluster import ActiveSlices, Cluster, FixedCluster
 from trainer.elastic.errors import ElasticGiveUp, SlicesUnavailable
 from trainer.elastic.faults import FaultInjector
 from trainer.elastic.local_cluster import LocalCluster
@@ -25,8 +27,7 @@ from trainer.elastic.process_cluster import ProcessCluster
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.elastic.supervisor import Supervisor
 from trainer.failures.slice_loss import Outages, SliceLoss, slice_down_error
-from trainer.runtime.outcome import Finished, Rollback, ScaleUp
-from trainer.runtime.preemption import Preempted
+from trainer.process.preemption import Preempted
 
 ELASTIC = ElasticConfig(elastic_enabled=True, elastic_poll_interval_seconds=0.01, elastic_timeout_seconds=30)
 
@@ -63,7 +64,7 @@ class Attempt:
         self.closed = True
 
 
-class ScriptedCluster:
+class ScriptedCluster(Cluster):
     """A Cluster whose answers the test sets: `waits` (ActiveSlices or an exception, one per wait) and
     `causes` (err -> cause); it records every call."""
 
@@ -117,20 +118,28 @@ class ScriptedCluster:
 
 
 class Attempts:
-    """attempts(slices, **parts): records what each attempt got; `forget_compiled` like AttemptBuilder's."""
+    """attempts(slices, parts): records what each attempt got; `forget_compiled`, `compile_ahead` and
+    `close` like AttemptBuilder's."""
 
     def __init__(self):
-        self.built: list[tuple[list, dict]] = []
+        self.built: list[tuple[list, AttemptParts]] = []
         self.attempts: list[Attempt] = []
         self.forgotten = 0
+        self.compiled_ahead: list[list] = []
 
-    def __call__(self, slices, **parts):
+    def __call__(self, slices, parts, *, not_after=None):
         self.built.append((slices, parts))
         self.attempts.append(Attempt(start_step=len(self.built) - 1))
         return self.attempts[-1]
 
     def forget_compiled(self):
         self.forgotten += 1
+
+    def compile_ahead(self, slice_sets):
+        self.compiled_ahead.extend(slice_sets)
+
+    def close(self):
+        pass
 
 
 def _supervisor(cluster, script, *, elastic=ELASTIC, snapshots=None, events=None):
@@ -175,13 +184,13 @@ def test_a_slice_down_event_is_counted_and_retried_on_the_slices_the_cluster_giv
     assert "Sufficient slices active: 2 >= 1" in caplog.text and "Sufficient slices active: 1 >= 1" in caplog.text
     assert cluster.called("wait_for_slices") == [("wait_for_slices", 1)] * 2
     assert [slices for slices, _ in attempts.built] == [[[(0, 0)], [(1, 0)]], [[(1, 0)]]]
-    assert attempts.built[0][1] == {
-        "snapshots": sup.snapshots,
-        "wrap_step": "guard",
-        "wrap_replay": None,
-        "checkpoint_multiprocessing": None,
-        "checkpoint_barrier": None,
-    }
+    assert attempts.built[0][1] == AttemptParts(
+        snapshots=sup.snapshots,
+        wrap_step="guard",
+        wrap_replay=None,
+        checkpoint_multiprocessing=None,
+        checkpoint_barrier=None,
+    )
     (down,) = events.of("slice_down_detected")
     assert down["cause"] == "slice_down" and down["attempt"] == 1 and down["slices"] == [0, 1]
     assert down["failures"] == 1 and down["error"].startswith("DATA_LOSS")
@@ -197,9 +206,8 @@ def test_survivor_sets_compile_ahead_largest_first_since_one_lost_slice_is_the_l
     cluster = ScriptedCluster(3)
     cluster.compiles_ahead = True
     sup, attempts, _ = _supervisor(cluster, [Finished(5)], elastic=elastic)
-    queued = []
-    attempts.compile_ahead = queued.extend
     sup.run()
+    queued = attempts.compiled_ahead
     assert [[s for [(s, _)] in slices] for slices in queued] == [[0, 1], [0, 2], [1, 2], [0], [1], [2]]
 
 
@@ -442,7 +450,7 @@ class Stop:
 def _process(membership=None, **kw):
     membership = membership or FakeMembership()
     events = Events()
-    kw = {"timeout_s": 30.0, "poll_s": 0.5, "fatal_wait_s": 0.1, **kw}
+    kw = {"timeout_s": 30.0, "poll_s": 0.5, "dead_after_s": 10.0, "fatal_wait_s": 0.1, **kw}
     return ProcessCluster(membership, events=events, **kw), membership, events
 
 

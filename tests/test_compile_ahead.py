@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from trainer.runtime.compile_ahead import BackgroundCompiler
+from trainer.attempt.compile_ahead import BackgroundCompiler
 
 HANG_S = 60  # only to catch a hang
 

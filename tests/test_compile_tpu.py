@@ -136,6 +136,20 @@ def test_oversized_config_exits_no_fit_and_names_the_knob_that_fits(tmp_path):
     assert "ici_fsdp_parallelism=-1" in fitting[0]["overrides"] and fitting[0]["saves_bytes"] > 0
 
 
+@pytest.mark.soak  # ~4 min of CPU: in the soak tier, which .ci/run also runs
+def test_llama3_2_1b_fits_on_v5e_16_like_any_preset(tmp_path):
+    """The second model family through the same compile: fsdp over the 16 chips, splash attention."""
+    model = ["model=llama3.2-1b"]
+    code, report, err = compile_cli(tmp_path, *model, "compile_topology=v5e-16", "--alternatives=none")
+    assert code == 0, err[-3000:]
+    (layout,) = report["layouts"]
+    assert report["fits"] and layout["chips"] == 16 and layout["attention"] == "splash"
+    rows = layout["global_batch_size"] // layout["chips"]
+    expected = analytic_argument_bytes(model, fsdp=16, rows_per_chip=rows)
+    assert layout["memory"]["arguments"] == pytest.approx(expected, rel=0.10)
+    assert layout["memory"]["fits"] and 0 < layout["memory"]["total"] < layout["memory"]["hbm"]
+
+
 def test_text_report_names_the_knob(tmp_path):
     """The same no-fit case in the text form a user reads: exit 4, the knob and STATUS."""
     proc = subprocess.run(

@@ -93,7 +93,7 @@ def test_a_process_stopped_outside_the_step_loop_stops_the_others_and_waiting_on
 
 def test_a_membership_wait_raises_preempted_once_the_job_agreed_to_stop():
     from trainer.elastic.membership import Membership
-    from trainer.runtime.preemption import Preempted
+    from trainer.process.preemption import Preempted
 
     membership = Membership.__new__(Membership)  # only the stop check runs: it comes before any round
     membership.current, membership.me = None, 0

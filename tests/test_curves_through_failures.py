@@ -14,7 +14,7 @@ not failing.
 
 Replica-resize (2 of 3 slices, `elastic_resize_batch_policy=keep_global`) keeps the global batch and the
 data order, but not the bits: on 2 slices each replica sums its 3 rows' token losses and gradients and the
-2 replicas' sums are added (`trainer/runtime/step.py`, `make_train_step`: `_summed_grads` then `psum` over
+2 replicas' sums are added (`trainer/program/step.py`, `make_train_step`: `_summed_grads` then `psum` over
 `data`), where 3 slices add 3 sums of 2 rows. Float addition is not associative, so the resized steps'
 losses and updates differ in their last bits, and every later step inherits the difference. That
 comparison is kept at bit for bit and marked as a known failure (strict: it fails once it holds).
@@ -160,7 +160,7 @@ def test_a_slice_lost_resizes_onto_two_slices_with_the_global_batch_and_data_ord
     strict=True,
     raises=AssertionError,
     reason="replica-resize sums the global batch's losses and gradients in another order on 2 slices "
-    "(trainer/runtime/step.py: per-replica sums, then psum over data): equal to rounding, not bit for bit",
+    "(trainer/program/step.py: per-replica sums, then psum over data): equal to rounding, not bit for bit",
 )
 def test_a_slice_lost_resizes_and_keeps_every_loss_bit_for_bit(resized, clean):
     assert_same_losses(resized, clean)

@@ -26,11 +26,11 @@ from array_record.python import array_record_module
 from cli_harness import assert_same_data_order, assert_same_params, cli_env, command, metrics, run_cli
 from helpers import loader_processes
 
+from trainer.config.mixture import Source, parse_mixture
 from trainer.config.schema import DataConfig
 from trainer.data.batch import BATCH_KEYS, fingerprint
 from trainer.data.errors import DataError
 from trainer.data.grain_pipeline import make_arrayrecord_iterator
-from trainer.data.mixture import Source, parse_mixture
 from trainer.data.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

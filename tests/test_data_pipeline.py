@@ -1,7 +1,7 @@
 """The Grain/ArrayRecord training pipeline: packing, SFT masks, order, resume, re-sharding, errors.
 
 Data is tiny and made here (records "rec0007 ..." so a test can tell which record a row holds); the
-tokenizer is the bundled one. Worker processes are used in one test only (each start costs ~1 s).
+tokenizer is the bundled one. Worker processes (a spawn each) are used in two tests only.
 """
 
 from __future__ import annotations
@@ -387,3 +387,76 @@ def test_a_hugging_face_tokenizer_json_works_for_sft(tmp_path):
     assert tok.decode(targets[mask == 1]) == "".join(
         m["content"] + "<|im_end|>" for m in chat_records(6)[city]["messages"] if m["role"] == "assistant"
     )
+
+
+_LOADER_THEN_SLEEP = """
+import sys, time
+from trainer.config.schema import DataConfig
+from trainer.data.grain_pipeline import make_arrayrecord_iterator
+
+cfg = DataConfig(dataset_type="arrayrecord", grain_train_files=sys.argv[1], tokenizer_path=sys.argv[2],
+                 max_target_length=32, grain_worker_count=2)
+it = make_arrayrecord_iterator(cfg, vocab_size=32768, global_batch_size=4)
+next(it)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _data_workers(parent: int) -> list[int]:
+    """The live Grain worker processes `parent` spawned (not the resource tracker), from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            status = (entry / "status").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        alive = not fields.get("State", "").startswith(("Z", "X"))
+        if alive and fields.get("PPid", "").strip() == str(parent) and "spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = next(
+            line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State")
+        )
+    except (OSError, StopIteration):
+        return False
+    return not state.split(":", 1)[1].strip().startswith(("Z", "X"))
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_trainer_leaves_no_data_worker_behind(tmp_path):
+    """SIGKILL reaches the trainer process only (the OOM killer, a kill of its pid): its Grain worker
+    processes, blocked on their full queues, end on their own within seconds instead of living on."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    files = make_shards(tmp_path, text_records(60))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LOADER_THEN_SLEEP, files, str(BUNDLED_TOKENIZER)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        workers = _data_workers(proc.pid)
+        assert len(workers) == 2, workers
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 60
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [w for w in workers if _alive(w)]
+    for w in left:
+        os.kill(w, signal.SIGKILL)
+    assert not left, f"data workers {left} outlived their trainer"

@@ -277,15 +277,25 @@ def test_a_non_slice_error_is_not_retried(tmp_path):
     cfg = micro_config("num_slices=2", "elastic_enabled=true", "elastic_poll_interval_seconds=0.01")
     calls = []
 
-    def broken_attempt(slices, **parts):
-        calls.append(slices)
-        raise ValueError("a bug, not a slice")
+    class BrokenAttempts:
+        def __call__(self, slices, parts, *, not_after=None):
+            calls.append(slices)
+            raise ValueError("a bug, not a slice")
+
+        def forget_compiled(self):
+            pass
+
+        def compile_ahead(self, slice_sets):
+            pytest.fail("no attempt was built")
+
+        def close(self):
+            pass
 
     events = EventLog(None)
     sup = Supervisor(
         cfg.elastic,
         LocalCluster([[d] for d in jax.devices()[:2]], timeout_s=60, poll_s=0.01),
-        attempts=broken_attempt,
+        attempts=BrokenAttempts(),
         run_loop=lambda attempt, boundary: pytest.fail("no attempt was built"),
         events=events,
         profiler=None,

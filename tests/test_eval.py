@@ -14,19 +14,19 @@ from helpers import fresh_state_on_one_device, micro_config, replace, synthetic_
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer import model as qwen3
+from trainer.attempt.builder import Attempt
+from trainer.attempt.evaluate import EvalSchedule, Evaluator
+from trainer.attempt.loop import train_loop
+from trainer.attempt.nonfinite import NonFinitePolicy
+from trainer.attempt.outcome import Finished, TargetReached
 from trainer.checkpoint import NoCheckpoints
 from trainer.data.batch import BATCH_KEYS
 from trainer.data.pipeline import make_eval_iterator, make_train_iterator
 from trainer.observe.goodput import account
 from trainer.observe.records import is_eval
 from trainer.observe.runlog import load_run, summarize
-from trainer.runtime.attempt import Attempt
-from trainer.runtime.evaluate import EvalSchedule, Evaluator
-from trainer.runtime.layout import BatchLayout
-from trainer.runtime.loop import train_loop
-from trainer.runtime.nonfinite import NonFinitePolicy
-from trainer.runtime.outcome import Finished, TargetReached
-from trainer.runtime.step import make_eval_step
+from trainer.program.layout import BatchLayout
+from trainer.program.step import make_eval_step
 
 REPO = Path(__file__).resolve().parents[1]
 FC = REPO / "data" / "fc_sample"
@@ -313,7 +313,7 @@ def test_trainer_report_prints_the_final_eval_loss_and_draws_the_eval_curve(tmp_
 
 
 def test_a_config_with_eval_keeps_its_eval_section_in_the_train_spec():
-    from trainer.runtime.layout import train_spec
+    from trainer.program.layout import train_spec
 
     cfg = replace(micro_config("eval_interval=5", "eval_steps=2"), "eval", target_eval_loss=1.5)
     spec = train_spec(cfg)

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer.runtime import executable_cache
-from trainer.runtime.executable_cache import DIGEST_SUFFIX, compile_lowered
+from trainer.program import executable_cache
+from trainer.program.executable_cache import DIGEST_SUFFIX, compile_lowered
 
 
 def _lowered(scale: float = 2.0):

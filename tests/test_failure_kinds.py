@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import pytest
 
 import trainer.failures
+from trainer.attempt import loop
 from trainer.config import ConfigError, load_config
 from trainer.elastic.faults import FaultInjector
 from trainer.failures import plan as plan_module
@@ -30,10 +31,9 @@ from trainer.failures.registry import KINDS, kind_of
 from trainer.failures.slice_loss import Outages
 from trainer.observe import catalogue
 from trainer.observe.goodput import CAUSES
-from trainer.runtime import loop
 
 REPO = Path(__file__).resolve().parents[1]
-NOT_KINDS = {"kind", "plan", "registry"}  # the package's own machinery
+NOT_KINDS = {"kind", "plan", "registry", "chaos_requests"}  # the package's own machinery, slice_loss's protocol
 
 
 class Events:
@@ -219,7 +219,7 @@ ZERO_LOSS = FailureKind(
     scope=SLICES,
     injection=lambda faults, context: ZeroLossInjection(faults, context) if faults else None,
     injected_by="tests.test_failure_kinds:ZeroLossInjection",
-    detected_by="trainer.runtime.nonfinite:NonFinitePolicy",
+    detected_by="trainer.attempt.nonfinite:NonFinitePolicy",
     outcome="none: a test kind",
     events=(catalogue.NAN_INJECTED,),
     goodput_cause="other",

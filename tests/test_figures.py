@@ -141,16 +141,18 @@ def test_a_change_to_a_measured_module_changes_the_digest(tmp_path, monkeypatch)
 
 
 def test_the_compiled_program_is_measured_through_the_runtime_modules_the_layout_imports(tmp_path, monkeypatch):
-    rt = tmp_path / "trainer" / "runtime"
-    rt.mkdir(parents=True)
-    (rt / "layout.py").write_text("from trainer.runtime.step import f\nimport trainer.runtime.optim\nimport os\n")
-    (rt / "step.py").write_text("from trainer.runtime.state import s\n")
-    (rt / "state.py").write_text("from trainer.model import m\n")
-    (rt / "optim.py").write_text("")
-    (rt / "attempt.py").write_text("from trainer.runtime.layout import x\n")  # builds on it, not in it
+    program, attempt = tmp_path / "trainer" / "program", tmp_path / "trainer" / "attempt"
+    program.mkdir(parents=True)
+    attempt.mkdir()
+    layout = "from trainer.program.step import f\nimport trainer.program.optim\nimport os\n"
+    (program / "layout.py").write_text(layout)
+    (program / "step.py").write_text("from trainer.program.state import s\n")
+    (program / "state.py").write_text("from trainer.model import m\n")
+    (program / "optim.py").write_text("")
+    (attempt / "builder.py").write_text("from trainer.program.layout import x\n")  # builds on it, not in it
     monkeypatch.setattr(RECORDS, "REPO", tmp_path)
-    assert RECORDS._runtime_imports("trainer/runtime/layout.py") == [
-        f"trainer/runtime/{m}.py" for m in ("layout", "optim", "state", "step")
+    assert RECORDS._runtime_imports("trainer/program/layout.py") == [
+        f"trainer/program/{m}.py" for m in ("layout", "optim", "state", "step")
     ]
 
 

@@ -1,7 +1,7 @@
 """Hugging Face interop: the converter and the model agree with transformers on its own fixtures.
 
-tests/fixtures/hf/ holds tiny random Qwen3 / Qwen3-MoE models saved by transformers, with the float32
-logits, loss and greedy continuation transformers computed for them (scripts/make_hf_fixtures.py;
+tests/fixtures/hf/ holds tiny random Qwen3 / Qwen3-MoE / Llama 3 models saved by transformers, with the
+float32 logits, loss and greedy continuation transformers computed for them (scripts/make_hf_fixtures.py;
 no torch needed here). Contract: logits within 1e-4, the same loss and the same greedy tokens; export
 -> import -> export is bitwise identical; bad inputs fail naming the tensor or key and leave nothing.
 """
@@ -32,10 +32,10 @@ from trainer.hf.to_hf import hf_tensors, trainer_to_hf
 from trainer.hf.to_trainer import hf_to_trainer
 from trainer.model import generation
 from trainer.model.hf import HfFormatError, model_keys_from_hf, tensor_plan
-from trainer.runtime.step import loss_sums
+from trainer.program.step import loss_sums
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-NAMES = ["dense_tied", "dense_untied_kv1", "moe"]
+NAMES = ["dense_tied", "dense_untied_kv1", "moe", "llama_tied", "llama_untied_kv1"]
 LOGITS_ATOL = 1e-4
 
 
@@ -76,7 +76,7 @@ def test_converted_checkpoint_logits_match_transformers_within_1e_4(converted, n
 
 @pytest.mark.parametrize("name", NAMES)
 def test_training_loss_on_the_fixture_equals_transformers_loss(converted, name):
-    """The trainer's own loss code (trainer.runtime.step.loss_sums) on inputs/targets shifted by one, as HF's
+    """The trainer's own loss code (trainer.program.step.loss_sums) on inputs/targets shifted by one, as HF's
     `labels=input_ids` loss: mean next-token cross-entropy."""
     cfg, params = _checkpoint(converted, name)
     ids = jnp.asarray(_expected(name)["input_ids"])
@@ -400,6 +400,7 @@ def test_unexpected_tensor_is_named(tmp_path):
     "name,edit,fragment",
     [
         ("dense_tied", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "LlamaForCausalLM"),
+        ("dense_tied", {"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "GemmaForCausalLM"),
         ("dense_tied", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "yarn"),
         ("dense_tied", {"attention_bias": True}, "attention_bias"),
         ("dense_tied", {"use_sliding_window": True}, "use_sliding_window"),

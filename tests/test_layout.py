@@ -1,6 +1,7 @@
 """One layout path: the trainer (`AttemptBuilder`) and the AOT tool (`python -m trainer.compile`) layout and
-lower the train and eval steps through `trainer.runtime.layout` alone, so the tool measures the program a run
-executes; and the tool never imports the runtime (`trainer.run`: distributed, elastic, the loop)."""
+lower the train and eval steps through `trainer.program.layout` alone, so the tool measures the program a run
+executes; and the tool never imports the runtime (`trainer.run`: distributed, elastic, the attempt and its
+loop)."""
 
 from __future__ import annotations
 
@@ -14,21 +15,20 @@ import jax
 import pytest
 from helpers import NANO_MODEL
 
-import trainer.runtime.layout
+import trainer.program.layout
 from trainer import compile as compile_cli
 from trainer.aot import layouts
+from trainer.attempt.builder import AttemptBuilder
 from trainer.config import load_config
 from trainer.observe.events import EventLog
 from trainer.parallel.mesh import group_into_slices
-from trainer.runtime.attempt import AttemptBuilder
-from trainer.runtime.layout import lower_step, slice_layout, train_spec
+from trainer.program.layout import lower_step, slice_layout, train_spec
 
 TRAINER = Path(__file__).resolve().parents[1] / "trainer"
 AOT_TOOL = [TRAINER / "compile.py", *sorted((TRAINER / "aot").glob("*.py"))]
 RUNTIME = (
     "trainer.run",
-    "trainer.runtime.attempt",
-    "trainer.runtime.loop",
+    "trainer.attempt",
     "trainer.elastic",
     "trainer.distributed",
 )
@@ -62,23 +62,23 @@ def _is_runtime(name: str) -> bool:
 @pytest.mark.parametrize("path", AOT_TOOL, ids=lambda p: str(p.relative_to(TRAINER)))
 def test_the_aot_tool_never_imports_the_runtime(path):
     imported = _imported(path)
-    assert not {m for m in imported if _is_runtime(m)}, "import trainer.runtime.layout instead"
+    assert not {m for m in imported if _is_runtime(m)}, "import trainer.program.layout instead"
 
 
 def test_importing_the_aot_tool_loads_no_runtime_module():
     code = (
-        "import sys, trainer.compile, trainer.runtime.layout\n"
+        "import sys, trainer.compile, trainer.program.layout\n"
         "from trainer.aot import alternatives, analysis, hlo, layouts, topology\n"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('trainer.'))))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = proc.stdout.split()
-    assert "trainer.runtime.layout" in loaded and not [m for m in loaded if _is_runtime(m)], loaded
+    assert "trainer.program.layout" in loaded and not [m for m in loaded if _is_runtime(m)], loaded
 
 
 def test_the_layout_module_holds_no_device_data_threads_or_files():
-    imported = _imported(TRAINER / "runtime" / "layout.py")
+    imported = _imported(TRAINER / "program" / "layout.py")
     forbidden = ("threading", "concurrent", "os", "pathlib", "trainer.checkpoint", "trainer.data.pipeline")
     assert not {m for m in imported if _is_runtime(m) or any(m == f or m.startswith(f + ".") for f in forbidden)}
 
@@ -99,7 +99,7 @@ def lowered_steps(monkeypatch):
             raise _Lowered
         return object()
 
-    monkeypatch.setattr(trainer.runtime.layout, "compile_lowered", capture)
+    monkeypatch.setattr(trainer.program.layout, "compile_lowered", capture)
     return texts
 
 
@@ -134,7 +134,7 @@ def test_the_trainer_and_the_compile_cli_lower_the_same_steps(tmp_path, monkeypa
     assert len(trained) == len(compiled) == 2
     assert trained[0].startswith("module @jit_train_step") and trained[1].startswith("module @jit_eval_step")
     assert trained == compiled
-    # And both are what trainer.runtime.layout lowers for that layout.
+    # And both are what trainer.program.layout lowers for that layout.
     spec = train_spec(cfg)
     layout = slice_layout(spec, slices)
     assert [lower_step(spec, layout, "train").as_text(), lower_step(spec, layout, "eval").as_text()] == trained

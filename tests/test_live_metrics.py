@@ -348,7 +348,7 @@ def test_an_injected_slow_step_is_an_event_in_the_log_wandb_and_the_report(tmp_p
 
 
 def test_host_time_is_the_step_time_less_every_wait_for_the_devices():
-    from trainer.runtime.loop import StepRecords, _Pending
+    from trainer.attempt.loop import StepRecords, _Pending
 
     ticks = iter([0.0, 2.0, 2.25])  # start; record: before and after reading the step's metrics
     records = StepRecords(

@@ -10,13 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from trainer.attempt.restore import LocalStepsAllUnusable, restore_state
 from trainer.checkpoint.local_store import LocalStepUnusable, LocalStore, committed_steps
 from trainer.elastic.pinned_snapshots import PinnedSnapshots
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.errors import EXIT_BAD_INPUT, exit_code_for
 from trainer.observe.events import EventLog
 from trainer.observe.sinks import RecordedSteps
-from trainer.runtime.restore import LocalStepsAllUnusable, restore_state
 
 
 class _Events:

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trainer.attempt.builder import Attempt
+from trainer.attempt.loop import train_loop
+from trainer.attempt.nonfinite import NonFiniteError, NonFinitePolicy
+from trainer.attempt.outcome import Finished, Preempted, Rollback, ScaleUp
 from trainer.checkpoint import NoCheckpoints
 from trainer.data.batch import BATCH_KEYS
 from trainer.elastic.boundary import RecoveryStats, StepBoundary
-from trainer.plan.auto import FixedPeriods
-from trainer.runtime.attempt import Attempt
-from trainer.runtime.layout import BatchLayout
-from trainer.runtime.loop import train_loop
-from trainer.runtime.nonfinite import NonFiniteError, NonFinitePolicy
-from trainer.runtime.outcome import Finished, Preempted, Rollback, ScaleUp
+from trainer.elastic.periods import FixedPeriods
+from trainer.program.layout import BatchLayout
 
 
 class _Events:

@@ -15,13 +15,13 @@ import statistics
 import pytest
 from cli_harness import assert_same_params, events, final_by_step, metrics, run_cli
 
+from trainer.attempt.loss_spikes import MIN_HISTORY, LossSpikePolicy, LossSpikesPersist, skipped_fingerprints
 from trainer.config import ConfigError, load_config
 from trainer.errors import EXIT_GAVE_UP, exit_code_for
 from trainer.failures.plan import parse_plan
 from trainer.observe.events import EventLog
 from trainer.observe.runlog import load_run, summarize
 from trainer.report import format_summary
-from trainer.runtime.loss_spikes import MIN_HISTORY, LossSpikePolicy, LossSpikesPersist, skipped_fingerprints
 
 
 def _policy(tmp_path, **kw) -> tuple[LossSpikePolicy, EventLog]:

@@ -282,9 +282,19 @@ def test_the_supervisor_retries_a_failed_collective_on_fresh_clients_and_ends_on
         ]
     )
 
-    def attempt(slices, **parts):
-        seen.append([d.generation for s in slices for d in s])
-        raise next(errors)
+    class FailingAttempts:
+        def __call__(self, slices, parts, *, not_after=None):
+            seen.append([d.generation for s in slices for d in s])
+            raise next(errors)
+
+        def forget_compiled(self):
+            pass
+
+        def compile_ahead(self, slice_sets):
+            pass
+
+        def close(self):
+            pass
 
     emitted = []
     events = EventLog(None)
@@ -295,12 +305,13 @@ def test_the_supervisor_retries_a_failed_collective_on_fresh_clients_and_ends_on
         events=events,
         timeout_s=cfg.elastic.elastic_timeout_seconds,
         poll_s=cfg.elastic.elastic_poll_interval_seconds,
+        dead_after_s=10.0,
         fatal_wait_s=0.2,  # nobody here acknowledges
     )
     sup = Supervisor(
         cfg.elastic,
         cluster,
-        attempts=attempt,
+        attempts=FailingAttempts(),
         run_loop=lambda attempt, boundary: pytest.fail("no attempt was built"),
         events=events,
         profiler=None,

@@ -6,7 +6,7 @@ import numpy as np
 from cli_harness import events, final_by_step, metrics, run_cli
 from helpers import fresh_state_on_one_device, micro_config, synthetic_batch
 
-from trainer.runtime.step import make_train_step
+from trainer.program.step import make_train_step
 
 COMMON = ["steps=8", "checkpoint_period=2", "num_slices=1"]
 

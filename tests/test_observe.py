@@ -8,6 +8,7 @@ import pytest
 from trainer.observe.events import EventLog, read_events
 from trainer.observe.peaks import peak_tflops
 from trainer.observe.sinks import JsonlSink, LogSink, Sinks
+from trainer.observe.spans import Span, closed, spans
 
 
 def test_peak_table_covers_tpus_and_gpus_and_cpu_is_none():
@@ -123,3 +124,19 @@ def test_goodput_counts_a_save_as_badput_only_beyond_waiting_for_the_step_it_sav
     # 4 s of steps; only the 0.1 s the save itself held the loop is not productive.
     assert out["badput_s"]["checkpoint_save"] == pytest.approx(0.1)
     assert out["productive_s"] == pytest.approx(3.9)
+
+
+def test_spans_pair_each_end_with_the_newest_open_start_and_keep_the_last_one_open():
+    def ev(name, t):
+        return {"event": name, "time": t}
+
+    w0, w1, w2, e1 = ev("wait_start", 1.0), ev("wait_start", 2.0), ev("wait_start", 9.0), ev("wait_end", 5.0)
+    events = [ev("wait_end", 0.5), w0, w1, ev("restore_start", 3.0), e1, ev("wait_end", 6.0), w2]
+    # the end before any start and the second end after it are ignored; w0, never ended, is replaced by w1
+    assert spans(events, "wait_start", "wait_end") == [Span(2.0, e1), Span(9.0, None)]
+    assert [(s.start, s.end, s.seconds) for s in spans(events, "wait_start", "wait_end")] == [
+        (2.0, 5.0, 3.0),
+        (9.0, None, None),
+    ]
+    assert closed(events, "wait_start", "wait_end") == [Span(2.0, e1)]
+    assert spans(events, "restore_start", "restore_end") == [Span(3.0, None)]

@@ -1,4 +1,4 @@
-"""SIGTERM in every phase (trainer/runtime/preemption.py): between steps the loop saves and stops; elsewhere the
+"""SIGTERM in every phase (trainer/process/preemption.py): between steps the loop saves and stops; elsewhere the
 handler raises at once; a native call that never returns is bounded by the watchdog, which saves what
 it can and exits 42."""
 
@@ -12,16 +12,21 @@ import time
 import pytest
 
 from trainer.errors import EXIT_PREEMPTED, exit_code_for
-from trainer.runtime.preemption import STEPPING, Preempted, StopSignal, current_phase, phase
+from trainer.process.preemption import STEPPING, Phases, Preempted, StopSignal
 
 
 @pytest.fixture
-def installed():
+def phases() -> Phases:
+    return Phases()
+
+
+@pytest.fixture
+def installed(phases):
     before = signal.getsignal(signal.SIGTERM)
     stops = []
 
     def make(timeout_s: float, **kwargs) -> StopSignal:
-        stop = StopSignal(timeout_s, **kwargs)
+        stop = StopSignal(timeout_s, phases=phases, **kwargs)
         stop.install()
         stops.append(stop)
         return stop
@@ -32,22 +37,22 @@ def installed():
     signal.signal(signal.SIGTERM, before)
 
 
-def test_between_steps_the_flag_is_set_and_nothing_is_raised(installed):
+def test_between_steps_the_flag_is_set_and_nothing_is_raised(installed, phases):
     stop = installed(30)
-    with phase(STEPPING):
+    with phases.enter(STEPPING):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)  # the handler runs at the next bytecode boundary: nothing raised here
     assert stop.requested and stop(12) and stop.received_in == STEPPING
 
 
 @pytest.mark.parametrize("where", ["compile", "restore", "waiting_for_slices"])
-def test_anywhere_else_it_raises_preempted_at_once_naming_the_phase(installed, where):
+def test_anywhere_else_it_raises_preempted_at_once_naming_the_phase(installed, phases, where):
     installed(30)
-    with pytest.raises(Preempted) as raised, phase(where):
+    with pytest.raises(Preempted) as raised, phases.enter(where):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # a wait: interrupted by the handler
     assert raised.value.phase == where and exit_code_for(raised.value) == EXIT_PREEMPTED
-    assert current_phase() == "startup"
+    assert phases.current() == "startup"
 
 
 def test_a_call_that_never_returns_is_bounded_the_watchdog_saves_then_exits_42():

@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 from helpers import NANO_MODEL
 
+from trainer.attempt.builder import AttemptBuilder
+from trainer.attempt.restore import choose_source, restore_state
 from trainer.config import load_config
 from trainer.elastic.faults import FaultInjector
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.failures.slice_loss import Outages, SliceLoss
 from trainer.observe.events import EventLog
 from trainer.parallel.mesh import group_into_slices
-from trainer.runtime.attempt import AttemptBuilder
-from trainer.runtime.layout import train_spec
-from trainer.runtime.restore import choose_source, restore_state
+from trainer.program.layout import train_spec
 
 
 class _Step:
@@ -139,8 +139,8 @@ def test_the_local_tier_wins_when_it_is_the_newest(snapshot, local, checkpoint, 
 
 
 def test_a_retry_on_slices_seen_before_reuses_their_layout_and_builds_fresh_state(tmp_path, monkeypatch):
-    from trainer.runtime import attempt as attempt_module
-    from trainer.runtime.attempt import slice_set_key
+    from trainer.attempt import builder as attempt_module
+    from trainer.attempt.builder import slice_set_key
 
     cfg = load_config(
         "base.yml",
@@ -200,7 +200,7 @@ def test_survivor_layouts_compiled_ahead_serve_the_first_resize_from_the_cache(t
 def test_an_attempt_on_survivors_moves_their_sets_ahead_of_those_with_the_lost_slice(tmp_path):
     import threading
 
-    from trainer.runtime.attempt import slice_set_key
+    from trainer.attempt.builder import slice_set_key
 
     slices, log, build = _built_on_all_slices(tmp_path, 3)
     release, busy = threading.Event(), threading.Event()

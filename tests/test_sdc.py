@@ -1,7 +1,7 @@
 """Silent-data-corruption check: faults injected on a slice's devices are found, named and undone.
 
 Units: the row rotation, the bitwise comparison and who it implicates, the replicas' digests and the
-majority that names an odd replica (`trainer.runtime.sdc`); the replay checksums of the real compiled
+majority that names an odd replica (`trainer.attempt.sdc`); the replay checksums of the real compiled
 program differ per replica and change when one slice's devices compute on wrong numbers; a bit flipped in
 one slice's copy of the parameters is found and names it; the config entries; an unchecked corruption
 does change the step's update. End to end on 3 virtual slices with `sdc_check_period=3`: a bit flipped in
@@ -20,19 +20,7 @@ import pytest
 from cli_harness import assert_same_params, events, metrics, run_cli
 from helpers import NANO_MODEL
 
-from trainer.config import ConfigError, load_config
-from trainer.data.pipeline import make_train_iterator
-from trainer.elastic.faults import FaultInjector
-from trainer.failures.corruption import Corruption, flip_bits, wrong_inputs
-from trainer.failures.plan import parse_plan
-from trainer.failures.slice_loss import Outages
-from trainer.observe.events import EventLog, read_events
-from trainer.observe.runlog import load_run, summarize
-from trainer.parallel.mesh import group_into_slices
-from trainer.report import format_summary
-from trainer.run import sdc_period_plan
-from trainer.runtime.layout import lower_step, slice_layout, train_spec
-from trainer.runtime.sdc import (
+from trainer.attempt.sdc import (
     AUTO,
     WARMUP_STEPS,
     SdcCheck,
@@ -42,7 +30,19 @@ from trainer.runtime.sdc import (
     replica_digests,
     rotate,
 )
-from trainer.runtime.state import init_state
+from trainer.config import ConfigError, load_config
+from trainer.data.pipeline import make_train_iterator
+from trainer.elastic.faults import FaultInjector
+from trainer.failures.corruption import Corruption, flip_bits, wrong_inputs
+from trainer.failures.plan import parse_plan
+from trainer.failures.slice_loss import Outages
+from trainer.observe.events import EventLog, read_events
+from trainer.observe.runlog import load_run, summarize
+from trainer.parallel.mesh import group_into_slices
+from trainer.program.layout import lower_step, slice_layout, train_spec
+from trainer.program.state import init_state
+from trainer.report import format_summary
+from trainer.run import sdc_period_plan
 
 
 def corrupt_rows(results: np.ndarray, rows: range) -> np.ndarray:

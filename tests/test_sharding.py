@@ -11,7 +11,7 @@ from trainer.config import ConfigError
 from trainer.parallel.activations import ActivationSharding
 from trainer.parallel.mesh import build_mesh, group_into_slices, resolve_ici
 from trainer.parallel.rules import logical_to_spec, tree_shardings
-from trainer.runtime.step import loss_sums
+from trainer.program.step import loss_sums
 
 LAYOUTS = {  # name: (devices, ici data, fsdp, tensor)
     "1 device": (1, 1, 1, 1),

@@ -11,9 +11,9 @@ from helpers import fresh_state_on_one_device, micro_config, synthetic_batch
 from trainer import model as qwen3
 from trainer.aot import hlo
 from trainer.parallel.activations import UNSHARDED
-from trainer.runtime.layout import BatchLayout, batch_layout
-from trainer.runtime.optim import learning_rate_schedule
-from trainer.runtime.step import LOSS_CHUNK_TOKENS, make_train_step, output_params, token_losses
+from trainer.program.layout import BatchLayout, batch_layout
+from trainer.program.optim import learning_rate_schedule
+from trainer.program.step import LOSS_CHUNK_TOKENS, make_train_step, output_params, token_losses
 
 _STEPS: dict = {}  # (config, micro_steps) -> jitted step: tests of one config share its compiles
 
@@ -78,7 +78,7 @@ def test_the_loss_and_its_gradient_equal_plain_autodiff(monkeypatch, tied, chunk
 
     run = micro_config(f"logits_via_embedding={str(tied).lower()}")
     cfg = run.model
-    monkeypatch.setattr("trainer.runtime.step.LOSS_CHUNK_TOKENS", chunk_tokens)
+    monkeypatch.setattr("trainer.program.step.LOSS_CHUNK_TOKENS", chunk_tokens)
     shard = UNSHARDED if fsdp == 1 else ActivationSharding(_mesh(1, fsdp), run.mesh.logical_axis_rules)
     proj = output_params(qwen3.init_params(cfg, jax.random.key(1)), cfg, UNSHARDED)
     hidden = jax.random.normal(jax.random.key(2), (4, 16, cfg.base_emb_dim))
@@ -123,7 +123,7 @@ def test_learning_rate_warms_up_then_decays_to_the_final_fraction():
 
 
 def test_norm_scales_are_not_weight_decayed():
-    from trainer.runtime.optim import weight_decay_mask
+    from trainer.program.optim import weight_decay_mask
 
     mask = weight_decay_mask({"w": ("embed", "mlp"), "scale": ("layers", "norm")})
     assert mask == {"w": True, "scale": False}
@@ -223,7 +223,7 @@ def test_the_loss_splits_the_vocabulary_over_the_axes_it_divides_and_the_rows_ov
     from jax.sharding import PartitionSpec as P
 
     from trainer.parallel.activations import ActivationSharding
-    from trainer.runtime.step import _logits_layout, _rows_per_device
+    from trainer.program.step import _logits_layout, _rows_per_device
 
     rules = micro_config().mesh.logical_axis_rules
     axes = ("data", "fsdp", "tensor", "expert")

@@ -111,7 +111,7 @@ def test_same_seed_same_losses_and_data_order(finished_run, tmp_path):
 
 
 def test_recorded_learning_rate_is_the_schedule_value_each_update_used(finished_run):
-    from trainer.runtime.optim import learning_rate_schedule
+    from trainer.program.optim import learning_rate_schedule
 
     _, run_dir = finished_run
     cfg = load_resolved(run_dir / "config.yml")

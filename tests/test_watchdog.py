@@ -18,13 +18,13 @@ import pytest
 from cli_harness import assert_same_data_order, assert_same_params, events, metrics, run_cli
 
 from trainer.checkpoint.local_store import committed_steps
-from trainer.config import ConfigError
+from trainer.config import ConfigError, load_config
 from trainer.failures.plan import parse_plan
+from trainer.observe.rundir import run_paths
 from trainer.observe.runlog import load_run, summarize
+from trainer.process.preemption import EVALUATING, SAVING, STEPPING, Phases, Preempted, StopSignal
+from trainer.process.watchdog import AUTO, AUTO_FLOOR_S, AUTO_MULTIPLE, HangTimeouts, ProgressWatchdog
 from trainer.report import format_summary
-from trainer.runtime import watchdog
-from trainer.runtime.preemption import EVALUATING, SAVING, STEPPING, Preempted, StopSignal, phase
-from trainer.runtime.watchdog import AUTO, AUTO_FLOOR_S, AUTO_MULTIPLE, HangTimeouts, ProgressWatchdog
 
 
 class Fake:
@@ -112,15 +112,18 @@ def test_unwatched_phases_never_hang():
     assert w.check() is None
 
 
-def test_the_thread_calls_on_hang_once_and_beat_reaches_the_installed_watchdog():
+def test_the_thread_calls_on_hang_once_and_the_roots_beat_reaches_its_watchdog(tmp_path):
+    from trainer.process_root import ProcessRoot
+
     hangs = []
+    root = ProcessRoot(load_config("base.yml").train, run_paths(str(tmp_path), "r"), backend=None)
     w = ProgressWatchdog(HangTimeouts(0.3, 0.3), hangs.append, phase=lambda: STEPPING, poll_s=0.05)
-    watchdog.install(w)
+    root.watchdog = w
     try:
         w.start()
         for step in range(1, 6):  # steps every 0.1 s keep it quiet
             time.sleep(0.1)
-            watchdog.beat(step)
+            root.beat(step)
         assert not hangs and w.step == 5
         deadline = time.monotonic() + 60
         while not hangs and time.monotonic() < deadline:
@@ -129,18 +132,18 @@ def test_the_thread_calls_on_hang_once_and_beat_reaches_the_installed_watchdog()
         assert len(hangs) == 1 and hangs[0].step == 5
     finally:
         w.stop()
-        watchdog.install(None)
 
 
 @pytest.mark.parametrize("inner", [SAVING, EVALUATING])
 def test_sigterm_during_a_save_or_an_evaluation_still_stops_at_the_step_boundary(inner):
-    stop = StopSignal(60, exit_process=lambda code: None, main_thread=lambda: True)
-    with phase(STEPPING), phase(inner):
+    phases = Phases()
+    stop = StopSignal(60, phases=phases, exit_process=lambda code: None, main_thread=lambda: True)
+    with phases.enter(STEPPING), phases.enter(inner):
         stop._handle(15, None)  # no Preempted raised: the loop finishes the save or evaluation
     assert stop.requested
     stop.finished()
-    other = StopSignal(60, exit_process=lambda code: None, main_thread=lambda: True)
-    with pytest.raises(Preempted), phase("compile"):
+    other = StopSignal(60, phases=phases, exit_process=lambda code: None, main_thread=lambda: True)
+    with pytest.raises(Preempted), phases.enter("compile"):
         other._handle(15, None)
     other.finished()
 
@@ -298,6 +301,7 @@ def test_hang_timeout_zero_runs_no_watchdog(tmp_path):
 def test_a_process_frozen_past_the_bound_is_fenced_and_writes_nothing(tmp_path):
     from trainer.observe.events import EventLog
     from trainer.observe.sinks import Sinks
+    from trainer.process_root import ProcessRoot
 
     fake = Fake()
     frozen = []
@@ -309,28 +313,32 @@ def test_a_process_frozen_past_the_bound_is_fenced_and_writes_nothing(tmp_path):
         freeze_bound_s=11.0,
         on_frozen=frozen.append,
     )
+    root = ProcessRoot(load_config("base.yml").train, run_paths(str(tmp_path), "r"), backend=None)
+    root.watchdog = w
     log = EventLog(tmp_path / "events.jsonl")
-    log.writable = lambda: not watchdog.fenced()
+    log.writable = root.writable
     written = []
 
     class Sink:
         def write(self, record):
             written.append(record)
 
-    sinks = Sinks([Sink()], writable=lambda: not watchdog.fenced())
-    watchdog.install(w)
+    sinks = Sinks([Sink()], writable=root.writable)
     try:
         fake.now += 10.0  # a pause the peers tolerate
-        assert w.frozen_for() == 0 and not watchdog.fenced()
+        assert w.frozen_for() == 0 and root.writable()
         log.emit("goodput", goodput=1.0, wall_s=1.0, productive_s=1.0, badput_s={})
         sinks.write({"step": 1})
         fake.now += 5.0  # 15 s since the last tick: the peers declared this process dead
-        assert w.frozen_for() == 15.0 and watchdog.fenced()
+        assert w.frozen_for() == 15.0 and w.fenced() and not root.writable()
         log.emit("goodput", goodput=0.5, wall_s=1.0, productive_s=0.5, badput_s={})
         sinks.write({"step": 2})
         log.close()
         assert [e["goodput"] for e in events(tmp_path)] == [1.0] and written == [{"step": 1}]
-        assert ProgressWatchdog(HangTimeouts(AUTO, 600), lambda h: None, clock=fake.clock).frozen_for() == 0
+        unbounded = ProgressWatchdog(
+            HangTimeouts(AUTO, 600), lambda h: None, phase=lambda: fake.phase, clock=fake.clock
+        )
+        assert unbounded.frozen_for() == 0
         w.poll_s = 0.01
         w.start()  # its thread sees the gap at its next tick and ends the process (here: records it)
         deadline = time.monotonic() + 60
@@ -338,13 +346,13 @@ def test_a_process_frozen_past_the_bound_is_fenced_and_writes_nothing(tmp_path):
             time.sleep(0.01)
         assert frozen == [15.0]
     finally:
-        watchdog.install(None)
+        w.stop()
 
 
 def test_a_watchdog_exit_releases_the_lease_first_and_a_hung_store_does_not_hold_the_exit():
     import threading
 
-    from trainer.train import ReleaseThenExit
+    from trainer.process_root import ReleaseThenExit
 
     done = []
 

@@ -2,8 +2,8 @@
 
 The `tpu` extra installs libtpu so that `trainer.compile` can compile for TPU topologies on any
 machine. With libtpu importable, JAX tries to start a TPU backend in every process that touches a
-device, even where no TPU exists: each start then pays about a second and prints libtpu's warnings
-about missing TPU environment variables. Ahead-of-time compilation loads libtpu on its own
+device, even where no TPU exists: each start then waits on a TPU that is not there and prints libtpu's
+warnings about missing TPU environment variables. Ahead-of-time compilation loads libtpu on its own
 (`jax.experimental.topologies`), so nothing here needs that backend. `pin_cpu_without_tpu` sets
 JAX_PLATFORMS=cpu in exactly that case, before any backend starts; an explicit JAX_PLATFORMS (for
 example Pathways' `proxy`), an attached TPU, or a CUDA plugin leave JAX's own choice alone.

@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.elastic.chaos_requests import attempt_of, request_kill
 from trainer.errors import UserInputError, tool_main
+from trainer.failures.chaos_requests import attempt_of, request_kill
 from trainer.io.jsonl import read_jsonl
 from trainer.io.paths import is_remote, resolve
 from trainer.observe import catalogue
@@ -80,12 +80,14 @@ def num_slices(run_dir: Path) -> int:
     from trainer.config import load_resolved
 
     cfg = load_resolved(run_dir / CONFIG_FILE)
-    if cfg.mesh.enable_single_controller:
+    cluster = cfg.distributed.cluster
+    if cluster == "pathways" or (cluster == "auto" and cfg.mesh.enable_single_controller):
+        given = "cluster=pathways" if cluster == "pathways" else "enable_single_controller=true"
         raise UserInputError(
-            f"--run-dir {run_dir}: the run uses enable_single_controller=true (Pathways), whose "
-            f"slices are real; delete a worker pod instead"
+            f"--run-dir {run_dir}: the run uses {given} (Pathways), whose slices are real; delete a worker "
+            "pod instead"
         )
-    if any(run_dir.glob("process_*/" + EVENTS_FILE)):
+    if cluster == "processes" or any(run_dir.glob("process_*/" + EVENTS_FILE)):
         raise UserInputError(
             f"--run-dir {run_dir}: a multi-process job, whose slices are processes; kill one "
             f"(kill -9 PID; scripts/launch_local.py starts a replacement)"

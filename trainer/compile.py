@@ -102,7 +102,7 @@ def run(args) -> tuple[int, dict]:
     from trainer.aot.layouts import compile_layout, compile_layouts, survivor_slices
     from trainer.aot.topology import parse_topology
     from trainer.config.loader import load_config
-    from trainer.runtime.layout import train_spec
+    from trainer.program.layout import train_spec
 
     topology, num_slices, overrides = split_target(args.overrides)
     target = parse_topology(topology, num_slices)

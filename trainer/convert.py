@@ -1,4 +1,4 @@
-"""CLI: convert between Hugging Face Qwen3 / Qwen3-MoE checkpoints and this trainer's, and print logits.
+"""CLI: convert between Hugging Face checkpoints (Qwen3, Qwen3-MoE, Llama 3) and this trainer's; print logits.
 
     python -m trainer.convert hf-to-trainer --hf-dir D --output-dir O [--weight-dtype float32]
         D: config.json + *.safetensors (sharded with model.safetensors.index.json or not; never pickle).
@@ -9,9 +9,10 @@
         C: a training checkpoint step dir (<run>/checkpoints/<step>; its config is in metadata/metadata)
         or an hf-to-trainer output (its config is C/model.yml); --model PRESET_OR_YAML for any other.
         O: config.json + model.safetensors (or model-0000k-of-0000n.safetensors + index past
-        --max-shard-gb) that transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM load, and the
-        checkpoint's tokenizer.json (tokenizer_type=huggingface) with a tokenizer_config.json that
-        AutoTokenizer loads to the same token ids; a sentencepiece tokenizer is left out (a warning).
+        --max-shard-gb) that transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM / LlamaForCausalLM
+        load (the checkpoint's model_family picks which), and the checkpoint's tokenizer.json
+        (tokenizer_type=huggingface) with a tokenizer_config.json that AutoTokenizer loads to the same
+        token ids; a sentencepiece tokenizer is left out (a warning).
     python -m trainer.convert logits (--checkpoint C | --hf-dir D) --input-ids IDS --output out.npy
         float32 logits [batch, seq, vocab] of int token ids [batch, seq] (or [seq]); the model runs in
         float32 and, if MoE, dropless (as HF does), whatever the training dtype and capacity factor.

@@ -20,7 +20,8 @@ maps to one code, the same on every process of a job for the same cause:
 code, and `tests/test_manifest_semantics.py` checks what Kubernetes and Slurm do with every one.
 
 `UserInputError` is the base of every error a user causes and can fix (a bad config key or value, bad
-data, a missing file, an existing output). `TransientError` is the base of failures that a restart of
+data, a missing file, an existing output); `ConfigError` and `DataError` are the two whose STATUS line
+names them. `TransientError` is the base of failures that a restart of
 the same command can get past, and so is any error whose chain holds a network or object-store failure
 (`transient_cause`: a refused or reset connection, a timeout, an HTTP 408/429/5xx from Cloud Storage, a
 `UNAVAILABLE` from tensorstore), after the storage clients' own bounded retries (gcsfs: 6 tries with
@@ -60,6 +61,17 @@ EXIT_CODES = (
 
 class UserInputError(ValueError):
     """Input the user gave that cannot work; the message names the input and the fix."""
+
+
+class ConfigError(UserInputError):
+    """A config key, value or combination that cannot run (STATUS: config_error). The message names the key
+    and the fix. Defined here, below every package, so the grammars the config validates with (the fault
+    schedule, data mixtures) raise it without importing the config package."""
+
+
+class DataError(UserInputError):
+    """Data that cannot be trained on (STATUS: data_error). The message names the file or field and the
+    fix. Defined here so the config's data-mixture grammar raises it without importing the data package."""
 
 
 class TransientError(RuntimeError):

@@ -114,8 +114,8 @@ def data_problems(cfg: RunConfig) -> None:
     """Shards and tokenizer (raises DataError, which the CLI reports with exit 2)."""
     if cfg.data.dataset_type != "arrayrecord":
         return
+    from trainer.config.mixture import parse_mixture
     from trainer.data.grain_pipeline import load_tokenizer, resolve_files
-    from trainer.data.mixture import parse_mixture
 
     for source in parse_mixture(cfg.data.grain_train_files):
         resolve_files(source.pattern)
@@ -146,12 +146,12 @@ DATA_SECTIONS = ("data",)
 
 def abstract_state(cfg: RunConfig) -> dict:
     """The train state {"step", "params", "opt_state"} `cfg` builds, as shapes: no mesh."""
-    from trainer import model as qwen3
-    from trainer.runtime.optim import learning_rate_schedule, make_optimizer
-    from trainer.runtime.state import abstract_train_state
+    from trainer import model
+    from trainer.program.optim import learning_rate_schedule, make_optimizer
+    from trainer.program.state import abstract_train_state
 
     schedule = learning_rate_schedule(cfg.optim, steps=cfg.train.steps, lr_scale=1.0)
-    optimizer = make_optimizer(cfg.optim, qwen3.param_logical_axes(cfg.model), schedule=schedule)
+    optimizer = make_optimizer(cfg.optim, model.param_logical_axes(cfg.model), schedule=schedule)
     return abstract_train_state(cfg.model, optimizer)
 
 

@@ -27,11 +27,11 @@ import os
 import sys
 import textwrap
 
+from trainer.elastic.periods import KEYS
 from trainer.errors import EXIT_OK, UserInputError, tool_main
 from trainer.io.paths import is_remote, resolve
 from trainer.io.staging import check_writable, staged_file
 from trainer.observe import catalogue
-from trainer.plan.auto import KEYS
 
 PROG = "python -m trainer.report"
 DEFAULT_NAME = "report.png"
@@ -234,7 +234,7 @@ def _periods(events: list[dict]) -> list[str]:
     """The periods `auto` chose over the run (periods_planned events), with what each plan weighed."""
     if not events:
         return []
-    lines = ["  auto periods (trainer.plan.auto)"]
+    lines = ["  auto periods (trainer.elastic.periods.AutoPeriods)"]
     for e in events:
         rate = f"MTBF/slice {e['mtbf_per_slice_s']:.3g} s ({e['rate']}, {e['failures']} failures)"
         model_s = "/".join(str(e["recommended"].get(k)) for k in KEYS.values())

@@ -1,8 +1,11 @@
-"""Run a resolved config: runtime setup -> devices grouped into slices -> the supervisor runs the attempts.
+"""Run a resolved config under its process root: the backend joins the job -> slices -> the supervisor
+runs the attempts.
 
 The composition root: the only module below `trainer.train` that reads the whole RunConfig. It hands
 each part its own section (attempts get a `TrainSpec`, the supervisor `ElasticConfig`, the profiler
-`ObserveConfig`) and wires the parts together.
+`ObserveConfig`, the backend a `BackendSpec`) and wires the parts together. Whatever depends on the
+machines (the slices, the cluster, the snapshots, the periods the job may plan, the stop, the heartbeat,
+the slow-step host times) is the backend's answer (`trainer.elastic.backends`), chosen once.
 """
 
 from __future__ import annotations
@@ -15,35 +18,25 @@ import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import jax
 
-from trainer.checkpoint.checkpointer import UNPLANNED_CHECKPOINT_PERIOD
-from trainer.checkpoint.fence import SaveFence
+from trainer.attempt.builder import AttemptBuilder
+from trainer.attempt.loop import train_loop
+from trainer.attempt.loss_spikes import LossSpikePolicy, skipped_fingerprints
+from trainer.attempt.nonfinite import NonFinitePolicy
+from trainer.attempt.outcome import Outcome
+from trainer.attempt.sdc import SdcCheck
 from trainer.checkpoint.local_store import LocalStore
 from trainer.config.errors import ConfigError
 from trainer.config.loader import to_flat_dict
-from trainer.config.schema import AUTO, ElasticConfig, RunConfig
-from trainer.distributed import DistributedSettings, coordination_client, initialize, leave, resolve_settings
-from trainer.distributed.communicators import (
-    forget_rendezvous,
-    fresh_cpu_client,
-    mesh_cliques,
-    needs_fresh_communicators,
-)
-from trainer.distributed.heartbeat import Heartbeat
-from trainer.distributed.stop import CoordinatedStop
-from trainer.elastic.cluster import Cluster, FixedCluster
-from trainer.elastic.faults import FaultInjector
-from trainer.elastic.local_cluster import LocalCluster
-from trainer.elastic.membership import Membership
-from trainer.elastic.pinned_snapshots import PinnedSnapshots
-from trainer.elastic.process_cluster import ProcessCluster
-from trainer.elastic.snapshot import HostSnapshots
+from trainer.config.schema import AUTO, UNPLANNED_CHECKPOINT_PERIOD, ElasticConfig, RunConfig, TrainConfig
+from trainer.distributed import resolve_settings
+from trainer.elastic.backends import Backend, BackendSpec, open_backend
+from trainer.elastic.cluster import Cluster
+from trainer.elastic.periods import AutoPeriods, FixedPeriods, PeriodKeys
 from trainer.elastic.supervisor import Supervisor
-from trainer.failures.process_death import ProcessFaultInjector, copy_delays
-from trainer.failures.slice_loss import Outages
 from trainer.failures.storage import StorageFaults
 from trainer.io.jsonl import LineCounter, read_jsonl
 from trainer.io.paths import resolve
@@ -51,25 +44,33 @@ from trainer.observe import catalogue
 from trainer.observe.profiler import StepProfiler
 from trainer.observe.rundir import RunPaths
 from trainer.observe.sinks import JsonlSink, LogSink, ProgressSink, RecordedSteps, Sinks, TensorBoardSink
-from trainer.observe.slowsteps import CoordinationHostTimes, HostTimes, SlowStepMonitor
-from trainer.parallel.mesh import build_mesh, group_into_slices
+from trainer.observe.slowsteps import HostTimes, SlowStepMonitor
 from trainer.plan import model as plan_model
-from trainer.plan.auto import AutoPeriods, FixedPeriods
-from trainer.runtime import watchdog
-from trainer.runtime.attempt import AttemptBuilder
-from trainer.runtime.layout import train_spec
-from trainer.runtime.loop import train_loop
-from trainer.runtime.loss_spikes import LossSpikePolicy, skipped_fingerprints
-from trainer.runtime.nonfinite import NonFinitePolicy
-from trainer.runtime.outcome import Outcome
-from trainer.runtime.preemption import StopSignal
-from trainer.runtime.sdc import SdcCheck
+from trainer.plan.auto import plan as plan_periods
+from trainer.program.layout import train_spec
+
+if TYPE_CHECKING:
+    from trainer.process_root import ProcessRoot
 
 log = logging.getLogger(__name__)
 
 # The auto periods measure the run from the first and the last this many bytes of its logs.
 MEASURE_WINDOW_BYTES = 1 << 18
 LOG_SYNC_INTERVAL_S = 30.0  # a remote run's logs go up after an attempt at most this often (and at the end)
+
+
+def backend_for(cfg: RunConfig) -> Backend:
+    """The job's backend from `cluster` (trainer.elastic.backends), chosen once, before JAX starts; a
+    ConfigError (exit 2) when the job cannot be the one the config asks for."""
+    spec = BackendSpec(
+        cluster=cfg.distributed.cluster,
+        settings=resolve_settings(cfg.distributed),
+        mesh=cfg.mesh,
+        elastic=cfg.elastic,
+        checkpoint=cfg.checkpoint,
+        faults=cfg.faults,
+    )
+    return open_backend(spec)
 
 
 def make_sinks(
@@ -81,11 +82,12 @@ def make_sinks(
     process_index: int = 0,
     host_times: HostTimes | None = None,
     recorded: RecordedSteps | None = None,
+    writable: Callable[[], bool] = lambda: True,
 ) -> Sinks:
     """metrics.jsonl always (then `recorded`, which tracks the rows written); a live progress line when
     stderr is a terminal, else a log line every log_period steps; TensorBoard when enabled. Given the
     run's event log: slow-step events (monitor_step_time_deviation) and, on process 0, Weights & Biases
-    (enable_wandb)."""
+    (enable_wandb). `writable()`: false once the process is fenced (it then writes nothing)."""
     stderr = sys.stderr if stderr is None else stderr
     console = ProgressSink(cfg.train.steps, stream=stderr) if stderr.isatty() else LogSink(cfg.observe.log_period)
     sinks = [JsonlSink(run_dir / "metrics.jsonl"), *([recorded] if recorded is not None else []), console]
@@ -103,53 +105,32 @@ def make_sinks(
 
         name = o.wandb_run_name or cfg.train.run_name or run_dir.name
         sinks.append(WandbSink(run_dir, events, project=o.wandb_project, name=name, config=to_flat_dict(cfg)))
-    return Sinks(sinks, writable=lambda: not watchdog.fenced())
+    return Sinks(sinks, writable=writable)
 
 
-def setup_runtime(cfg: RunConfig) -> DistributedSettings:
-    """Process-wide JAX setup, once, before any device is touched (several processes: join the job first)."""
-    settings = resolve_settings(cfg.distributed)
-    if settings.multi_process:
-        initialize(settings, fault_tolerant=cfg.elastic.elastic_enabled)
-    if cfg.mesh.enable_single_controller:
-        import pathwaysutils
-
-        pathwaysutils.initialize()  # Pathways proxy backend: one controller sees every slice
-    if cfg.train.jax_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", str(resolve(cfg.train.jax_cache_dir)))
+def use_compile_cache(train: TrainConfig) -> None:
+    """The persistent compilation cache (jax_cache_dir), after the backend joined the job."""
+    if train.jax_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(resolve(train.jax_cache_dir)))
         # Cache the train step, init and snapshot copies, not every small eager op.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    return settings
 
 
 def build_supervisor(
     cfg: RunConfig,
     slices: list[list],
+    root: ProcessRoot,
     *,
-    paths: RunPaths,
-    events,
     sinks: Sinks,
     stop_requested: Callable[[int], bool],
-    membership=None,
-    heartbeat_dead_after_s: float = 10.0,
     recorded: RecordedSteps | None = None,
-    fence: SaveFence | None = None,
-    interrupt_eval: Callable[[], bool] | None = None,
 ) -> Supervisor:
-    """The supervisor with every part it drives, each built from its own section of the config.
-    `recorded`: the rows metrics.jsonl holds (the local tier commits behind them); `fence`: the process's
-    save fence (trainer.checkpoint.fence), holding the run's lease on process 0; `membership` and
-    `heartbeat_dead_after_s`: see `build_cluster`."""
-    cluster = build_cluster(
-        cfg,
-        slices,
-        paths=paths,
-        events=events,
-        stop_requested=stop_requested,
-        membership=membership,
-        heartbeat_dead_after_s=heartbeat_dead_after_s,
-    )
-    periods = save_periods(cfg, slices, paths, events)
+    """The supervisor with every part it drives, each built from its own section of the config and the
+    root's backend. `stop_requested`: the backend's stop over the root's signal; `recorded`: the rows
+    metrics.jsonl holds (the local tier commits behind them)."""
+    backend, paths, events, phases = root.backend, root.paths, root.events, root.phases
+    cluster = backend.cluster(slices, events=events, stop=stop_requested, chaos_dir=paths.local / "chaos")
+    periods = save_periods(cfg, slices, paths, events, backend)
     run_loop = partial(
         train_loop,
         steps=cfg.train.steps,
@@ -158,9 +139,11 @@ def build_supervisor(
         nonfinite=NonFinitePolicy(cfg.observe.nan_policy, events),
         peak_tflops_per_device=cfg.observe.peak_tflops_per_device,
         stop_requested=stop_requested,
-        interrupt_eval=interrupt_eval or (lambda: False),
+        interrupt_eval=backend.interrupt_eval(root.stop),
         spikes=loss_spikes(cfg, paths, events),
-        sdc=sdc_check(cfg, cluster, events),
+        sdc=sdc_check(cfg, cluster, backend, events),
+        phases=phases,
+        beat=root.beat,
     )
     return Supervisor(
         cfg.elastic,
@@ -169,18 +152,20 @@ def build_supervisor(
             train_spec(cfg),
             checkpoint_dir=paths.checkpoints,
             events=events,
-            fence=fence or SaveFence(),
+            fence=root.fence,
             storage_faults=StorageFaults.of(cfg.faults.faults),
             checkpoint_due=periods.checkpoint_due,
+            phases=phases,
         ),
         run_loop=run_loop,
         events=events,
         profiler=StepProfiler(cfg.observe, paths.local / "profile", events),
-        snapshots=snapshot_store(cfg, paths, events, recorded),
+        snapshots=snapshot_store(cfg, paths, events, backend, recorded),
         sync=partial(paths.sync, min_interval_s=LOG_SYNC_INTERVAL_S),
         periods=periods,
         wait_for_local_write=cfg.checkpoint.local_checkpoint_wait_for_write,
         previous_last_step=last_recorded_step(paths.local / "metrics.jsonl"),
+        phases=phases,
     )
 
 
@@ -199,18 +184,14 @@ def loss_spikes(cfg: RunConfig, paths: RunPaths, events) -> LossSpikePolicy:
     )
 
 
-def sdc_check(cfg: RunConfig, cluster: Cluster, events) -> SdcCheck | None:
-    """The silent-data-corruption check (sdc_check_period, `auto` planned here); one controller only: the
-    check moves each slice's rows to another slice, which several processes would have to exchange."""
-    e = cfg.elastic
-    single = jax.process_count() == 1
-    if e.sdc_check_period == 0 or (e.sdc_check_period == AUTO and (cluster.num_slices < 2 or not single)):
+def sdc_check(cfg: RunConfig, cluster: Cluster, backend: Backend, events) -> SdcCheck | None:
+    """The silent-data-corruption check (sdc_check_period, `auto` planned here), where the backend can run
+    it (`Backend.sdc_unavailable`); `auto` is off on one slice or where it cannot."""
+    e, unavailable = cfg.elastic, backend.sdc_unavailable
+    if e.sdc_check_period == 0 or (e.sdc_check_period == AUTO and (cluster.num_slices < 2 or unavailable)):
         return None
-    if not single:
-        raise ConfigError(
-            f"sdc_check_period={e.sdc_check_period} needs one controller (Pathways or one local "
-            f"process); this job has {jax.process_count()} processes: set sdc_check_period=0"
-        )
+    if unavailable:
+        raise ConfigError(f"sdc_check_period={e.sdc_check_period} {unavailable}: set sdc_check_period=0")
     return SdcCheck(e.sdc_check_period, events, plan=sdc_period_plan(e, chips=jax.device_count()))
 
 
@@ -228,73 +209,21 @@ def sdc_period_plan(e: ElasticConfig, *, chips: int):
     return plan
 
 
-def build_cluster(
-    cfg: RunConfig,
-    slices: list[list],
-    *,
-    paths: RunPaths,
-    events,
-    stop_requested: Callable[[int], bool],
-    membership=None,
-    heartbeat_dead_after_s: float = 10.0,
-) -> Cluster:
-    """The machines the supervisor retries on (trainer.elastic.cluster): several processes with a
-    `membership` (elastic: `ProcessCluster`; a checkpoint barrier gives up on a peer whose heartbeat stopped
-    `heartbeat_dead_after_s` ago), several without one (`FixedCluster`), else one controller
-    (`LocalCluster`: Pathways, or local virtual slices with the fault injector)."""
-    e = cfg.elastic
-    stop = stop_requested if isinstance(stop_requested, CoordinatedStop) else None  # several processes
-    if membership is not None:  # a process's own error is injected; lost processes are killed from outside
-        faults = cfg.faults.check_processes(jax.process_count()).faults
-        return ProcessCluster(
-            membership,
-            events=events,
-            timeout_s=e.elastic_timeout_seconds,
-            poll_s=e.elastic_poll_interval_seconds,
-            dead_after_s=heartbeat_dead_after_s,
-            process_faults=ProcessFaultInjector(faults, jax.process_index(), events),
-            stop=stop,
-        )
-    if jax.process_count() > 1:
-        return FixedCluster(slices, stop=stop)
-    single_controller = cfg.mesh.enable_single_controller
-    outages = injector = None
-    if not single_controller:
-        outages = Outages()  # local virtual slices: which are down
-        injector = FaultInjector(cfg.faults.check_processes(1), outages, paths.local / "chaos", events)
-    return LocalCluster(
-        slices,
-        timeout_s=e.elastic_timeout_seconds,
-        poll_s=e.elastic_poll_interval_seconds,
-        outages=outages,
-        injector=injector,
-        single_controller=single_controller,
-    )
-
-
-def save_periods(cfg: RunConfig, slices: list[list], paths: RunPaths, events) -> FixedPeriods | AutoPeriods:
+def save_periods(
+    cfg: RunConfig, slices: list[list], paths: RunPaths, events, backend: Backend
+) -> FixedPeriods | AutoPeriods:
     """The snapshot and local-tier periods: the numbers given, or planned from this run's own measured
-    costs (`trainer.plan.auto`) where they are `auto`."""
+    costs (`trainer.elastic.periods`, with `trainer.plan.auto.plan`) where they are `auto` and the backend
+    can plan them (`Backend.allowed_periods`)."""
     e, c = cfg.elastic, cfg.checkpoint
-    local = c.local_checkpoint_period if paths.local_checkpoints else 0
     checkpoint = c.checkpoint_period
-    if checkpoint == AUTO and not (e.elastic_enabled and c.enable_checkpointing and jax.process_count() == 1):
-        # Not planned: the checkpointer's fixed default (several processes: they must save the same steps).
-        checkpoint = UNPLANNED_CHECKPOINT_PERIOD
-        if e.elastic_enabled and jax.process_count() > 1:
-            log.info("checkpoint_period=auto with %d processes: every %d steps", jax.process_count(), checkpoint)
-    if AUTO in (e.snapshot_period, local) and jax.process_count() > 1:
-        # Each process would measure its own costs and could plan its own period, and the processes'
-        # snapshots must be of the same steps: with several processes periods are numbers.
-        if local == AUTO:
-            raise ConfigError(
-                "local_checkpoint_period=auto needs one controller; with several processes give a number "
-                "(every process saves the same steps)"
-            )
-        log.info("snapshot_period=auto with %d processes: no snapshots (give a number)", jax.process_count())
-        return FixedPeriods(0, local)
-    if AUTO not in (e.snapshot_period, local, checkpoint):
-        return FixedPeriods(e.snapshot_period, local)
+    if checkpoint == AUTO and not (e.elastic_enabled and c.enable_checkpointing):
+        checkpoint = UNPLANNED_CHECKPOINT_PERIOD  # not planned: the checkpointer's fixed default
+    local = c.local_checkpoint_period if paths.local_checkpoints else 0
+    given = PeriodKeys(snapshot=e.snapshot_period, local=local, checkpoint=checkpoint)
+    keys = backend.allowed_periods(given, elastic_enabled=e.elastic_enabled)
+    if AUTO not in (keys.snapshot, keys.local, keys.checkpoint):
+        return FixedPeriods(snapshot=keys.snapshot, local=keys.local)
     if not e.elastic_enabled:
         mode = "full_restart"
     elif e.elastic_min_slice_count in (-1, len(slices)):
@@ -314,9 +243,9 @@ def save_periods(cfg: RunConfig, slices: list[list], paths: RunPaths, events) ->
         return costs, failures()
 
     return AutoPeriods(
-        snapshot=e.snapshot_period,
-        local=local,
-        checkpoint=checkpoint,
+        snapshot=keys.snapshot,
+        local=keys.local,
+        checkpoint=keys.checkpoint,
         steps=cfg.train.steps,
         slices=len(slices),
         devices_per_slice=len(slices[0]),
@@ -326,24 +255,15 @@ def save_periods(cfg: RunConfig, slices: list[list], paths: RunPaths, events) ->
         max_overhead=e.auto_snapshot_max_overhead,
         events=events,
         measure=measure,
+        planner=plan_periods,
     )
 
 
-def snapshot_store(cfg: RunConfig, paths: RunPaths, events, recorded: RecordedSteps | None = None):
-    """One controller (Pathways, one local process): snapshots pinned on the devices' hosts, never
-    through the controller. Several processes: each keeps its own devices' blocks in its own RAM (its
-    JAX client, and so any device buffer, is rebuilt when the formation changes)."""
-    store = local_store(cfg, paths, events, recorded)
-    if jax.process_count() == 1:
-        return PinnedSnapshots(events, store=store)
-    return HostSnapshots(events, store=store, copy_delay=copy_delay(cfg))
-
-
-def copy_delay(cfg: RunConfig):
-    """This process's injected slow snapshot copies (fault_schedule step=N,process=P,slow_snapshot_s=S)."""
-    if jax.process_count() == 1:
-        return lambda step: 0.0
-    return copy_delays(cfg.faults.check_processes(jax.process_count()).faults, jax.process_index())
+def snapshot_store(
+    cfg: RunConfig, paths: RunPaths, events, backend: Backend, recorded: RecordedSteps | None = None
+):
+    """This process's host snapshots (the backend's kind), writing to the local tier when it is on."""
+    return backend.snapshots(events, local_store(cfg, paths, events, recorded))
 
 
 def local_store(
@@ -380,92 +300,31 @@ def last_recorded_step(metrics: Path) -> int | None:
     return None
 
 
-def process_slices(cfg: RunConfig, settings: DistributedSettings, events):
-    """Several processes: (devices of each slice, Membership or None). Slices are groups of
-    processes_per_slice processes; the Membership (live processes, rounds, mesh orders) only when
-    elastic_enabled."""
-    client = coordination_client()
-    fresh = needs_fresh_communicators() and cfg.elastic.elastic_enabled
-    membership = Membership(
-        jax.devices(),
-        settings.processes_per_slice,
-        process_index=jax.process_index(),
-        client=client,
-        events=events,
-        fresh_devices=partial(fresh_cpu_client, client, process_index=jax.process_index()) if fresh else None,
-        forget_rendezvous=partial(forget_rendezvous, client) if fresh else None,
-        cliques_of=lambda slices: mesh_cliques(build_mesh(cfg.mesh, slices)),
-    )
-    if cfg.mesh.num_slices != membership.num_slices:
-        raise ConfigError(
-            f"num_slices={cfg.mesh.num_slices} but {settings.num_processes} processes with "
-            f"processes_per_slice={settings.processes_per_slice} form {membership.num_slices} "
-            f"slices; set num_slices={membership.num_slices}"
-        )
-    if cfg.checkpoint.local_checkpoint_directory and settings.processes_per_slice > 1:
-        raise ConfigError(
-            f"the local checkpoint tier needs every process to hold a whole replica of the train state "
-            f"(processes_per_slice=1); with processes_per_slice={settings.processes_per_slice} leave "
-            "local_checkpoint_directory unset"
-        )
-    cfg.faults.check_processes(settings.num_processes)  # a schedule for another kind of job stops here
-    return membership.slice_devices(), (membership if cfg.elastic.elastic_enabled else None)
-
-
-def run(
-    cfg: RunConfig,
-    *,
-    paths: RunPaths,
-    events,
-    stop_requested: Callable[[int], bool] = lambda step: False,
-    fence: SaveFence | None = None,
-    stop: StopSignal | None = None,
-) -> Outcome:
-    """Train `cfg` to the end (or until stopped); returns how it ended. `fence`: the process's save fence
-    (with the run's lease on process 0); `stop`: the process's SIGTERM handling (its emergency save is the
-    supervisor's; one process also ends an evaluation early on it)."""
-    settings = setup_runtime(cfg)
-    membership = heartbeat = None
+def run(cfg: RunConfig, root: ProcessRoot) -> Outcome:
+    """Train `cfg` to the end (or until stopped) under the process's root (its backend, paths, events,
+    phases, stop signal and save fence); returns how it ended. The root's stop signal gets the
+    supervisor's emergency save."""
+    backend, events = root.backend, root.events
+    backend.join()
     try:
-        if settings.multi_process:  # one slice per group of processes; membership agreed across them
-            slices, membership = process_slices(cfg, settings, events)
-            if membership is not None:  # checkpoint barriers watch it (trainer/distributed/heartbeat.py)
-                heartbeat = Heartbeat(coordination_client(), jax.process_index())
-            # A SIGTERM to any process stops all of them at one step (trainer/distributed/stop.py).
-            stop_requested = CoordinatedStop(stop_requested, coordination_client(), events)
-        else:
-            slices = group_into_slices(jax.devices(), cfg.mesh.num_slices)
-        host_times = (
-            CoordinationHostTimes(coordination_client(), jax.process_index()) if settings.multi_process else None
-        )
-        recorded = RecordedSteps() if paths.local_checkpoints is not None else None
+        use_compile_cache(cfg.train)
+        slices = backend.slices(events)
+        stop_requested = backend.stop(root.stop, events)
+        recorded = RecordedSteps() if root.paths.local_checkpoints is not None else None
         sinks = make_sinks(
             cfg,
-            paths.local,
+            root.paths.local,
             events=events,
-            process_index=jax.process_index(),
-            host_times=host_times,
+            process_index=backend.process_index,
+            host_times=backend.host_times(),
             recorded=recorded,
+            writable=root.writable,
         )
         with contextlib.closing(sinks):
             supervisor = build_supervisor(
-                cfg,
-                slices,
-                paths=paths,
-                events=events,
-                sinks=sinks,
-                stop_requested=stop_requested,
-                membership=membership,
-                heartbeat_dead_after_s=3.0 * settings.heartbeat_timeout_seconds + 5.0 if heartbeat else 10.0,
-                recorded=recorded,
-                fence=fence,
-                interrupt_eval=None if stop is None or settings.multi_process else (lambda: stop.requested),
+                cfg, slices, root, sinks=sinks, stop_requested=stop_requested, recorded=recorded
             )
-            if stop is not None:
-                stop.add_saver(supervisor.emergency_save)
+            root.stop.add_saver(supervisor.emergency_save)
             return supervisor.run()
     finally:
-        if heartbeat is not None:
-            heartbeat.stop()
-        if settings.multi_process:
-            leave(settings)  # process 0 last: its exit takes the coordination service down
+        backend.leave()

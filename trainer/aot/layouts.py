@@ -1,6 +1,6 @@
 """Compile the trainer's real train step for a TPU target, once per slice layout the run can be in.
 
-The step is built by the same functions an attempt uses, all in `trainer.runtime.layout` (`train_spec`,
+The step is built by the same functions an attempt uses, all in `trainer.program.layout` (`train_spec`,
 `slice_layout`, `compile_step`): the same mesh over slices, logical rules, optimizer, batch layout and
 micro-steps, remat and scan. Only the devices differ: compile-only TPU devices from libtpu instead of
 live ones, so the state is abstract (ShapeDtypeStructs with their shardings) and nothing is allocated.
@@ -17,14 +17,14 @@ import time
 
 import jax
 
-from trainer import model as qwen3
+from trainer import model
 from trainer.aot import analysis, hlo
 from trainer.aot.topology import Target, topology_devices
 from trainer.config.schema import RunConfig
+from trainer.io.nbytes import tree_nbytes
 from trainer.model import attention
 from trainer.parallel.mesh import group_into_slices
-from trainer.runtime.layout import TrainSpec, compile_step, slice_layout, train_spec
-from trainer.runtime.state import tree_nbytes
+from trainer.program.layout import TrainSpec, compile_step, slice_layout, train_spec
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +85,8 @@ def compile_layout(spec: TrainSpec, slices: list[list], target: Target, *, label
     summary = hlo.summarize(found)
     length = spec.data.max_target_length
     tokens = layout.batch.global_batch_size * length
-    model_flops = qwen3.training_flops_per_token(spec.model, length) * tokens / chips
-    recompute_flops = qwen3.recompute_flops_per_token(spec.model, length) * tokens / chips
+    model_flops = model.training_flops_per_token(spec.model, length) * tokens / chips
+    recompute_flops = model.recompute_flops_per_token(spec.model, length) * tokens / chips
     memory = analysis.memory(compiled, layout.abstract_state, target.chip)
     result = LayoutResult(
         label=label,

@@ -45,11 +45,11 @@ from jax.experimental.multihost_utils import ProcessFailureError
 from trainer.checkpoint import commit, single_replica, verify
 from trainer.checkpoint.compat import CheckpointMismatch, leaf_differences, signature, stored_orbax_signature
 from trainer.checkpoint.fence import FencedWrite, SaveFence, fenced_path_class
-from trainer.config.schema import CheckpointConfig
+from trainer.config.schema import UNPLANNED_CHECKPOINT_PERIOD, CheckpointConfig
 from trainer.errors import TransientError, UserInputError
 from trainer.failures.storage import StorageFaults
+from trainer.io.nbytes import tree_nbytes
 from trainer.observe import catalogue, procio
-from trainer.runtime.state import tree_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +134,6 @@ def open_checkpointer(
     )
 
 
-# checkpoint_period=auto where nobody plans it (elastic off, several processes, tools): the default period.
-UNPLANNED_CHECKPOINT_PERIOD = 10_000
-
-
 def every(period: int) -> Callable[[int], bool]:
     """Due at the steps divisible by `period` (auto, -1: by UNPLANNED_CHECKPOINT_PERIOD)."""
     period = period if period > 0 else UNPLANNED_CHECKPOINT_PERIOD
@@ -198,8 +194,8 @@ class Checkpointer:
         which ends with ProcessFailureError when a peer dies); None: the coordination service's.
         `fence`: the process's save fence (one per process; this checkpointer advances it, so saves of
         earlier checkpointers can no longer commit). `storage_faults`: injected storage failures.
-        `due(step)`: whether a periodic save falls on `step` (a planned period: trainer.plan.auto);
-        default every checkpoint_period steps."""
+        `due(step)`: whether a periodic save falls on `step` (a period planned by
+        trainer.elastic.periods.AutoPeriods); default every checkpoint_period steps."""
         self._manager = None  # first, so that close() works on a half-built object
         self._barrier = barrier_sync_fn
         self.directory = epath.Path(directory)

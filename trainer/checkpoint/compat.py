@@ -52,7 +52,7 @@ def signature(tree, *, orbax_layout: bool) -> Signature:
 def stored_orbax_signature(step_dir: epath.PathLike) -> Signature | None:
     """The state item's signature from its stored layout (no array read, and no JAX backend: a process of
     a multi-process job reads it before joining the job); None when it cannot be read."""
-    from trainer.distributed.internals import orbax_stored_arrays
+    from trainer.io.orbax_internals import orbax_stored_arrays
 
     try:
         arrays = orbax_stored_arrays(epath.Path(step_dir) / "state")

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from etils import epath
 
-from trainer.distributed.internals import orbax_commit_classes
+from trainer.io.orbax_internals import orbax_commit_classes
 from trainer.io.paths import is_remote
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
-from trainer.distributed.internals import orbax_array_metadata_store
+from trainer.io.orbax_internals import orbax_array_metadata_store
 
 REPLICA_AXIS = "data"
 # Bytes per device of one broadcast program (Orbax splits the state into programs of at most this much);

@@ -8,8 +8,8 @@ recorded file present, of its size and checksum. A failed check is proof that th
 and the checkpointer sets it aside naming the check; a step that passes them all failed for another
 reason (a storage blip, a peer, memory), and is never touched.
 
-A step without `files.json` (written by another tool or before this file existed) is checked for what
-can be checked without it: marker and metadata.
+A step without `files.json` (written by another tool, or by a trainer that did not record its files) is
+checked for what can be checked without it: marker and metadata.
 """
 
 from __future__ import annotations

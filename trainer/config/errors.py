@@ -1,7 +1,6 @@
-"""The one exception type for bad configuration; the CLI turns it into exit code 2."""
+"""The config package's one exception type for bad configuration (exit code 2): `trainer.errors.ConfigError`,
+defined with the exit-code contract so the failure kinds below this package raise the same class."""
 
-from trainer.errors import UserInputError
+from trainer.errors import ConfigError
 
-
-class ConfigError(UserInputError):
-    """A config key, value or combination that cannot run. The message names the key and the fix."""
+__all__ = ["ConfigError"]

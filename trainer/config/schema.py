@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainer.failures.plan import FaultPlan
 
-AUTO = -1  # a period key set to `auto`: the trainer plans it (trainer.plan.auto)
+AUTO = -1  # a period key set to `auto`: the trainer plans it (trainer.elastic.periods.AutoPeriods)
+# checkpoint_period=auto where nobody plans it (elastic off, several processes, tools): the default period.
+UNPLANNED_CHECKPOINT_PERIOD = 10_000
 
 
 def key(
@@ -48,7 +50,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Logical-axis -> mesh-axes rules. Params and activations are annotated with the logical names on
 # the left; each maps to the mesh axes on the right (in order, as many as divide the dimension).
 # The vocabulary takes fsdp too: the embedding table is stored split by rows, and the loss splits
-# the vocabulary over the devices (trainer/runtime/step.py), so the table never moves.
+# the vocabulary over the devices (trainer/program/step.py), so the table never moves.
 DEFAULT_LOGICAL_AXIS_RULES = [
     ["activation_batch", ["data", "fsdp", "expert"]],
     ["activation_length", []],
@@ -69,9 +71,13 @@ DEFAULT_LOGICAL_AXIS_RULES = [
     ["norm", []],
 ]
 
-# The ModelConfig keys that fix a dense Qwen3's architecture (a checkpoint's shapes and its numerics), by
-# the names MaxText gives them; an MoE model adds MOE_ARCHITECTURE_KEYS.
+# The ModelConfig keys that choose a family's code and its RoPE variant: this trainer's own names (MaxText
+# has neither key).
+FAMILY_KEYS = ("model_family", "rope_scaling")
+# The ModelConfig keys that fix a dense model's architecture (a checkpoint's shapes and its numerics): the
+# family keys, then the rest by the names MaxText gives them; an MoE model adds MOE_ARCHITECTURE_KEYS.
 ARCHITECTURE_KEYS = (
+    *FAMILY_KEYS,
     "base_num_decoder_layers",
     "base_emb_dim",
     "base_num_query_heads",
@@ -95,9 +101,18 @@ MOE_ARCHITECTURE_KEYS = (
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of the Qwen3 transformer (dense or MoE) and its numerics."""
+    """Architecture of the decoder (dense or MoE), its model family and its numerics.
+
+    `model_family` names the family whose decoder, Hugging Face mapping and FLOPs read the other keys
+    (trainer/model/<family>/)."""
 
     model: str = key("qwen3-tiny", "Model preset: loads configs/models/<model>.yml before CLI overrides.")
+    model_family: str = key(
+        "qwen3",
+        "Model family (trainer/model/<family>/: its decoder, Hugging Face mapping, FLOPs): qwen3 | llama3. "
+        "Each preset sets it.",
+        choices=("qwen3", "llama3"),
+    )
     base_num_decoder_layers: int = key(4, "Number of transformer blocks.", minimum=1)
     base_emb_dim: int = key(256, "Hidden size (d_model).", minimum=1)
     base_num_query_heads: int = key(4, "Attention query heads.", minimum=1)
@@ -108,8 +123,13 @@ class ModelConfig:
         32768, "Vocabulary size (rows of the embedding table), below 2^24.", minimum=1, maximum=2**24 - 1
     )
     rope_max_timescale: float = key(1_000_000.0, "RoPE theta.", minimum=1.0)
+    rope_scaling: str = key(
+        "none",
+        "RoPE frequency scaling, as its type and parameters: none | llama3:factor=F,low_freq_factor=L,"
+        "high_freq_factor=H,original_max_position_embeddings=N (Llama 3.1/3.2; trainer/config/rope_scaling.py).",
+    )
     normalization_layer_epsilon: float = key(1e-6, "RMSNorm epsilon.", minimum=0.0)
-    use_qk_norm: bool = key(True, "Per-head RMSNorm on queries and keys before RoPE (Qwen3).")
+    use_qk_norm: bool = key(True, "Per-head RMSNorm on queries and keys before RoPE (Qwen3; Llama has none).")
     logits_via_embedding: bool = key(True, "Tie the output projection to the input embedding.")
     num_experts: int = key(1, "Experts per MoE layer; 1 means a dense MLP.", minimum=1)
     num_experts_per_tok: int = key(1, "Experts each token is routed to (top-k).", minimum=1)
@@ -246,7 +266,7 @@ class CheckpointConfig:
         "Save every this many steps (and at the final step). auto (-1): with elastic_enabled, planned from the "
         "run's measured step and save costs and the failure rate, like snapshot_period (a save in the warm-up "
         "measures its cost; event periods_planned); without elastic_enabled, or with several processes, "
-        "10000.",
+        f"{UNPLANNED_CHECKPOINT_PERIOD}.",
         minimum=-1,
         auto=True,
     )
@@ -262,7 +282,7 @@ class CheckpointConfig:
     checkpoint_compression: bool = key(
         True,
         "zstd-compress checkpoint arrays (Orbax's default): smaller files for more host CPU per save. "
-        "false costs ~40% less CPU time per save (where host cores are scarce, e.g. CPU training).",
+        "false: larger files for less CPU per save (where host cores are scarce, e.g. CPU training).",
     )
     local_checkpoint_directory: str = key(
         "",
@@ -556,8 +576,17 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    """Multi-process JAX (one process per host, no Pathways): joining the job and surviving a dead peer."""
+    """The backend the job runs on, and multi-process JAX (one process per host, no Pathways): joining the
+    job and surviving a dead peer."""
 
+    cluster: str = key(
+        "auto",
+        "The backend the job runs on: local (one process, its devices grouped into virtual slices) | "
+        "pathways (one controller sees every slice; needs pathwaysutils) | processes (several processes "
+        "joined by jax.distributed, a slice per processes_per_slice of them) | auto (several processes: "
+        "processes; else enable_single_controller: pathways; else local).",
+        choices=("auto", "local", "pathways", "processes"),
+    )
     coordinator_address: str = key(
         "",
         "host:port of process 0, which hosts the coordination service; '' = $JAX_COORDINATOR_ADDRESS "

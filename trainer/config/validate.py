@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from trainer.config.errors import ConfigError
+from trainer.config.rope_scaling import parse_rope_scaling
 from trainer.config.schema import RunConfig, section_classes
 from trainer.errors import UserInputError
 
@@ -37,6 +38,10 @@ def _model_problems(cfg: RunConfig) -> list[str]:
             problems.append("num_experts > 1 needs base_moe_mlp_dim >= 1 (the expert MLP size)")
         if m.num_experts_per_tok > m.num_experts:
             problems.append(f"num_experts_per_tok={m.num_experts_per_tok} exceeds num_experts={m.num_experts}")
+    try:
+        parse_rope_scaling(m.rope_scaling)
+    except ConfigError as err:
+        problems.append(str(err))
     if m.attention == "splash":
         # The TPU kernel tiles the sequence in whole 128-lane blocks (trainer/model/attention.py).
         t = cfg.data.max_target_length
@@ -111,7 +116,7 @@ def _run_problems(cfg: RunConfig) -> list[str]:
             "or neither"
         )
     if cfg.data.dataset_type == "arrayrecord":
-        from trainer.data.mixture import parse_mixture
+        from trainer.config.mixture import parse_mixture
 
         try:
             parse_mixture(cfg.data.grain_train_files)
@@ -158,8 +163,31 @@ def _eval_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def _cluster_problems(cfg: RunConfig) -> list[str]:
+    """A `cluster` that contradicts the other keys naming the backend (what the job's environment says,
+    the process count and pathwaysutils, is checked when the backend is chosen: trainer.elastic.backends)."""
+    cluster, processes, problems = cfg.distributed.cluster, cfg.distributed.num_processes, []
+    if cfg.mesh.enable_single_controller and cluster in ("local", "processes"):
+        problems.append(
+            f"enable_single_controller=true asks for Pathways' one controller but cluster={cluster}: set "
+            "cluster=pathways (or auto), or enable_single_controller=false"
+        )
+    if cluster in ("local", "pathways") and processes > 1:
+        problems.append(
+            f"cluster={cluster} runs one process but num_processes={processes}: set cluster=processes "
+            "(or auto), or num_processes=1"
+        )
+    if cluster == "processes" and processes == 1:
+        problems.append(
+            "cluster=processes needs several processes but num_processes=1: set cluster=local (or auto), "
+            "or num_processes to the job's process count"
+        )
+    return problems
+
+
 def validate(cfg: RunConfig) -> None:
     """Raise one ConfigError listing every problem found."""
     problems = _field_constraints(cfg) + _model_problems(cfg) + _run_problems(cfg) + _eval_problems(cfg)
+    problems += _cluster_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

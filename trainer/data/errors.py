@@ -1,7 +1,6 @@
-"""The one exception type for unusable data; the CLI turns it into exit code 2 before training."""
+"""The data package's one exception type for unusable data (exit code 2): `trainer.errors.DataError`,
+defined with the exit-code contract so the config's data-mixture grammar raises the same class."""
 
-from trainer.errors import UserInputError
+from trainer.errors import DataError
 
-
-class DataError(UserInputError):
-    """Data that cannot be trained on. The message names the file or field and the fix."""
+__all__ = ["DataError"]

@@ -23,7 +23,7 @@ Running out: with num_epoch >= 1 a row stream ends after the last example of the
 rows are then padding, and the iterator stops when every row stream has ended (every process sees
 that at the same step). num_epoch <= 0 repeats forever: `steps` bounds training.
 
-Mixtures (`grain_train_files="a,0.7;b,0.3"`, trainer.data.mixture): each source has its own shuffled,
+Mixtures (`grain_train_files="a,0.7;b,0.3"`, trainer.config.mixture): each source has its own shuffled,
 repeated order over its own records, and `order` is Grain's `MapDataset.mix` of them: a deterministic
 weighted interleave in which global example k comes from source i at position p_i(k) of that source's
 order. Everything above holds unchanged, because `order` is still a pure function of k: each source's
@@ -49,12 +49,13 @@ import grain
 import numpy as np
 from etils import epath
 
+from trainer.config.mixture import parse_mixture
 from trainer.data.batch import BATCH_KEYS
 from trainer.data.errors import DataError
 from trainer.data.formatting import DocumentFormat, RecordError
-from trainer.data.mixture import parse_mixture
 from trainer.data.packing import empty_row, pack_row, pairs
 from trainer.data.tokenizer import Tokenizer
+from trainer.data.worker_lifetime import exit_with_parent
 from trainer.io.paths import expand_globs, local_copy, looked_at
 
 log = logging.getLogger(__name__)
@@ -334,7 +335,8 @@ class ArrayRecordIterator:
         if workers > 0:
             _absl_flags_parsed()
             ds = ds.mp_prefetch(
-                grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=self.worker_buffer_size)
+                grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=self.worker_buffer_size),
+                worker_init_fn=exit_with_parent,  # a killed trainer leaves no worker behind
             )
         return iter(ds), max(workers, 1)
 
@@ -436,7 +438,7 @@ def data_order(source_records: list[int], weights: list[float], *, seed: int, nu
     num_epoch times (<= 0: forever), then mixed by weight. One source keeps the plain shuffled order."""
     orders, start = [], 0
     for i, n in enumerate(source_records):
-        # Source 0 uses the seed itself, so a one-source run keeps the order it always had.
+        # Source 0 uses the seed itself: a one-source run's order is the plain shuffle of its seed.
         order = grain.MapDataset.range(start, start + n).shuffle(seed=(seed + i) % 2**32)
         orders.append(order.repeat(num_epoch) if num_epoch > 0 else order.repeat())
         start += n

@@ -152,7 +152,7 @@ def watch_orbax_barriers(barrier: Barrier | None) -> None:
     Orbax looks its barrier function up at each call (`multihost.get_barrier_sync_fn`), so replacing that
     module attribute covers the barriers no option reaches (the checkpoint manager's constructor, the
     finalize thread)."""
-    from trainer.distributed.internals import route_orbax_barriers
+    from trainer.io.orbax_internals import route_orbax_barriers
 
     if barrier is None:
         route_orbax_barriers(None)

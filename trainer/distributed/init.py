@@ -61,6 +61,13 @@ class DistributedSettings:
     def num_slices(self) -> int:
         return self.num_processes // self.processes_per_slice
 
+    @property
+    def peer_dead_after_s(self) -> float:
+        """How long a peer's heartbeat may be silent before this process's checkpoint barriers give up on
+        it, and so how long a frozen process may sleep before its peers have gone on without it: three
+        heartbeat timeouts, plus a margin for the key-value store's own delays."""
+        return 3.0 * self.heartbeat_timeout_seconds + 5.0
+
 
 def _env_int(environ: Mapping[str, str], *names: str) -> int | None:
     for name in names:

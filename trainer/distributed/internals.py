@@ -1,8 +1,10 @@
-"""Every JAX, XLA and Orbax internal the trainer relies on, in one place to audit on an upgrade.
+"""Every JAX and XLA internal the trainer relies on, in one place to audit on an upgrade, and the version
+window both internals modules were checked in.
 
-Elastic multi-process training on CPU/GPU and the checkpointer's guarantees need a few things no public
-API offers. Each is wrapped here, with what it assumes; nothing else in trainer/ touches a private
-module (`tests/test_layering.py` checks that `_src` appears nowhere else).
+Elastic multi-process training on CPU/GPU needs a few things no public API offers. Each is wrapped here,
+with what it assumes; the Orbax internals the checkpointer relies on are wrapped likewise in
+`trainer/io/orbax_internals.py`, and nothing else in trainer/ touches a private module
+(`tests/test_layering.py` checks both).
 
 JAX (checked against 0.10 and 0.12):
 - `jax._src.distributed.global_state.client`: the coordination-service client (key-value store,
@@ -14,28 +16,15 @@ JAX (checked against 0.10 and 0.12):
 - XLA's gloo key names in the coordination service (`cpu:gloo/...` rendezvous keys, the
   `cpu:global_topology` key process 0 publishes): deleted so that renewed communicators meet afresh.
 
-Orbax (checked against 0.12.8):
-- `orbax.checkpoint._src.multihost.multihost.get_barrier_sync_fn`, looked up at each barrier: replaced
-  so that every barrier between processes watches its members' heartbeats.
-- `orbax.checkpoint._src.path.atomicity.{AtomicRenameTemporaryPath, CommitFileTemporaryPath}`: the
-  commit of a step (rename locally, marker on object stores), subclassed to check the save's fence.
-- The on-disk layout of a PyTree item (OCDBT + zarr v2): `_METADATA` (JSON: each leaf's key path) and
-  `<param name>/.zarray` (shape, dtype) in the item's OCDBT database, read with tensorstore alone.
-  Orbax's own metadata API initialises JAX's backends (its handler asks for the process index), which a
-  multi-process job must not do before joining: the preflight reads the layout directly instead.
-- The `_array_metadata_store` of the registered `jax.Array` handler: given to the handler that reads one
-  replica (trainer/checkpoint/single_replica.py), so that its saves write what the default handler's do.
-
-Versions: `CHECKED_VERSIONS` is the window of JAX and Orbax releases these internals are supported on,
-pyproject.toml's ranges (tests/test_versions.py keeps the two equal); constraints/ pins one tested set per
-image flavour and Python. `check_versions` refuses any other JAX or Orbax before the trainer does anything
-(`python -m trainer.train` calls it first; exit 2), and `check_pathways_image` a Pathways image built for
-another JAX than the client's.
+Versions: `CHECKED_VERSIONS` is the window of JAX and Orbax releases the internals (here and in
+trainer/io/orbax_internals.py) are supported on, pyproject.toml's ranges (tests/test_versions.py keeps the
+two equal); constraints/ pins one tested set per image flavour and Python. `check_versions` refuses any
+other JAX or Orbax before the trainer does anything (`python -m trainer.train` calls it first; exit 2), and
+`check_pathways_image` a Pathways image built for another JAX than the client's.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from collections.abc import Mapping
@@ -95,73 +84,9 @@ def renew_cpu_client() -> list:
     return jax.devices()
 
 
-def route_orbax_barriers(get_barrier_sync_fn) -> None:
-    """Make Orbax take its barrier function from `get_barrier_sync_fn(*, processes=None)`; None restores
-    Orbax's own. Orbax looks the function up at every barrier, so this covers the barriers no option
-    reaches (the checkpoint manager's constructor, the finalize thread)."""
-    from orbax.checkpoint._src.multihost import multihost
-
-    original = getattr(multihost, "_orbax_get_barrier_sync_fn", None)
-    if original is None:
-        original = multihost._orbax_get_barrier_sync_fn = multihost.get_barrier_sync_fn
-    multihost.get_barrier_sync_fn = original if get_barrier_sync_fn is None else get_barrier_sync_fn
-
-
-def orbax_commit_classes() -> tuple[type, type]:
-    """(local atomic-rename commit, object-store commit-marker) TemporaryPath classes of Orbax."""
-    from orbax.checkpoint._src.path import atomicity
-
-    return atomicity.AtomicRenameTemporaryPath, atomicity.CommitFileTemporaryPath
-
-
-def _ocdbt_base(item_dir: str) -> dict | str:
-    """tensorstore's kvstore spec of an item directory, local or gs://."""
-    import os
-
-    if item_dir.startswith("gs://"):
-        bucket, _, path = item_dir[len("gs://") :].partition("/")
-        return {"driver": "gcs", "bucket": bucket, "path": path.rstrip("/") + "/"}
-    return "file://" + os.path.abspath(item_dir).rstrip("/") + "/"
-
-
-def orbax_stored_arrays(item_dir) -> dict[tuple[tuple[str, int], ...], tuple[tuple[int, ...], str]]:
-    """{key path: (global shape, dtype name)} of every array a PyTree item stores, without JAX's backends;
-    key path entries are (key, kind) with kind 1 = sequence index, 2 = dict key (Orbax's key types)."""
-    import numpy as np
-    import tensorstore as ts
-    from etils import epath
-
-    item_dir = str(item_dir)
-    meta = json.loads((epath.Path(item_dir) / "_METADATA").read_text())
-    kv = ts.KvStore.open({"driver": "ocdbt", "base": _ocdbt_base(item_dir)}).result()
-    out = {}
-    for entry in meta["tree_metadata"].values():
-        if entry["value_metadata"].get("value_type") in ("None", "Empty"):
-            continue  # an empty node (an optimizer's empty state): no array, not a leaf of the live tree
-        keys = tuple((str(k["key"]), int(k["key_type"])) for k in entry["key_metadata"])
-        name = ".".join(k for k, _ in keys)
-        found = kv.read(f"{name}/.zarray").result()
-        if found.state != "value":
-            raise FileNotFoundError(f"{item_dir}: no array metadata for {name}")
-        zarray = json.loads(bytes(found.value))
-        dtype = zarray["dtype"]
-        out[keys] = (
-            tuple(int(d) for d in zarray["shape"]),
-            dtype if dtype == "bfloat16" else np.dtype(dtype).name,
-        )
-    return out
-
-
-def orbax_array_metadata_store():
-    """The array-metadata store of Orbax's registered `jax.Array` handler (None if it has none)."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    return getattr(ocp.type_handlers.get_type_handler(jax.Array), "_array_metadata_store", None)
-
-
 # ---------------------------------------------------------------------------------------------------
-# Versions: the window the internals above were checked in, [low, high) per distribution.
+# Versions: the window the internals above and trainer/io/orbax_internals.py's were checked in, [low, high)
+# per distribution.
 # ---------------------------------------------------------------------------------------------------
 CHECKED_VERSIONS = {"jax": ("0.7.0", "0.14"), "orbax-checkpoint": ("0.12.3", "0.14")}
 _PATHWAYS_JAX_TAG = re.compile(r"jax-(\d+(?:\.\d+)+)(?![\d.])")
@@ -224,7 +149,8 @@ def check_versions(found: Mapping[str, str | None] | None = None, *, fix: str | 
         fix = fix or install_command()
         raise VersionError(
             "; ".join(problems)
-            + ": the trainer patches JAX and Orbax internals (trainer/distributed/internals.py) that were "
+            + ": the trainer patches JAX and Orbax internals (trainer/distributed/internals.py, "
+            "trainer/io/orbax_internals.py) that were "
             f"checked against these versions only. Fix, from the repository root: {fix} (constraints/README.md "
             "lists the files for each flavour and Python)"
         )

@@ -7,7 +7,7 @@ proposes step s + LEAD in the coordination service's key-value store (the first 
 process reads the key at every step boundary and stops once it reaches that step, so all of them save the
 same final checkpoint and exit 42 (preempted).
 
-A process stopped outside the step loop (compiling, restoring, waiting: `trainer.runtime.preemption`) proposes
+A process stopped outside the step loop (compiling, restoring, waiting: `trainer.process.preemption`) proposes
 the stop too before it leaves (`propose_after`), and a process waiting for slices asks `agreed()` between
 its rounds, so the whole job stops with the same code however the SIGTERMs fell.
 

@@ -8,7 +8,7 @@ order, after step N has been dispatched:
 3. a host snapshot every `periods.snapshot` steps (taken asynchronously), and every `periods.local`
    steps one that is also written to the local checkpoint tier (with `wait_for_local_write`, waited for
    one step later, so a lost process loses at most the period); `auto` periods are planned here
-   (`trainer.plan.auto`);
+   (`trainer.elastic.periods`);
 4. fault injection (local virtual slices): faults due before step N+1 fire here;
 5. returning slices: the membership round (several processes, every step) or a health check of the
    inactive slices (at most every poll interval); any found are returned, for the supervisor to act on.
@@ -58,7 +58,7 @@ class StepBoundary:
         self.events = events
         self.profiler = profiler
         self.snapshots = snapshots
-        self.periods = periods  # .snapshot and .local, read every step (trainer.plan.auto.AutoPeriods)
+        self.periods = periods  # .snapshot and .local, read every step (trainer.elastic.periods.AutoPeriods)
         self.wait_for_local_write = wait_for_local_write
         self._writing: int | None = None  # the step whose local write may still be running
         self.injector = injector

@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 from jax.experimental.multihost_utils import ProcessFailureError
 from pathwaysutils.elastic import elastic as pw_elastic
 
-from trainer.elastic.cluster import ActiveSlices, AttemptParts
+from trainer.attempt.builder import AttemptParts
+from trainer.elastic.cluster import ActiveSlices, Cluster
 from trainer.elastic.faults import FaultInjector
 from trainer.elastic.slices import ReturnPoller, make_checker
 from trainer.elastic.snapshot import HostSnapshots
@@ -27,7 +28,7 @@ from trainer.failures.slice_loss import Outages
 log = logging.getLogger(__name__)
 
 
-class LocalCluster:
+class LocalCluster(Cluster):
     """`slices`: each slice's devices, by slice index. `outages` are the injector's down slices (local
     virtual slices), `injector` the `FaultInjector` (None on Pathways); `timeout_s` bounds a wait for
     slices, `poll_s` spaces the health checks (while waiting, and of inactive slices between steps)."""
@@ -51,7 +52,7 @@ class LocalCluster:
         self.injector = injector
         self.single_controller = single_controller
         self.checker = make_checker(self.slice_to_devices, outages, single_controller=single_controller)
-        self._snapshots = None  # the attempt's snapshots: a virtual slice's loss takes its replicas
+        self._snapshots: HostSnapshots | None = None  # the attempt's: a virtual slice's loss takes its replicas
 
     @property
     def num_slices(self) -> int:
@@ -75,11 +76,10 @@ class LocalCluster:
             return "peer_lost"
         if not pw_elastic.is_error_due_to_slice_down(err, log_traceback=False):
             return None
-        lose = getattr(self._snapshots, "lose", None)  # pinned snapshots (trainer.elastic.pinned_snapshots)
-        if self.outages is not None and lose is not None:
+        if self.outages is not None and self._snapshots is not None:
             # On Pathways a lost slice's host memory goes with it; a virtual slice's must go too.
             down = self.outages.down(self.slice_to_devices)
-            lose([d for i in down for d in self.slice_to_devices[i]])
+            self._snapshots.lose([d for i in down for d in self.slice_to_devices[i]])
         return "slice_down"
 
     def quarantine(self, slice_index: int) -> bool:
@@ -89,13 +89,9 @@ class LocalCluster:
         if self.outages is None:
             return False
         self.outages.mark_down(slice_index, math.inf)
-        lose = getattr(self._snapshots, "lose", None)
-        if lose is not None:
-            lose(list(self.slice_to_devices[slice_index]))
+        if self._snapshots is not None:
+            self._snapshots.lose(list(self.slice_to_devices[slice_index]))
         return True
-
-    def fail(self, err: BaseException) -> None:
-        pass  # nobody else to tell: the error ends this process, which is the whole job
 
     def attempt_parts(self, active: list[int], snapshots: HostSnapshots) -> AttemptParts:
         injector = self.injector
@@ -121,12 +117,3 @@ class LocalCluster:
             single_controller=self.single_controller,
             interval_s=self.poll_s,
         )
-
-    def hand_over(self, attempt) -> None:
-        pass  # the supervisor's synchronous snapshot is all the grown attempt needs
-
-    def propose_stop(self, last_step: int) -> None:
-        pass  # one process: nobody else to stop
-
-    def close(self) -> None:
-        pass

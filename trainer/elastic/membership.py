@@ -41,7 +41,7 @@ from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 from trainer.distributed import fatal, internals
 from trainer.distributed.heartbeat import Barrier
 from trainer.observe import catalogue
-from trainer.runtime.preemption import Preempted
+from trainer.process.preemption import Preempted
 
 log = logging.getLogger(__name__)
 

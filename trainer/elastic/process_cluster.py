@@ -22,9 +22,10 @@ from collections.abc import Callable, Sequence
 
 from jax.experimental.multihost_utils import ProcessFailureError
 
+from trainer.attempt.builder import AttemptParts
 from trainer.distributed import fatal
 from trainer.distributed.heartbeat import watch_orbax_barriers
-from trainer.elastic.cluster import ActiveSlices, AttemptParts
+from trainer.elastic.cluster import ActiveSlices, Cluster
 from trainer.elastic.membership import Formation, Membership
 from trainer.elastic.shared_snapshots import SharedSnapshots
 from trainer.elastic.snapshot import HostSnapshots
@@ -37,7 +38,7 @@ FATAL_WAIT_S = 120.0  # how long a process that failed waits for the others to s
 # one collective timeout, or at their next round)
 
 
-class ProcessCluster:
+class ProcessCluster(Cluster):
     """`membership`: the live processes; `timeout_s` bounds a wait for slices and the barrier before an
     attempt's first collective, `poll_s` spaces the rounds of a wait; `dead_after_s`: a checkpoint barrier
     gives up on a peer whose heartbeat stopped this long ago; `process_faults`: errors injected into this
@@ -51,7 +52,7 @@ class ProcessCluster:
         events,
         timeout_s: float,
         poll_s: float,
-        dead_after_s: float = 10.0,
+        dead_after_s: float,
         process_faults: ProcessFaultInjector | None = None,
         stop=None,
         fatal_wait_s: float = FATAL_WAIT_S,

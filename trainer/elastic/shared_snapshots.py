@@ -3,7 +3,7 @@
 Every process of a new formation calls `newest_step` and then `load` together (they run collectives on
 the new mesh). They gather (snapshot step, newest checkpoint step, size of the data-iterator state,
 local tier, holds its devices' blocks) from each other, so all of them see the same newest snapshot and
-take the same decision (`trainer.runtime.restore.choose_source`). A process of a slice spread over several
+take the same decision (`trainer.attempt.restore.choose_source`). A process of a slice spread over several
 processes holds only its own devices' blocks (`trainer.elastic.snapshot.Blocks`). Loading it:
 - every process holds its blocks of it (survivors continuing after a loss): each puts its own copy on
   its devices, no transfer;
@@ -32,7 +32,7 @@ STEP, CHECKPOINT, BLOB, LOCAL, SERVES = range(5)  # the columns of the gathered 
 
 
 class SharedSnapshots:
-    """`trainer.runtime.restore.SnapshotSource` over this process's `HostSnapshots` and its peers'.
+    """`trainer.attempt.restore.SnapshotSource` over this process's `HostSnapshots` and its peers'.
 
     `barrier` runs first: every process has compiled, and the collectives start together."""
 

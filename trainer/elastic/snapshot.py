@@ -7,7 +7,7 @@ turns it into this process's numpy on a background thread while training continu
 what survives a change of formation, which renews the process's JAX client and with it every buffer.
 A process keeps only what its own devices hold: the whole state when its slice is one process, else its
 blocks of each array (`Blocks`). Recovery restores the newest
-complete snapshot by the restore order of `trainer.runtime.restore` (unless a committed checkpoint is newer),
+complete snapshot by the restore order of `trainer.attempt.restore` (unless a committed checkpoint is newer),
 so a slice failure rewinds at most `snapshot_period` steps instead of `checkpoint_period`.
 
 With the local checkpoint tier on (`trainer.checkpoint.local_store`), every `local_checkpoint_period`
@@ -23,13 +23,14 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trainer.attempt.restore import LOCAL, choose_source
 from trainer.observe import catalogue
 
 log = logging.getLogger(__name__)
@@ -258,6 +259,10 @@ class HostSnapshots:
     def _persist(self, snap: Snapshot) -> bool:
         return self._write_local_copy(snap.step, snap.state, snap.data_state)
 
+    def lose(self, devices: Iterable) -> None:
+        """The hosts of `devices` lost their memory (a failed slice). This process's copy is in its own
+        RAM, which a slice's loss leaves alone (`PinnedSnapshots` keeps copies on the devices' hosts)."""
+
     def attempt_started(self) -> None:
         """An attempt's loop starts: local steps commit as its metrics rows are written."""
         if self.store is not None and self.store.recorded is not None:
@@ -278,7 +283,7 @@ class HostSnapshots:
         self, abstract_state=None, checkpoint_step: int | None = None, not_after: int | None = None
     ) -> int | None:
         """Step of the newest complete snapshot (after any in-flight copy), in RAM or, when newer than
-        RAM and `checkpoint_step`, in the local tier; `trainer.runtime.restore` decides whether it beats the
+        RAM and `checkpoint_step`, in the local tier; `trainer.attempt.restore` decides whether it beats the
         checkpoint. `not_after`: snapshots and local steps of later steps are dropped first."""
         self.wait_for_copy()
         if not_after is not None:
@@ -313,10 +318,11 @@ class HostSnapshots:
         from trainer.checkpoint.local_store import LocalStepUnusable
 
         self.store.cleanup_partial()
-        in_ram = -1 if self.latest is None else self.latest.step
+        in_ram = None if self.latest is None else self.latest.step
         for step in reversed(self.store.steps()):
-            # A tie with the persistent step goes to the local one (the faster read); RAM is never older.
-            if step <= in_ram or (checkpoint_step is not None and step < checkpoint_step):
+            # Newest first: once the restore order prefers RAM or the checkpoint to a local step, it
+            # prefers them to every older one too.
+            if choose_source(snapshot_step=in_ram, local_step=step, checkpoint_step=checkpoint_step) != LOCAL:
                 return
             t0 = time.perf_counter()
             try:

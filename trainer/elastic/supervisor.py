@@ -9,7 +9,8 @@ runs on; the supervisor decides what to do about it. `LocalCluster` (`trainer.el
 one controller (Pathways, or local virtual slices with injected faults); `ProcessCluster`
 (`trainer.elastic.process_cluster`) is several processes joined by jax.distributed, where a slice is a
 group of processes and `Membership` replaces the health checks; `FixedCluster` is several processes
-without elastic_enabled. A new backend is a new class behind the same protocol.
+without elastic_enabled. The run's backend (`trainer.elastic.backends`) picks one; every capability
+the supervisor uses is in the `Cluster` contract, with a default where a cluster lacks it.
 
 Semantics follow pathwaysutils' `Manager.elastic_retry`: before each attempt wait for enough slices
 (`Cluster.wait_for_slices`); an error the cluster classifies as slice-down (`Cluster.slice_down_cause`:
@@ -31,9 +32,9 @@ When a slice dies at step N (its step fails; the steps before it completed):
    faster than progress: `trainer.elastic.retry_budget`) and starts the downtime clock.
 3. `wait_for_slices` waits until enough slices are healthy (all of them under pause-and-resume). A
    formation that brings fresh devices (new communicators) drops the compiled plans.
-4. The next attempt is built on them (`trainer.runtime.attempt`: a slice set seen before reuses its compiled
+4. The next attempt is built on them (`trainer.attempt.builder`: a slice set seen before reuses its compiled
    step; the cluster's `AttemptParts` give its snapshot source, step guard and checkpoint barrier) and
-   restores by the one restore order (`trainer.runtime.restore`): the newest host snapshot, else the newest
+   restores by the one restore order (`trainer.attempt.restore`): the newest host snapshot, else the newest
    committed checkpoint. The steps between that point and N-1 are counted as lost.
 5. Its first completed step ends the downtime (`trainer.elastic.boundary`); training goes on. When the
    lost slice returns (`Cluster.returning`), the loop ends at a step boundary with a scale-up outcome: the
@@ -52,24 +53,41 @@ import logging
 import time
 from collections.abc import Callable
 from itertools import combinations
+from typing import Any, Protocol
 
 import jax
 from jax.experimental.multihost_utils import ProcessFailureError
 
+from trainer.attempt.builder import MAX_LAYOUTS, Attempt, AttemptParts
+from trainer.attempt.outcome import SDC, Outcome, Rollback, ScaleUp
 from trainer.config.schema import ElasticConfig
 from trainer.distributed.fatal import PeerFailed
 from trainer.elastic.boundary import RecoveryStats, StepBoundary
 from trainer.elastic.cluster import Cluster
 from trainer.elastic.errors import ElasticGiveUp, SlicesUnavailable
+from trainer.elastic.periods import FixedPeriods
 from trainer.elastic.retry_budget import RetryBudget
 from trainer.elastic.snapshot import HostSnapshots
 from trainer.observe import catalogue
-from trainer.plan.auto import FixedPeriods
-from trainer.runtime.attempt import MAX_LAYOUTS, Attempt
-from trainer.runtime.outcome import SDC, Outcome, Rollback, ScaleUp
-from trainer.runtime.preemption import Preempted, phase
+from trainer.process.preemption import Phases, Preempted
 
 log = logging.getLogger(__name__)
+
+
+class Attempts(Protocol):
+    """What builds the attempts of a run (`trainer.attempt.builder.AttemptBuilder`)."""
+
+    def __call__(self, slices: list[list], parts: AttemptParts, *, not_after: int | None = None) -> Attempt:
+        """One attempt on `slices` (the active ones' devices) with the cluster's `parts`."""
+
+    def forget_compiled(self) -> None:
+        """Drop every compiled plan: the devices they were compiled for are gone."""
+
+    def compile_ahead(self, slice_sets: list[list[list]]) -> Any:
+        """Compile the steps of each slice set in the background."""
+
+    def close(self) -> None:
+        """The run is over: stop compiling ahead."""
 
 
 class Supervisor:
@@ -77,11 +95,13 @@ class Supervisor:
 
     cluster    the slices and what differs between one controller and several processes
                (`trainer.elastic.cluster`)
-    attempts   slices -> Attempt (`trainer.runtime.attempt.AttemptBuilder`)
-    run_loop   (attempt, boundary=...) -> Outcome (`runtime.loop.train_loop` with the run's sinks and policy)
+    attempts   (slices, parts) -> Attempt (`Attempts`: `trainer.attempt.builder.AttemptBuilder`)
+    run_loop   (attempt, boundary=...) -> Outcome (`attempt.loop.train_loop` with the run's sinks and policy)
     snapshots  this process's host-RAM snapshots (`trainer.elastic.snapshot.HostSnapshots`)
     sync       copies the run's logs to their final place (`RunPaths.sync`), after every attempt
-    periods    the snapshot and local-tier periods (`trainer.plan.auto`: numbers, or planned when `auto`)
+    periods    the snapshot and local-tier periods (`trainer.elastic.periods`: numbers, or planned when
+               `auto`); none given: snapshot_period as a number (auto: none)
+    phases     the process's phases (waiting for slices and building an attempt are phases of their own)
     previous_last_step  the last step an earlier process of this run recorded (a restart after the
                process was lost): the first attempt counts the steps it rewinds behind it as lost
     """
@@ -91,7 +111,7 @@ class Supervisor:
         elastic: ElasticConfig,
         cluster: Cluster,
         *,
-        attempts: Callable[..., Attempt],
+        attempts: Attempts,
         run_loop: Callable[..., Outcome],
         events,
         profiler,
@@ -100,6 +120,7 @@ class Supervisor:
         periods=None,
         wait_for_local_write: bool = False,
         previous_last_step: int | None = None,
+        phases: Phases | None = None,
     ):
         self.elastic = elastic
         self.cluster = cluster
@@ -109,7 +130,8 @@ class Supervisor:
         self.profiler = profiler
         self.snapshots = snapshots
         self.sync = sync
-        self.periods = periods or FixedPeriods(max(0, elastic.snapshot_period))
+        self.periods = periods or FixedPeriods(snapshot=max(0, elastic.snapshot_period))
+        self.phases = phases or Phases()
         self.wait_for_local_write = wait_for_local_write
         self.previous_last_step = previous_last_step
         self.total = cluster.num_slices
@@ -125,14 +147,12 @@ class Supervisor:
     def run(self) -> Outcome:
         try:
             return self._run()
-        except Preempted:  # SIGTERM outside a step boundary (trainer.runtime.preemption)
+        except Preempted:  # SIGTERM outside a step boundary (trainer.process.preemption)
             self.emergency_save()
             self.cluster.propose_stop(self.stats.last_step)  # several processes: the others stop too
             raise
         finally:
-            close = getattr(self.attempts, "close", None)
-            if close is not None:
-                close()
+            self.attempts.close()
             self.cluster.close()
 
     def _run(self) -> Outcome:
@@ -179,8 +199,7 @@ class Supervisor:
         if outcome.cause != SDC or not self.elastic.sdc_quarantine or len(outcome.suspects) != 1:
             return
         (suspect,) = outcome.suspects
-        quarantine = getattr(self.cluster, "quarantine", None)
-        if quarantine is not None and quarantine(suspect):
+        if self.cluster.quarantine(suspect):
             self.events.emit(catalogue.SDC_QUARANTINED, step=outcome.step, slice=suspect)
         else:
             log.warning(
@@ -204,7 +223,7 @@ class Supervisor:
         return self.cluster.slice_down_cause(err)
 
     def wait_for_slices(self) -> list[int]:
-        with phase("waiting_for_slices"):
+        with self.phases.enter("waiting_for_slices"):
             return self._wait_for_slices()
 
     def _wait_for_slices(self) -> list[int]:
@@ -216,7 +235,7 @@ class Supervisor:
         try:
             ready = self.cluster.wait_for_slices(self.min_slices)
             if ready.fresh_devices:  # the compiled plans ran on device objects that are gone
-                self._forget_compiled()
+                self.attempts.forget_compiled()
             active = ready.active
         except TimeoutError as err:
             self.events.emit(catalogue.WAIT_TIMEOUT, seconds=round(time.time() - t0, 3), error=str(err))
@@ -228,18 +247,12 @@ class Supervisor:
         self.events.emit(catalogue.WAIT_END, active=active, seconds=round(time.time() - t0, 3))
         return active
 
-    def _forget_compiled(self) -> None:
-        forget = getattr(self.attempts, "forget_compiled", None)  # AttemptBuilder's; a test's may have none
-        if forget is not None:
-            forget()
-
     # ---- one attempt -------------------------------------------------------------------------------
 
     def run_attempt(self, number: int, active: list[int]) -> Outcome:
-        with phase("building_attempt"):
+        with self.phases.enter("building_attempt"):
             parts = self.cluster.attempt_parts(active, self.snapshots)
-            bound = {} if self._not_after is None else {"not_after": self._not_after}
-            attempt = self.attempts(self.cluster.devices(active), **parts.kwargs(), **bound)
+            attempt = self.attempts(self.cluster.devices(active), parts, not_after=self._not_after)
             self._not_after = None
         if number == 1:
             self._compile_ahead(active)
@@ -297,8 +310,7 @@ class Supervisor:
         """Replica-resize: compile the steps for every set of survivors the run may continue on, in the
         background, so the first resize finds its executable (one controller only: its devices, and so
         executables compiled for them, outlive attempts)."""
-        ahead = getattr(self.attempts, "compile_ahead", None)
-        if not (self.elastic.elastic_enabled and ahead and getattr(self.cluster, "compiles_ahead", False)):
+        if not (self.elastic.elastic_enabled and self.cluster.compiles_ahead):
             return
         # Largest first: one lost slice (the likeliest failure) needs a set of len(active) - 1.
         low = max(1, self.min_slices)
@@ -309,7 +321,7 @@ class Supervisor:
             log.info("not compiling ahead: %d survivor sets exceed the layout cache (%d)", len(sets), MAX_LAYOUTS)
             return
         log.info("compiling ahead for %d survivor sets: %s", len(sets), sets)
-        ahead([self.cluster.devices(s) for s in sets])
+        self.attempts.compile_ahead([self.cluster.devices(s) for s in sets])
 
     def _boundary(self, active: list[int]) -> StepBoundary:
         return StepBoundary(

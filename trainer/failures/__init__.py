@@ -12,5 +12,6 @@ events, badput cause and planner term (`trainer.failures.kind.FailureKind`), reg
     slow_step       the host stalls after a step
 
 `fault_schedule` is parsed once, at config validation, into a typed `trainer.failures.plan.FaultPlan`
-that the config carries (its `faults`).
+that the config carries (its `faults`). `chaos_requests` is the protocol by which `trainer.chaos` asks a
+live run to lose a slice (slice_loss's injector reads the requests).
 """

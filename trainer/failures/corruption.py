@@ -7,7 +7,7 @@
 
 The faults act on the device buffers of the slice's devices and nothing else, the layer where silent data
 corruption arises: the programs that run there (the train step, the replay check of
-`trainer.runtime.sdc`) compute on what those devices hold, and every detector sees only what the devices
+`trainer.attempt.sdc`) compute on what those devices hold, and every detector sees only what the devices
 computed.
 
 - `wrong_inputs`: the slice's devices read different token ids than the batch holds (a chip that
@@ -29,7 +29,7 @@ import numpy as np
 from trainer.failures.kind import SLICES, FailureKind, Fields, Injection, InjectionContext, entry_error
 from trainer.observe import catalogue
 
-CAUSE = "silent_data_corruption"  # a rollback's cause (trainer.runtime.outcome.Rollback)
+CAUSE = "silent_data_corruption"  # a rollback's cause (trainer.attempt.outcome.Rollback)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +176,7 @@ KIND = FailureKind(
     scope=SLICES,
     injection=injection,
     injected_by="trainer.failures.corruption:CorruptionInjection",
-    detected_by="trainer.runtime.sdc:SdcCheck",
+    detected_by="trainer.attempt.sdc:SdcCheck",
     outcome="rollback to the newest state verified clean; with sdc_quarantine the named slice is taken out",
     events=(catalogue.SDC_INJECTED, catalogue.SDC_DETECTED, catalogue.SDC_QUARANTINED, catalogue.ROLLBACK),
     goodput_cause="sdc_check",

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from trainer.config.errors import ConfigError
+from trainer.errors import ConfigError
 from trainer.observe.catalogue import Event
 
 Fields = Mapping[str, str]  # one schedule entry's key=value pairs
@@ -76,7 +76,7 @@ class Injection:
         return state, metrics
 
     def replay_batch(self, step: int, batch, slices: Mapping[int, list]):
-        """The batch as the replay check (trainer.runtime.sdc) of `step` computes on it on the slices."""
+        """The batch as the replay check (trainer.attempt.sdc) of `step` computes on it on the slices."""
         return batch
 
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from trainer.failures.kind import SLICES, FailureKind, Fields, Injection, InjectionContext, entry_error
 from trainer.observe import catalogue
 
-CAUSE = ""  # a rollback's cause (trainer.runtime.outcome.Rollback): the default one
+CAUSE = ""  # a rollback's cause (trainer.attempt.outcome.Rollback): the default one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,7 @@ KIND = FailureKind(
     scope=SLICES,
     injection=injection,
     injected_by="trainer.failures.nonfinite:NonFiniteInjection",
-    detected_by="trainer.runtime.nonfinite:NonFinitePolicy",
+    detected_by="trainer.attempt.nonfinite:NonFinitePolicy",
     outcome="the update is never applied; nan_policy skips the step, rolls back or stops the run",
     events=(catalogue.NAN_INJECTED, catalogue.NONFINITE_STEP, catalogue.ROLLBACK),
     goodput_cause="wasted_progress",

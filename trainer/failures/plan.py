@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from trainer.config.errors import ConfigError
+from trainer.errors import ConfigError
 from trainer.failures.kind import PROCESSES, SLICES, FailureKind, entry_error
 from trainer.failures.registry import KINDS, Fault, kind_of
 

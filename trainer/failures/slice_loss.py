@@ -6,7 +6,7 @@ Schedule entries (`fault_schedule`):
     rate=R,seed=S[,slice=K][,down_s=D][,step=N]    seeded Poisson failures, R per second of wall time
 
 Besides the schedule, `trainer.chaos` asks a live trainer to lose a slice (a request file in the run's
-chaos directory, `trainer.elastic.chaos_requests`).
+chaos directory, `trainer.failures.chaos_requests`).
 
 A failure marks a slice down until its down time has passed. The step that next runs on a down slice
 fails with `jax.errors.JaxRuntimeError("DATA_LOSS: ...")`, the error Pathways raises when a slice is
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import jax
 
-from trainer.elastic.chaos_requests import attempt_of, names_attempt
+from trainer.failures.chaos_requests import attempt_of, names_attempt
 from trainer.failures.kind import SLICES, FailureKind, Fields, Injection, InjectionContext, Kill, entry_error
 from trainer.io.jsonl import read_jsonl
 from trainer.observe import catalogue

@@ -26,7 +26,7 @@ from trainer.failures.kind import (
 )
 from trainer.observe import catalogue
 
-CAUSE = "loss_spike"  # a rollback's cause (trainer.runtime.outcome.Rollback)
+CAUSE = "loss_spike"  # a rollback's cause (trainer.attempt.outcome.Rollback)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ KIND = FailureKind(
     scope=SLICES,
     injection=injection,
     injected_by="trainer.failures.spike:SpikeInjection",
-    detected_by="trainer.runtime.loss_spikes:LossSpikePolicy",
+    detected_by="trainer.attempt.loss_spikes:LossSpikePolicy",
     outcome="rollback to the newest saved state before the spike; the spiking batch is skipped for good",
     events=(catalogue.SPIKE_INJECTED, catalogue.LOSS_SPIKE_ROLLBACK, catalogue.ROLLBACK),
     goodput_cause="rollback",

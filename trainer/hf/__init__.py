@@ -1,7 +1,9 @@
-"""Hugging Face Qwen3 / Qwen3-MoE checkpoints read and written: the library behind `python -m trainer.convert`.
+"""Hugging Face checkpoints read and written (Qwen3, Qwen3-MoE, Llama 3): the library behind
+`python -m trainer.convert`.
 
-The name and layout mapping itself (config.json <-> ModelConfig, the tensor plan) is `trainer/model/hf.py`,
-pure and next to the model; the modules here do the file I/O around it:
+The name and layout mapping itself (config.json <-> ModelConfig, the tensor plan) is each family's
+(`trainer/model/<family>/hf.py`, picked by `trainer/model/hf.py`), pure and next to the model; the modules
+here do the file I/O around it, whatever the family:
 
     errors.py          MissingInput and the error helpers the readers share
     safetensors_io.py  *.safetensors directories: headers checked up front, tensors read and written one at a time

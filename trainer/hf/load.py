@@ -1,9 +1,10 @@
-"""A Hugging Face Qwen3 / Qwen3-MoE directory read as this trainer's ModelConfig and params.
+"""A Hugging Face directory of a supported family (Qwen3, Qwen3-MoE, Llama 3) read as this trainer's
+ModelConfig and params.
 
 config.json and every safetensors header are checked against each other before any tensor is read
 (`open_hf`), so a wrong architecture, a missing, misshapen or unexpected tensor is an error naming it
 before the heavy work; `read_hf_params` then fills each param leaf once, tensor by tensor, following
-the tensor plan of `trainer/model/hf.py`.
+the tensor plan of the family's mapping (`trainer/model/hf.py`).
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def model_config_from_hf(
     return ModelConfig(**keys, dtype=dtype, weight_dtype=weight_dtype, scan_layers=scan_layers)
 
 
-def check_tensors(reader: SafetensorsDir, plan, tied: bool) -> None:
-    """Every tensor the plan needs is there with the shape config.json implies, and nothing else is."""
+def check_tensors(reader: SafetensorsDir, plan, tied: bool, architecture: str = "") -> None:
+    """Every tensor the plan needs is there with the shape config.json implies, and nothing else is;
+    `architecture` (config.json's) names the model in the error about tensors it has no place for."""
     expected = {p.hf_name: p.hf_shape(leaf.piece_shape(p)) for leaf in plan for p in leaf.pieces}
     for name, shape in expected.items():
         if name not in reader:
@@ -90,8 +92,8 @@ def check_tensors(reader: SafetensorsDir, plan, tied: bool) -> None:
     ]  # tied: HF ignores a stored head too
     if extra:
         raise hf_error(
-            f"{len(extra)} tensor(s) in {reader.dir} are not part of the model config.json "
-            f"describes, e.g. {extra[:4]}"
+            f"{len(extra)} tensor(s) in {reader.dir} are not part of the {architecture or 'model'} "
+            f"config.json describes, e.g. {extra[:4]}"
         )
 
 
@@ -133,7 +135,8 @@ def open_hf(
     )
     reader = SafetensorsDir(hf_dir)
     plan = tensor_plan(cfg)
-    check_tensors(reader, plan, tied=cfg.logits_via_embedding)
+    architecture = ", ".join(hf.get("architectures") or [str(hf.get("model_type"))])
+    check_tensors(reader, plan, tied=cfg.logits_via_embedding, architecture=architecture)
     return cfg, reader, plan
 
 

@@ -1,4 +1,4 @@
-"""Analytic parameter counts and training FLOPs of our Qwen3 parameterisation (no allocation)."""
+"""Analytic parameter counts and training FLOPs of the shared decoder, every family's here (no allocation)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,9 @@ O(T^2) forward. The prompt is one `extend` call (one more compile, for its lengt
 Numerics are the model's own: `extend` runs the bound NNX modules (Attention.project_qkv/project_out,
 grouped_attention, Block.feed_forward, rms_norm, rope_tables), so a token's logits equal those of
 `forward` over the whole sequence up to float reassociation. MoE layers run dropless here
-(`for_inference` raises the capacity factor to E / k), as Hugging Face inference is.
+(`for_inference` raises the capacity factor to E / k), as Hugging Face inference is. These are the shared
+decoder's modules (`transformer.bind`), which every family here runs; a family with a decoder of its own
+would bring its own `extend`.
 
 Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then top-k, then top-p
 (the smallest set of most likely tokens whose probability reaches p), then a categorical draw with
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from trainer.config.rope_scaling import parse_rope_scaling
 from trainer.config.schema import ModelConfig
 from trainer.model.layers import grouped_attention, rms_norm, rope_tables
 from trainer.model.transformer import Params, bind, logits_from_hidden
@@ -77,7 +80,9 @@ def extend(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache) 
     b, t = tokens.shape
     dt, start = jnp.dtype(cfg.dtype), cache.length
     positions = start + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_max_timescale, dt)
+    cos, sin = rope_tables(
+        positions, cfg.head_dim, cfg.rope_max_timescale, dt, parse_rope_scaling(cfg.rope_scaling)
+    )
     slots = jnp.arange(cache.k.shape[2], dtype=jnp.int32)
     mask = (slots[None, None, :] <= positions[:, :, None])[:, None, None]  # [B, 1, 1, T, S]
     valid = jnp.ones((b, t), bool)

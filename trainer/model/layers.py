@@ -1,15 +1,17 @@
-"""Dense building blocks of the Qwen3 transformer: named parameters, RMSNorm, RoPE, attention, SwiGLU.
+"""Dense building blocks of the decoder every family shares: named parameters, RMSNorm, RoPE, attention,
+SwiGLU.
 
 Layers take sizes and dtypes, never the model config. Every parameter is an `nnx.Param` created through
 `nnx.with_partitioning`, so it carries one logical axis name per dim; `parallel/` maps the names to mesh
 axes. Activations are pinned by an explicit `ActivationSharding` (`shard`, default `UNSHARDED`: the
 identity).
 
-Numerics follow Hugging Face `transformers` Qwen3 so that imported checkpoints agree:
+Numerics follow Hugging Face `transformers` (Qwen3, Llama) so that imported checkpoints agree:
 - RMSNorm normalises in float32, casts back to the activation dtype, then multiplies by the weight
   (`Qwen3RMSNorm` order).
-- RoPE uses the rotate-half layout with inv_freq = theta^(-arange(0, hd, 2) / hd), tables computed in
-  float32 and cast to the activation dtype.
+- RoPE uses the rotate-half layout with inv_freq = theta^(-arange(0, hd, 2) / hd) (rescaled by a
+  `rope_scaling` type where the config names one), tables computed in float32 and cast to the activation
+  dtype.
 - Attention scores and softmax are float32; probabilities are cast back before the value matmul
   (`attention.py` holds the implementations the `attention` key selects between).
 Init (HF `initializer_range=0.02`): matrices and the embedding ~ normal(0, 0.02); norm weights = 1.
@@ -24,8 +26,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trainer.config.rope_scaling import RopeScaling
 from trainer.model.attention import AttentionKernel
 from trainer.model.attention import grouped_attention as grouped_attention  # dot_product; the KV-cache decoder
+from trainer.model.rope import scale_frequencies
 from trainer.parallel.activations import UNSHARDED, ActivationSharding
 
 BTD = ("activation_batch", "activation_length", "activation_embed")
@@ -65,9 +69,14 @@ class Context(NamedTuple):
     attend: AttentionKernel = AttentionKernel()  # the `attention` implementation (static)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos/sin of RoPE angles [B, T, head_dim], both halves repeated (HF rotate-half layout)."""
+def rope_tables(
+    positions: jax.Array, head_dim: int, theta: float, dtype, scaling: RopeScaling | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of RoPE angles [B, T, head_dim], both halves repeated (HF rotate-half layout); `scaling`
+    (the parsed `rope_scaling` key, None for none) rescales the frequencies first (`trainer/model/rope.py`)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = scale_frequencies(inv_freq, scaling)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
@@ -81,7 +90,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """GQA self-attention with per-head q/k RMSNorm before RoPE (Qwen3)."""
+    """GQA self-attention, with per-head q/k RMSNorm before RoPE when `use_qk_norm` (Qwen3; Llama has none)."""
 
     def __init__(
         self,

@@ -1,4 +1,9 @@
-"""The Qwen3 decoder (dense or MoE) as Flax NNX modules, and the functional facade the trainer calls.
+"""The decoder every family here shares (Qwen3 dense and MoE, Llama 3) as Flax NNX modules, and its
+functional facade (what a family's `decoder` is: `trainer/model/family.py`).
+
+What differs between the families is read from the config: q/k norm (`use_qk_norm`), the RoPE theta and
+scaling (`rope_max_timescale`, `rope_scaling`), tied or untied output (`logits_via_embedding`), MoE
+(`num_experts`), the RMSNorm epsilon.
 
 Params are a plain nested dict of arrays; structure (scan_layers=true, "[L]" = stacked layer dim):
 
@@ -19,8 +24,9 @@ Params are a plain nested dict of arrays; structure (scan_layers=true, "[L]" = s
 
 With scan_layers=false the same leaves sit under layers/"0", layers/"1", ... without the L dim.
 
-Hugging Face mapping (safetensors name -> ours; W is the torch [out, in] matrix): our path with "/" -> "."
-is the HF name minus "model." and ".weight", layer i being layers.{i} (or index i of the L dim):
+Hugging Face mapping (safetensors name -> ours; W is the torch [out, in] matrix; `hf_tensors.py`): our path
+with "/" -> "." is the HF name minus "model." and ".weight", layer i being layers.{i} (or index i of the L
+dim):
     model.embed_tokens.weight [V, D]            -> embed_tokens                      (as is)
     self_attn.q_proj.weight   [N*hd, D]         -> q_proj = W.T.reshape(D, N, hd)
     self_attn.k_proj/v_proj   [K*hd, D]         -> W.T.reshape(D, K, hd)
@@ -43,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trainer.config.rope_scaling import parse_rope_scaling
 from trainer.config.schema import ModelConfig
 from trainer.model import attention
 from trainer.model.layers import (
@@ -178,7 +185,8 @@ class Transformer(nnx.Module):
     ):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         x = shard(jnp.take(self.embed_tokens[...], inputs, axis=0).astype(dt), BTD)
-        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_max_timescale, dt)
+        scaling = parse_rope_scaling(cfg.rope_scaling)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_max_timescale, dt, scaling)
         ctx = Context(
             cos=cos,
             sin=sin,

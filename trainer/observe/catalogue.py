@@ -47,7 +47,7 @@ class Event(str):
         return _entry, (str(self),)
 
 
-# ---- a process of the run (trainer/train.py) --------------------------------------------------------------
+# ---- a process of the run (trainer/process_root.py) -------------------------------------------------------
 START = Event(
     "start",
     "run_name model steps resume_step argv host_hugepages",
@@ -74,7 +74,7 @@ FINISH = Event(
     "the process ended with this STATUS and exit code: its last event",
 )
 
-# ---- one attempt (trainer/runtime/) -----------------------------------------------------------------------
+# ---- one attempt (trainer/attempt/) ----------------------------------------------------------------------
 COMPILE_DONE = Event(
     "compile_done",
     "seconds eval_seconds devices micro_steps",
@@ -186,9 +186,9 @@ PERIODS_PLANNED = Event(
     "periods_planned",
     "step snapshot_period local_checkpoint_period checkpoint_period recommended mode mtbf_per_slice_s "
     "process_kill_share rate failures costs",
-    "the auto periods were planned (trainer.plan.auto): the periods now used, the model's `recommended` ones, the "
-    "recovery `mode`, the failure rate it planned for (`rate`: expected, the config's, or observed), the share of "
-    "failures taken to kill the process, and the measured `costs` it weighed",
+    "the auto periods were planned (trainer.elastic.periods.AutoPeriods): the periods now used, the model's "
+    "`recommended` ones, the recovery `mode`, the failure rate it planned for (`rate`: expected, the config's, or "
+    "observed), the share of failures taken to kill the process, and the measured `costs` it weighed",
 )
 LOCAL_CHECKPOINT_SAVE_START = Event(
     "local_checkpoint_save_start", "step", "a local-tier write of this step's host snapshot started"

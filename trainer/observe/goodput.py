@@ -17,6 +17,7 @@ from typing import Any
 
 from trainer.observe import catalogue
 from trainer.observe.records import eval_rows, step_rows
+from trainer.observe.spans import closed
 
 CAUSES = (
     "startup_compile",
@@ -30,21 +31,6 @@ CAUSES = (
     "hang",
     "other",
 )
-
-
-def _durations(
-    events: list[dict], start: catalogue.Event, end: catalogue.Event, skip_first: bool = False
-) -> float:
-    total, opened, seen = 0.0, None, 0
-    for e in events:
-        if e["event"] == start:
-            opened = e["time"]
-        elif e["event"] == end and opened is not None:
-            seen += 1
-            if not (skip_first and seen == 1):
-                total += e["time"] - opened
-            opened = None
-    return total
 
 
 def _rolled_back(record: dict, rollbacks: list[dict]) -> bool:
@@ -92,8 +78,8 @@ def account(
         e.get("seconds", 0.0) for e in events if e["event"] == catalogue.COMPILE_DONE and e["time"] > first_attempt
     )
     # The first restore (or init) belongs to startup; later ones are recoveries.
-    restore = _durations(events, catalogue.RESTORE_START, catalogue.RESTORE_END, skip_first=True)
-    waiting = _durations(events, catalogue.WAIT_START, catalogue.WAIT_END, skip_first=True)
+    restore = sum((s.seconds for s in closed(events, catalogue.RESTORE_START, catalogue.RESTORE_END)[1:]), 0.0)
+    waiting = sum((s.seconds for s in closed(events, catalogue.WAIT_START, catalogue.WAIT_END)[1:]), 0.0)
     bad = {
         "startup_compile": startup,
         "checkpoint_save": saving,

@@ -12,14 +12,16 @@ from pathlib import Path
 
 import jax
 
-from trainer.config.schema import ObserveConfig
 from trainer.observe import catalogue
 
 log = logging.getLogger(__name__)
 
 
 class StepProfiler:
-    def __init__(self, cfg: ObserveConfig, logdir: Path, events):
+    def __init__(self, cfg, logdir: Path, events):
+        """`cfg`: the run's ObserveConfig (`profiler`, `skip_first_n_steps_for_profiler`, `profiler_steps`).
+        Read by attribute, not imported: trainer.observe sits below trainer.config (whose failure kinds
+        declare their events in the catalogue here)."""
         self.enabled = cfg.profiler == "xplane"
         self.first = cfg.skip_first_n_steps_for_profiler + 1
         self.last = cfg.skip_first_n_steps_for_profiler + cfg.profiler_steps

@@ -29,6 +29,7 @@ from trainer.io.paths import resolve
 from trainer.observe import catalogue
 from trainer.observe.goodput import account
 from trainer.observe.records import eval_rows, step_rows
+from trainer.observe.spans import spans
 from trainer.observe.timeline import recovery_timelines
 
 METRICS_FILE, EVENTS_FILE = "metrics.jsonl", "events.jsonl"
@@ -137,27 +138,17 @@ def recovery_phases(run: RunLog) -> list[tuple[dict, list[tuple[str, float, floa
         phases: list[tuple[str, float, float]] = []
         if t["killed"] is not None:
             phases.append((DOWN, t["killed"], t["detected"]))
-        phases += _spans(window, catalogue.WAIT_START, catalogue.WAIT_END, WAITING, run.t_end)
-        phases += _spans(window, catalogue.RESTORE_START, catalogue.RESTORE_END, RESTORING, run.t_end)
+        for name, opens, closes in (
+            (WAITING, catalogue.WAIT_START, catalogue.WAIT_END),
+            (RESTORING, catalogue.RESTORE_START, catalogue.RESTORE_END),
+        ):
+            phases += [
+                (name, s.start, run.t_end if s.end is None else s.end) for s in spans(window, opens, closes)
+            ]
         restored = [e["time"] for e in window if e["event"] == catalogue.RESTORE_END]
         if restored and "first_step" in t:
             phases.append((TO_FIRST_STEP, restored[-1], t["first_step"]))
         out.append((t, phases))
-    return out
-
-
-def _spans(
-    events: list[dict], start: catalogue.Event, end: catalogue.Event, name: str, now: float
-) -> list[tuple[str, float, float]]:
-    out, opened = [], None
-    for e in events:
-        if e["event"] == start:
-            opened = e["time"]
-        elif e["event"] == end and opened is not None:
-            out.append((name, opened, e["time"]))
-            opened = None
-    if opened is not None:
-        out.append((name, opened, now))
     return out
 
 

@@ -192,7 +192,7 @@ class Sinks:
 
     def __init__(self, sinks: list[MetricSink], *, writable: Callable[[], bool] = lambda: True):
         self.sinks = sinks
-        self.writable = writable  # False: this process is fenced (trainer.runtime.watchdog), it writes nothing
+        self.writable = writable  # False: this process is fenced (trainer.process.watchdog), it writes nothing
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.writable():

@@ -9,7 +9,7 @@ jit (the model's per-forward `Context`) and is compared by value there: the mesh
 manual axes.
 
 Inside the train step's per-replica region (`jax.shard_map` over the data axis, see
-trainer/runtime/step.py) the data axis is manual: `within(("data",))` gives the sharding to use there,
+trainer/program/step.py) the data axis is manual: `within(("data",))` gives the sharding to use there,
 whose specs leave the manual axes out and name the context's abstract mesh.
 """
 

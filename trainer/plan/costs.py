@@ -21,8 +21,9 @@ import statistics
 
 import yaml
 
+from trainer.config.schema import UNPLANNED_CHECKPOINT_PERIOD
 from trainer.observe import catalogue
-from trainer.plan.auto import UNPLANNED_CHECKPOINT_PERIOD
+from trainer.observe.spans import closed
 from trainer.plan.model import Costs
 
 
@@ -60,18 +61,6 @@ def _first_rows(events: list[dict], records: list[dict]) -> set[int]:
     return firsts
 
 
-def _spans(events: list[dict], start: catalogue.Event, end: catalogue.Event) -> dict[int, float]:
-    """{id(end event): seconds since its start event}, the intervals the report accounts."""
-    out, opened = {}, None
-    for e in events:
-        if e["event"] == start:
-            opened = e["time"]
-        elif e["event"] == end and opened is not None:
-            out[id(e)] = e["time"] - opened
-            opened = None
-    return out
-
-
 def measure(run) -> tuple[Costs, RunFacts]:
     """Costs and facts of a `trainer.observe.runlog.RunLog`."""
     from trainer.observe.goodput import account
@@ -97,9 +86,15 @@ def measure(run) -> tuple[Costs, RunFacts]:
     step_s = _mean(plain, default=_mean(r["step_time_s"] for r in records))
     snap_only = snap_steps - local_steps - ckpt_steps
     first_attempt = next((e["time"] for e in events if e["event"] == catalogue.ATTEMPT_START), events[0]["time"])
-    spans = _spans(events, catalogue.RESTORE_START, catalogue.RESTORE_END) | _spans(
-        events, catalogue.WAIT_START, catalogue.WAIT_END
-    )
+    # {id(end event): seconds since its start}, the intervals the report accounts
+    spans = {
+        id(s.end_event): s.seconds
+        for start, end in (
+            (catalogue.RESTORE_START, catalogue.RESTORE_END),
+            (catalogue.WAIT_START, catalogue.WAIT_END),
+        )
+        for s in closed(events, start, end)
+    }
     every_restore = [
         dict(e, seconds=spans.get(id(e), e.get("seconds", 0.0))) for e in by.get(catalogue.RESTORE_END, [])
     ]

@@ -486,7 +486,7 @@ def recommend(
 def sdc_check_period(step_s: float, check_s: float, bad_chip_rate_s: float, *, max_overhead: float = 0.05) -> int:
     """The `sdc_check_period` that loses the least time to silent data corruption (0: no rate, no checks).
 
-    A check costs `check_s` (trainer.runtime.sdc: two forward and backward passes). A chip that starts
+    A check costs `check_s` (trainer.attempt.sdc: two forward and backward passes). A chip that starts
     computing wrong numbers (at `bad_chip_rate_s` over the cluster) corrupts every step until the next
     check sees it, and the run rolls back those steps: half a period on average. Per second of training
     that is check_s / (N step_s) + rate N step_s / 2, least at N = sqrt(2 check_s / rate) / step_s; never

@@ -2,11 +2,11 @@
 
 A collective that never returns, a host stuck in I/O or a wedged device raise nothing: the main thread
 just waits. A watchdog thread watches two signals of progress, the main thread's phase
-(`trainer.runtime.preemption.phase`: compile, restore, steps, checkpoint_save, evaluation, ...) and, in
+(`trainer.process.preemption.Phases`: compile, restore, steps, checkpoint_save, evaluation, ...) and, in
 the step loop, each completed step (`beat`). When neither has moved for the phase's bound it calls
-`on_hang` with a `Hang`; the CLI (`trainer.train`) then dumps every thread's stack, emits `hang_detected`,
-writes the newest host snapshot to the local tier when it can, and exits with the transient code (75) so
-the scheduler restarts the same command, which resumes.
+`on_hang` with a `Hang`; the process root (`trainer.process_root`) then dumps every thread's stack, emits
+`hang_detected`, writes the newest host snapshot to the local tier when it can, and exits with the
+transient code (75) so the scheduler restarts the same command, which resumes.
 
 The bounds (`HangTimeouts`):
 - between completed steps: `hang_timeout_seconds`, or with `auto` `AUTO_MULTIPLE` times the median of the
@@ -15,14 +15,15 @@ The bounds (`HangTimeouts`):
 - every other phase: `hang_timeout_phase_seconds` (compile, restore, a save's blocking part, an
   evaluation, start-up);
 - waiting for slices is not watched: the elastic timeouts bound it (`elastic_timeout_seconds`).
-The watchdog is process-wide, like the phases it reads: `install` makes it the one `beat` reaches.
+One watchdog per process, owned by the process root (`trainer.process_root`), like the phases it reads;
+the loop's beats reach it through the root.
 
 A frozen process (SIGSTOP, a paused VM) of a job of several processes is the other failure that raises
 nothing: its peers declare it dead and go on without it. When it wakes it must not write anything (its
 step, records and saves belong to a formation that no longer exists). The watchdog thread ticks every
 poll; a gap between ticks longer than `freeze_bound_s` (the time after which the peers declared it dead)
-means the whole process was frozen: `fenced()` is then true for every writer (the event log and the
-metrics sinks check it), and `on_frozen` ends the process, restartable, so it comes back as a
+means the whole process was frozen: `fenced()` is then true, and every writer (the event log and the
+metrics sinks) checks it, and `on_frozen` ends the process, restartable, so it comes back as a
 replacement.
 """
 
@@ -36,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from trainer.runtime.preemption import STEPPING, current_phase
+from trainer.process.preemption import STEPPING
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +80,15 @@ class Hang:
 
 
 class ProgressWatchdog:
-    """Calls `on_hang` (from its own thread, once) when the process makes no progress within the bound."""
+    """Calls `on_hang` (from its own thread, once) when the process makes no progress within the bound.
+    `phase()`: the main thread's current phase (`Phases.current`)."""
 
     def __init__(
         self,
         timeouts: HangTimeouts,
         on_hang: Callable[[Hang], None],
         *,
-        phase: Callable[[], str] = current_phase,
+        phase: Callable[[], str],
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = 1.0,
         freeze_bound_s: float = 0.0,
@@ -113,6 +115,10 @@ class ProgressWatchdog:
         """Seconds since the watchdog thread last ticked, when that is over the freeze bound; else 0."""
         gap = self._clock() - self._tick
         return gap if self.freeze_bound_s and gap > self.freeze_bound_s else 0.0
+
+    def fenced(self) -> bool:
+        """Whether this process was frozen past the point its peers declared it dead: nothing may be written."""
+        return bool(self.frozen_for())
 
     def beat(self, step: int) -> None:
         """Step `step` completed (its metrics reached the host)."""
@@ -176,22 +182,3 @@ class ProgressWatchdog:
                 )
                 self.on_hang(hang)
                 return
-
-
-_installed: list[ProgressWatchdog] = []
-
-
-def install(watchdog: ProgressWatchdog | None) -> None:
-    """Make `watchdog` the one `beat` reaches (None: none)."""
-    _installed[:] = [] if watchdog is None else [watchdog]
-
-
-def fenced() -> bool:
-    """Whether this process was frozen past the point its peers declared it dead: nothing may be written."""
-    return any(w.frozen_for() for w in _installed)
-
-
-def beat(step: int) -> None:
-    """Step `step` completed: tell the installed watchdog, if any (the train loop calls this)."""
-    for w in _installed:
-        w.beat(step)

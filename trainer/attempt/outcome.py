@@ -1,4 +1,4 @@
-"""How an attempt's train loop ended (`trainer.runtime.loop.train_loop`): one type per ending, at a step
+"""How an attempt's train loop ended (`trainer.attempt.loop.train_loop`): one type per ending, at a step
 boundary; the supervisor decides what follows. Only a failure (a lost slice, a bug) leaves the loop as an
 exception instead.
 
@@ -44,8 +44,8 @@ class ScaleUp:
 @dataclasses.dataclass(frozen=True)
 class Rollback:
     """`step` must be undone. `cause`: NON_FINITE (its update was not finite and nan_policy=rollback),
-    LOSS_SPIKE (its loss spiked: trainer.runtime.loss_spikes) or SDC (the replay check of `step` failed:
-    trainer.runtime.sdc, naming the `suspects`); `not_after`, when set, bounds the state restored (the
+    LOSS_SPIKE (its loss spiked: trainer.attempt.loss_spikes) or SDC (the replay check of `step` failed:
+    trainer.attempt.sdc, naming the `suspects`); `not_after`, when set, bounds the state restored (the
     newest verified clean)."""
 
     kind: ClassVar[str] = ROLLBACK

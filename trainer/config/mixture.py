@@ -6,7 +6,9 @@ comma, so an entry's globs may themselves be comma-separated. Weights are relati
 to 1), must be finite and >= 0, and at least one must be > 0; an entry of weight 0 is left out of the
 mixture (its files are not read), which turns a source off without deleting it from the command line.
 
-Parsing imports nothing heavy: config validation runs it before any device work.
+Parsing imports nothing heavy: config validation runs it before any device work. It lives with the
+config (whose validation reports a bad mixture with every other problem), below the data pipeline that
+reads the sources; its errors are `DataError`s all the same.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainer.data.errors import DataError
+from trainer.errors import DataError
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ def restore_state(
     """The attempt's starting state by `choose_source`. `fresh_state(params or None)`: a full train state
     around loaded params (new optimizer state, step 0), or wholly initialised when None.
 
-    `not_after`: a rollback to the newest state verified clean (trainer.runtime.sdc): saved states of later
+    `not_after`: a rollback to the newest state verified clean (trainer.attempt.sdc): saved states of later
     steps are unverified, so they are set aside (checkpoints) or dropped (snapshots, local steps) before
     the order above picks among the rest."""
     checkpoints.cleanup_partial()

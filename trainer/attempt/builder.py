@@ -2,9 +2,10 @@
 
 Everything an attempt needs is created here and torn down by its ExitStack, so a retry after a slice
 failure starts from clean objects (no threads, arrays of a dead mesh or stale caches survive). What is
-passed in: the run's `TrainSpec` (config sections), the active slices, and long-lived services that
-the caller owns (event log, host snapshots). Only `AttemptBuilder.layouts` outlives attempts: per slice
-set, the `SliceLayout` of `trainer.runtime.layout` (mesh, shardings, compiled steps), which holds no device data.
+passed in: the run's `TrainSpec` (config sections), the active slices, the parts the cluster adds
+(`AttemptParts`), and long-lived services that the caller owns (event log, host snapshots, phases).
+Only `AttemptBuilder.layouts` outlives attempts: per slice set, the `SliceLayout` of
+`trainer.program.layout` (mesh, shardings, compiled steps), which holds no device data.
 """
 
 from __future__ import annotations
@@ -23,17 +24,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from trainer import model as qwen3
+from trainer import model
+from trainer.attempt.compile_ahead import BackgroundCompiler
+from trainer.attempt.evaluate import EvalSchedule, Evaluator
+from trainer.attempt.restore import Restored, SnapshotSource, restore_state
 from trainer.checkpoint import open_checkpointer
 from trainer.checkpoint.fence import SaveFence
 from trainer.data.pipeline import make_eval_iterator, make_train_iterator
+from trainer.io.nbytes import tree_nbytes
 from trainer.observe import catalogue
-from trainer.runtime.compile_ahead import BackgroundCompiler
-from trainer.runtime.evaluate import EvalSchedule, Evaluator
-from trainer.runtime.layout import BatchLayout, SliceLayout, TrainSpec, slice_layout
-from trainer.runtime.preemption import phase
-from trainer.runtime.restore import Restored, SnapshotSource, restore_state
-from trainer.runtime.state import init_state, state_around, tree_nbytes
+from trainer.process.preemption import Phases
+from trainer.program.layout import BatchLayout, SliceLayout, TrainSpec, slice_layout
+from trainer.program.state import init_state, state_around
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,24 @@ CLOSE_TIMEOUT_S = 60.0
 # never arrives (the coordination service keeps waiting for a recoverable task), so do not wait long.
 # Orderly ends (finish, scale-up) settle their saves before the attempt closes.
 MULTIPROCESS_CLOSE_TIMEOUT_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptParts:
+    """The parts of one attempt that depend on the cluster it runs on (`trainer.elastic.cluster.Cluster`).
+
+    snapshots                   where host-RAM snapshots are restored from (`attempt.restore.SnapshotSource`)
+    wrap_step                   wraps the compiled step (a fault injector's or the membership's guard), or None
+    wrap_replay                 wraps the compiled replay check (the fault injector's), or None
+    checkpoint_multiprocessing  Orbax MultiprocessingOptions when only some processes take part, or None
+    checkpoint_barrier          Orbax's barrier between processes (one that notices a dead peer), or None
+    """
+
+    snapshots: SnapshotSource | None = None
+    wrap_step: Callable | None = None
+    wrap_replay: Callable | None = None
+    checkpoint_multiprocessing: Any = None
+    checkpoint_barrier: Any = None
 
 
 @dataclasses.dataclass
@@ -104,12 +124,22 @@ class AttemptBuilder:
     """Builds the attempts of one run; keeps each slice set's `SliceLayout` (compiled step) across them."""
 
     def __init__(
-        self, spec: TrainSpec, *, checkpoint_dir, events, fence=None, storage_faults=None, checkpoint_due=None
+        self,
+        spec: TrainSpec,
+        *,
+        checkpoint_dir,
+        events,
+        fence=None,
+        storage_faults=None,
+        checkpoint_due=None,
+        phases: Phases | None = None,
     ):
         """`fence`: the process's save fence, advanced by each attempt's checkpointer (none given: one of
         its own); `storage_faults`: injected storage failures (fault_schedule storage=...);
-        `checkpoint_due(step)`: the planned persistent-tier period (checkpoint_period=auto), else None."""
+        `checkpoint_due(step)`: the planned persistent-tier period (checkpoint_period=auto), else None;
+        `phases`: the process's phases (compiling and restoring are phases of their own)."""
         self.spec = spec
+        self.phases = phases or Phases()
         self.checkpoint_due = checkpoint_due
         self.checkpoint_dir = checkpoint_dir
         self.events = events
@@ -128,7 +158,7 @@ class AttemptBuilder:
         """Compile the train and eval steps of each slice set in the background, one after the other, so
         the first attempt on one (a replica-resize onto survivors) finds its executable; an attempt that
         needs one still compiling waits for it. The sets within the latest attempt's slices go first
-        (`trainer.runtime.compile_ahead`). Each is a `compile_ahead` event. Returns a future that is done
+        (`trainer.attempt.compile_ahead`). Each is a `compile_ahead` event. Returns a future that is done
         when all are."""
         futures = []
         for slices in slice_sets:
@@ -168,25 +198,15 @@ class AttemptBuilder:
         self.ahead.close()
 
     def __call__(
-        self,
-        slices: list[list],
-        *,
-        snapshots: SnapshotSource | None = None,
-        wrap_step: Callable | None = None,
-        wrap_replay: Callable | None = None,
-        checkpoint_multiprocessing=None,
-        not_after: int | None = None,
-        checkpoint_barrier=None,
+        self, slices: list[list], parts: AttemptParts | None = None, *, not_after: int | None = None
     ) -> Attempt:
         """Everything one attempt needs, on the mesh over `slices` (the active ones), fresh except the layout.
 
-        `snapshots`: host-RAM snapshots to restore from (see `trainer.runtime.restore`).
-        `wrap_step` wraps the compiled step (the fault injector's or the membership's guard), `wrap_replay`
-        the compiled replay check (the fault injector's).
+        `parts`: what the cluster adds (`AttemptParts`: the snapshot source, the step's and the replay
+        check's wrappers, Orbax's multiprocessing options and barrier); none given: none of them.
         `not_after`: restore the newest saved state of at most this step (a rollback to a verified state).
-        `checkpoint_multiprocessing`: Orbax MultiprocessingOptions when only some processes take part.
-        `checkpoint_barrier`: Orbax's barrier between processes (one that notices a dead peer), or None.
         """
+        parts = parts or AttemptParts()
         stack = contextlib.ExitStack()
         try:
             key = slice_set_key(slices)
@@ -197,16 +217,16 @@ class AttemptBuilder:
             # Data first: a bad dataset or tokenizer must stop the run before any compile or device work.
             iterator, eval_iterator = self._iterators(layout, stack)
             layout = self._compiled(key, layout)
-            checkpointer = self._checkpointer(stack, checkpoint_multiprocessing, checkpoint_barrier)
-            restored = self._restore(layout, checkpointer, snapshots, not_after)
+            checkpointer = self._checkpointer(stack, parts.checkpoint_multiprocessing, parts.checkpoint_barrier)
+            restored = self._restore(layout, checkpointer, parts.snapshots, not_after)
             if restored.data_state is not None:
                 iterator.set_state(restored.data_state)
-            step_fn = layout.step_fn if wrap_step is None else wrap_step(layout.step_fn)
+            step_fn = layout.step_fn if parts.wrap_step is None else parts.wrap_step(layout.step_fn)
             evaluator = self._evaluator(layout, eval_iterator)
             attempt = self._attempt(layout, restored, step_fn, iterator, checkpointer, evaluator, stack)
             sdc_fn = attempt.sdc_fn
-            if wrap_replay is not None and sdc_fn is not None:
-                sdc_fn = wrap_replay(sdc_fn)
+            if parts.wrap_replay is not None and sdc_fn is not None:
+                sdc_fn = parts.wrap_replay(sdc_fn)
             return dataclasses.replace(attempt, num_slices=len(slices), sdc_fn=sdc_fn)
         except BaseException:
             stack.close()
@@ -242,7 +262,7 @@ class AttemptBuilder:
         compiled now and kept (`compile_done`)."""
         ahead = self.ahead.pending(key)
         if ahead is not None:
-            with phase("compile"):
+            with self.phases.enter("compile"):
                 ahead.result()  # compiling in the background right now: wait for it, do not compile twice
         with self._lock:
             cached = self.layouts.pop(key, None)
@@ -253,7 +273,7 @@ class AttemptBuilder:
                 catalogue.COMPILE_CACHED, devices=cached.mesh.size, micro_steps=cached.batch.micro_steps
             )
             return cached
-        with phase("compile"):
+        with self.phases.enter("compile"):
             layout = layout.compiled(self.spec)
         with self._lock:
             self.layouts[key] = layout
@@ -289,11 +309,11 @@ class AttemptBuilder:
     def _restore(
         self, layout: SliceLayout, checkpointer, snapshots: SnapshotSource | None, not_after: int | None = None
     ) -> Restored:
-        """The train state by the one restore order (`trainer.runtime.restore`), on the devices."""
+        """The train state by the one restore order (`trainer.attempt.restore`), on the devices."""
         spec = self.spec
         t0 = time.perf_counter()
         self.events.emit(catalogue.RESTORE_START)
-        with phase("restore"):
+        with self.phases.enter("restore"):
             restored = restore_state(
                 layout.abstract_state,
                 checkpoints=checkpointer,
@@ -327,7 +347,7 @@ class AttemptBuilder:
             batch_sharding=layout.batch_sharding,
             iterator=iterator,
             checkpointer=checkpointer,
-            flops_per_step=qwen3.training_flops_per_token(spec.model, length) * batch.global_batch_size * length,
+            flops_per_step=model.training_flops_per_token(spec.model, length) * batch.global_batch_size * length,
             sequence_length=length,
             checkpoint_metadata={
                 "config": spec.config_record,

@@ -1,6 +1,6 @@
 """The step loop of one attempt: batch -> compiled step -> metrics (one step late) -> maybe save.
 
-It returns what ended it, at a step boundary (`trainer.runtime.outcome`), through one end path; the
+It returns what ended it, at a step boundary (`trainer.attempt.outcome`), through one end path; the
 supervisor decides what follows. Only a failure (a lost slice, a bug) leaves it as an exception.
 """
 
@@ -15,15 +15,10 @@ from typing import Any, Protocol
 
 import jax
 
-from trainer.data.batch import fingerprint
-from trainer.observe import catalogue
-from trainer.observe.peaks import peak_tflops
-from trainer.observe.sinks import Sinks
-from trainer.runtime import watchdog
-from trainer.runtime.attempt import Attempt
-from trainer.runtime.loss_spikes import LossSpikePolicy
-from trainer.runtime.nonfinite import NonFinitePolicy
-from trainer.runtime.outcome import (
+from trainer.attempt.builder import Attempt
+from trainer.attempt.loss_spikes import LossSpikePolicy
+from trainer.attempt.nonfinite import NonFinitePolicy
+from trainer.attempt.outcome import (
     LOSS_SPIKE,
     SDC,
     Finished,
@@ -33,8 +28,12 @@ from trainer.runtime.outcome import (
     ScaleUp,
     TargetReached,
 )
-from trainer.runtime.preemption import EVALUATING, SAVING, STEPPING, phase
-from trainer.runtime.sdc import SdcCheck
+from trainer.attempt.sdc import SdcCheck
+from trainer.data.batch import fingerprint
+from trainer.observe import catalogue
+from trainer.observe.peaks import peak_tflops
+from trainer.observe.sinks import Sinks
+from trainer.process.preemption import EVALUATING, SAVING, STEPPING, Phases
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +157,8 @@ def train_loop(
     interrupt_eval: Callable[[], bool] = lambda: False,
     spikes: LossSpikePolicy | None = None,
     sdc: SdcCheck | None = None,
+    phases: Phases | None = None,
+    beat: Callable[[int], None] = lambda step: None,
 ) -> Outcome:
     """Run steps start_step+1 .. `steps` (a batch `nonfinite` rolled back is skipped).
 
@@ -166,10 +167,12 @@ def train_loop(
     evaluation batches (one process: a SIGTERM ends an evaluation early; the step boundary then stops).
     `spikes`: loss-spike rollback; when on, a step's record is read before anything saves that step, so
     every saved state predates a spike found in it. `sdc`: the silent-data-corruption check, run before
-    the steps it is due at."""
+    the steps it is due at. `phases`: the process's phases (the loop marks its own: a SIGTERM in them is
+    acted on at the step boundary); `beat(step)`: step `step` completed (the progress watchdog's signal)."""
     boundary = boundary or _NoBoundary()
-    spikes = spikes or LossSpikePolicy(0.0, 1, 1, 1, events)
-    sdc = sdc or SdcCheck(0, events)  # period 0: never due
+    spikes = spikes or LossSpikePolicy.off(events)
+    sdc = sdc or SdcCheck.off(events)
+    phases = phases or Phases()
     spikes.attempt_started(attempt.start_step)
     sdc.attempt_started(attempt.start_step)
     records = _step_records(attempt, peak_tflops_per_device)
@@ -189,7 +192,7 @@ def train_loop(
         if last:
             record["last"] = True
         sinks.write(record)
-        watchdog.beat(done.step)
+        beat(done.step)
         sdc.step_timed(done.step, record["step_time_s"])
         if nonfinite.check(record):
             return Rollback(done.step)
@@ -197,7 +200,7 @@ def train_loop(
 
     outcome: Outcome | None = None
     try:
-        with phase(STEPPING):  # a SIGTERM here is acted on at the step boundary (trainer.runtime.preemption)
+        with phases.enter(STEPPING):  # a SIGTERM here is acted on at the step boundary (process.preemption)
             while outcome is None and step < steps:
                 if nonfinite.skips(step + 1):
                     next(iterator)  # the batch that produced a non-finite update is skipped
@@ -221,11 +224,11 @@ def train_loop(
                         break
                 # The iterator has yielded exactly `step` batches: its state pairs with this model state.
                 if saving:
-                    _save(attempt, step, state, records, events)
+                    _save(attempt, step, state, records, events, phases)
                 # Evaluate after the save and before the boundary (snapshot, injected fault): a restore to
                 # this step finds it evaluated; a rewind to before it trains and evaluates it again.
                 if attempt.evaluator is not None and attempt.evaluator.due(step):
-                    row = _evaluate(attempt.evaluator, step, state, records, sinks, interrupt_eval)
+                    row = _evaluate(attempt.evaluator, step, state, records, sinks, interrupt_eval, phases)
                     if row is not None and attempt.evaluator.reached_target(row) and not final:
                         outcome = record_pending(last=True) or _target_reached(attempt, step, state, row, events)
                         break
@@ -257,9 +260,9 @@ def _target_reached(attempt: Attempt, step: int, state, row: dict, events) -> Ta
     return TargetReached(step, row["eval_loss"])
 
 
-def _save(attempt: Attempt, step: int, state, records: StepRecords, events) -> None:
+def _save(attempt: Attempt, step: int, state, records: StepRecords, events, phases: Phases) -> None:
     """A periodic or final save of the state after `step`; the loop's blocked time is its own event."""
-    with phase(SAVING):
+    with phases.enter(SAVING):
         _save_blocking(attempt, step, state, records, events)
 
 
@@ -318,13 +321,15 @@ def _stop(attempt: Attempt, step: int, state, boundary: Boundary, events) -> Pre
     return Preempted(step)
 
 
-def _evaluate(evaluator, step: int, state, records: StepRecords, sinks: Sinks, interrupt) -> dict[str, Any] | None:
+def _evaluate(
+    evaluator, step: int, state, records: StepRecords, sinks: Sinks, interrupt, phases: Phases
+) -> dict[str, Any] | None:
     """Evaluate the state after `step` and write its eval row; the eval's wall time is its own, not the
-    step's (trainer.runtime.evaluate). None, with no row, when `interrupt()` ended it early (a SIGTERM)."""
+    step's (trainer.attempt.evaluate). None, with no row, when `interrupt()` ended it early (a SIGTERM)."""
     t0 = time.perf_counter()
     jax.block_until_ready(state)  # the step's remaining device time stays in the step's time
     records.waited_for_devices(time.perf_counter() - t0)
-    with phase(EVALUATING):
+    with phases.enter(EVALUATING):
         row = evaluator(step, state["params"], interrupt=interrupt)
     records.exclude(time.perf_counter() - t0 if row is None else row["eval_time_s"])
     if row is None:

@@ -36,7 +36,7 @@ STEPPING = "steps"
 SAVING = "checkpoint_save"
 EVALUATING = "evaluation"
 IN_LOOP = frozenset({STEPPING, SAVING, EVALUATING})
-_phases: list[str] = ["startup"]
+STARTUP = "startup"
 
 
 class Preempted(BaseException):
@@ -50,31 +50,41 @@ class Preempted(BaseException):
         self.phase = phase
 
 
-def current_phase() -> str:
-    return _phases[-1]
+class Phases:
+    """The main thread's phase (compile, restore, steps, ...): what the SIGTERM handler, the progress
+    watchdog and the stop logs read. One per process, owned by its root (`trainer.process_root`) and
+    handed to whatever marks a phase (the supervisor, the attempt builder, the loop)."""
 
+    def __init__(self):
+        self._stack = [STARTUP]
 
-@contextlib.contextmanager
-def phase(name: str):
-    """Mark the main thread's phase (for the SIGTERM handler and the stop logs)."""
-    _phases.append(name)
-    try:
-        yield
-    finally:
-        _phases.pop()
+    def current(self) -> str:
+        return self._stack[-1]
+
+    @contextlib.contextmanager
+    def enter(self, name: str):
+        """The main thread is in phase `name` until the block ends (phases nest)."""
+        self._stack.append(name)
+        try:
+            yield
+        finally:
+            self._stack.pop()
 
 
 class StopSignal:
-    """The process's stop request: installed as the SIGTERM handler; the loop's `stop_requested`."""
+    """The process's stop request: installed as the SIGTERM handler; the loop's `stop_requested`. `phases`:
+    the process's phases (where a SIGTERM lands decides what it does)."""
 
     def __init__(
         self,
         timeout_s: float,
         *,
+        phases: Phases | None = None,
         exit_process: Callable[[int], None] = os._exit,
         main_thread: Callable[[], bool] = lambda: threading.current_thread() is threading.main_thread(),
     ):
         self.timeout_s = timeout_s
+        self.phases = phases or Phases()
         self._event = threading.Event()
         self._finished = threading.Event()
         self._exit = exit_process
@@ -111,7 +121,7 @@ class StopSignal:
         if self._event.is_set():
             return
         self.received_at = time.monotonic()
-        self.received_in = where or current_phase()
+        self.received_in = where or self.phases.current()
         self._event.set()
         log.warning(
             "event=sigterm phase=%s: stopping within stop_timeout_seconds=%g (exit %d)",
@@ -124,7 +134,7 @@ class StopSignal:
     def _handle(self, signum, frame) -> None:
         first = not self._event.is_set()
         self.request()
-        if first and current_phase() not in IN_LOOP and self._main_thread():
+        if first and self.phases.current() not in IN_LOOP and self._main_thread():
             raise Preempted(self.received_in)
 
     def save_now(self) -> None:
@@ -150,14 +160,14 @@ class StopSignal:
     def _watchdog(self) -> None:
         if self._finished.wait(self.timeout_s / 2):
             return
-        log.warning("event=stop_overdue phase=%s: saving what the process holds", current_phase())
+        log.warning("event=stop_overdue phase=%s: saving what the process holds", self.phases.current())
         saver = threading.Thread(target=self.save_now, name="stop-emergency-save", daemon=True)
         saver.start()
         if self._finished.wait(self.timeout_s / 2):
             return
         log.error(
             "event=stop_deadline phase=%s seconds=%g: exiting %d now",
-            current_phase(),
+            self.phases.current(),
             self.timeout_s,
             EXIT_PREEMPTED,
         )

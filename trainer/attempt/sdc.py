@@ -9,7 +9,7 @@ Every `period` steps, before the step runs (its input state is still there: the 
    slices both are suspects). This finds a memory fault that already landed, at any step since the
    last check.
 2. The step is replayed. Each data-parallel replica computes its part of the step twice from the same
-   state and batch (`trainer.runtime.step.make_replica_checksums`: the objective's parts and every
+   state and batch (`trainer.program.step.make_replica_checksums`: the objective's parts and every
    gradient leaf's sum, before the reduction across replicas): once on its own rows, once with the batch
    rotated by one slice, so that each slice computes the next slice's rows. Steps are bitwise
    deterministic, so on healthy devices the two results for any rows are equal bit for bit wherever
@@ -160,6 +160,11 @@ class SdcCheck:
         self._since = 0  # AUTO: the step of the last check, or of the attempt's start
         self._step_times: collections.deque[float] = collections.deque(maxlen=50)
         self._check_s: float | None = None
+
+    @classmethod
+    def off(cls, events) -> SdcCheck:
+        """The check of `sdc_check_period=0`: never due."""
+        return cls(0, events)
 
     def attempt_started(self, start_step: int) -> None:
         """An attempt starts from `start_step`: its state is the one the run goes on from, and no state after

@@ -64,6 +64,11 @@ class LossSpikePolicy:
         self._spike: dict | None = None  # the spike the next attempt rolls back from
         self._rollbacks: list[int] = []  # steps of this process's rollbacks
 
+    @classmethod
+    def off(cls, events) -> LossSpikePolicy:
+        """The policy of `loss_spike_threshold=0`: no step is a spike, no batch is skipped."""
+        return cls(0.0, 1, 1, 1, events)
+
     @property
     def enabled(self) -> bool:
         return self.threshold > 0

@@ -1,7 +1,7 @@
 """The layout of a run on a set of slices: what to train, how the batch is split, and the compiled steps.
 
 Pure: config sections and devices in, plans and executables out; no device data, threads or files. The
-trainer (`trainer.runtime.attempt.AttemptBuilder`, per slice set) and the AOT tool (`trainer.compile` through
+trainer (`trainer.attempt.builder.AttemptBuilder`, per slice set) and the AOT tool (`trainer.compile` through
 `trainer.aot.layouts`, on compile-only TPU devices) both go through this module and only this module,
 so the step the tool measures is the step a run executes.
 
@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trainer import model as qwen3
+from trainer import model
 from trainer.config.loader import to_flat_dict
 from trainer.config.schema import (
     AUTO,
@@ -42,10 +42,10 @@ from trainer.data.batch import BATCH_KEYS
 from trainer.parallel.activations import ActivationSharding
 from trainer.parallel.mesh import build_mesh
 from trainer.parallel.rules import logical_to_spec
-from trainer.runtime.executable_cache import compile_lowered
-from trainer.runtime.optim import learning_rate_schedule, make_optimizer
-from trainer.runtime.state import state_shardings
-from trainer.runtime.step import make_eval_step, make_replica_checksums, make_train_step
+from trainer.program.executable_cache import compile_lowered
+from trainer.program.optim import learning_rate_schedule, make_optimizer
+from trainer.program.state import state_shardings
+from trainer.program.step import make_eval_step, make_replica_checksums, make_train_step
 
 Step = Literal["train", "eval", "sdc"]
 
@@ -64,7 +64,7 @@ class TrainSpec:
     resize_batch_policy: str  # elastic_resize_batch_policy: keep_global | scale
     config_record: dict  # the resolved config, flat: saved with every checkpoint
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
-    sdc_check: bool = False  # sdc_check_period > 0: compile the replica checksums too (trainer.runtime.sdc)
+    sdc_check: bool = False  # sdc_check_period > 0: compile the replica checksums too (trainer.attempt.sdc)
     sdc_lazy: bool = False  # sdc_check_period auto on 2+ slices: compile them at the first check
 
 
@@ -208,7 +208,7 @@ def slice_layout(spec: TrainSpec, slices: list[list]) -> SliceLayout:
     )
     loader_index, loader_count = loader_shard(batch_sharding, batch.global_batch_size)
     schedule = learning_rate_schedule(spec.optim, steps=spec.steps, lr_scale=batch.lr_scale)
-    optimizer = make_optimizer(spec.optim, qwen3.param_logical_axes(spec.model), schedule=schedule)
+    optimizer = make_optimizer(spec.optim, model.param_logical_axes(spec.model), schedule=schedule)
     shardings, abstract_state = state_shardings(spec.model, spec.mesh.logical_axis_rules, mesh, optimizer)
     eval_batch, eval_loader = None, (0, 1)
     if spec.eval.eval_interval > 0:

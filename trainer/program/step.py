@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from trainer import model as qwen3
+from trainer import model
 from trainer.config.schema import ModelConfig
 from trainer.model.layers import BTD
 from trainer.parallel.activations import UNSHARDED, ActivationSharding, axes_of
@@ -63,7 +63,7 @@ def _chunk_loss_and_grads(
     h = hidden.astype(dt)  # gathered in the compute dtype
     h = h if hidden_spec is None else shard.pin(h, hidden_spec)
     pin = (lambda x: x) if logits_spec is None else partial(shard.pin, spec=logits_spec)
-    logits = pin(qwen3.logits_from_hidden(proj, cfg, h))  # float32 [B, c, V]
+    logits = pin(model.logits_from_hidden(proj, cfg, h))  # float32 [B, c, V]
     top = jnp.max(logits, axis=-1, keepdims=True)
     e = jnp.exp(logits - top)
     total = jnp.sum(e, axis=-1, keepdims=True)
@@ -79,13 +79,13 @@ def _chunk_loss_and_grads(
         hit = jnp.maximum(0.0, 1.0 - jnp.abs(vocab - targets[..., None].astype(jnp.float32)))
         target_logit = jnp.sum(logits * hit, axis=-1)
         d_logits = d_logits - hit * mask[..., None]
-        d_proj, d_hidden = qwen3.logits_pullback(proj, cfg, h, pin(d_logits))
+        d_proj, d_hidden = model.logits_pullback(proj, cfg, h, pin(d_logits))
     else:
         # The whole vocabulary is here: the target's logit, and the "- onehot" of its gradient, through
         # the target's row of the projection, a local gather, without another pass over the logits.
-        rows, pull_rows = jax.vjp(lambda p: qwen3.output_rows(p, cfg, targets), proj)
+        rows, pull_rows = jax.vjp(lambda p: model.output_rows(p, cfg, targets), proj)
         target_logit = jnp.einsum("bcd,bcd->bc", h, rows, preferred_element_type=jnp.float32)
-        d_proj, d_hidden = qwen3.logits_pullback(proj, cfg, h, pin(d_logits))
+        d_proj, d_hidden = model.logits_pullback(proj, cfg, h, pin(d_logits))
         minus = -mask[..., None]
         (d_target_rows,) = pull_rows((minus * h).astype(rows.dtype))
         d_proj = jax.tree.map(jnp.add, d_proj, d_target_rows)
@@ -190,7 +190,7 @@ def loss_sums(
 ) -> tuple[jax.Array, dict]:
     """Objective summed over the batch's tokens (not averaged), so micro-steps add up exactly; `shard` pins
     the model's activations to the mesh."""
-    hidden, aux_loss = qwen3.forward(
+    hidden, aux_loss = model.forward(
         params, cfg, batch["inputs"], batch["positions"], batch["segment_ids"], shard=shard
     )
     objective, ce, z = token_losses(
@@ -396,7 +396,7 @@ def make_replica_checksums(
 
     The same computation (`_summed_grads`) as the train step, per replica and without the reduction, so
     two runs of it on the same rows are bitwise equal on healthy devices wherever they run: the
-    silent-data-corruption check (trainer.runtime.sdc) compares them with the rows moved to other slices."""
+    silent-data-corruption check (trainer.attempt.sdc) compares them with the rows moved to other slices."""
     summed_grads = _summed_grads(cfg, z_loss_multiplier, micro_steps, batch_spec)
 
     def checksums(out):

@@ -4,8 +4,8 @@ and back, with a replica-resize, and killed with SIGKILL and restarted, step by 
     python benchmarks/curves_through_failures.py [--steps 80] [--image PATH] [key=value ...]
     python benchmarks/curves_through_failures.py --replot     # the image again, from the record
 
-Real text that every machine has (benchmarks/corpus.py: the standard library's modules and the installed
-packages' descriptions and licences, one record per paragraph, tokenized with the bundled sentencepiece
+Real text that every machine has (benchmarks/corpus.py: the standard library's modules, its language and
+library reference and its licence, one record per paragraph, tokenized with the bundled sentencepiece
 tokenizer by `python -m trainer.data.prepare`). The model is qwen3-tiny with the tokenizer's vocabulary
 (8192) on rows of 128 tokens, on 3 virtual slices of one CPU device each (global batch 6 rows), elastic,
 a checkpoint every steps/4 and a snapshot every steps/16. Four runs of the same command:
@@ -69,7 +69,7 @@ RUNS = ("uninterrupted", "pause-and-resume", "replica-resize", "kill -9 and rest
 
 def prepare(out: Path) -> dict:
     corpus = prepare_corpus(out, tokenizer=TOKENIZER, limit=20 if smoke() else None)
-    return {k: corpus[k] for k in ("files", "records", "tokens")}
+    return {k: corpus[k] for k in ("files", "fingerprint", "records", "tokens")}
 
 
 def plan(steps: int) -> dict:

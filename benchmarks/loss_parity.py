@@ -9,7 +9,7 @@ benchmarks/compile_vs_maxtext.py's docstring). What both runs share:
 
 - **Text.** `--train-files`: ArrayRecord shards of text records (`python -m trainer.data.prepare` without
   `--tokenizer`). Default: the project's real-text corpus (benchmarks/corpus.py: the Python standard
-  library's modules and the installed packages' descriptions and licences, one record per paragraph),
+  library's modules, its language and library reference and its licence, one record per paragraph),
   prepared into a temporary directory. benchmarks/maxtext_side.py rewrites the same records, in the same
   order, as the tf.train.Example shards MaxText's Grain pipeline reads; each trainer tokenizes them itself
   with the bundled sentencepiece tokenizer (no BOS, EOS after every document), packs whole documents
@@ -247,9 +247,13 @@ def main() -> None:
     lr = cfg.optim.learning_rate
     with tempfile.TemporaryDirectory(prefix="loss_parity_") as tmp:
         work = Path(tmp)
-        files = args.train_files or prepare_text(work / "corpus")["glob"]
+        prepared = None if args.train_files else prepare_text(work / "corpus")
+        files = args.train_files or prepared["glob"]
         corpus = (
-            "the given shards" if args.train_files else "the project's real-text corpus (benchmarks/corpus.py)"
+            "the given shards"
+            if args.train_files
+            else f"the project's real-text corpus (benchmarks/corpus.py, {prepared['files']} files, "
+            f"fingerprint {prepared['fingerprint']})"
         )
         maxtext_side(args.maxtext_python, "data", "--input", files, "--output-dir", str(work / "mt_corpus"))
         params_dir, hf_dir = initial_weights(cfg.model, work)

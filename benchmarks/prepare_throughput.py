@@ -2,8 +2,8 @@
 
     python benchmarks/prepare_throughput.py [--workers 1 2] [--num-shards 8] [--unit-size 64M]
 
-The corpus is real text on any machine (benchmarks/corpus.py: the standard library's modules and the
-installed packages' METADATA and licences), one record per paragraph, tokenized with the bundled
+The corpus is real text on any machine (benchmarks/corpus.py: the standard library's modules, its
+language and library reference and its licence), one record per paragraph, tokenized with the bundled
 tokenizer (data/tokenizer/fc_sp8k.model). For each worker count the tool prepares the whole corpus from
 scratch into a temporary directory, run as a user runs it; the first count is the baseline (1: a single
 process). The shards must be byte-identical whatever the worker count: the benchmark fails otherwise.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_runs import announce_smoke, smoke  # noqa: E402
-from corpus import text_inputs  # noqa: E402
+from corpus import fingerprint, text_inputs  # noqa: E402
 from records import write_record  # noqa: E402
 
 from trainer.data.shards import RUN_FIGURES  # noqa: E402
@@ -101,6 +101,7 @@ def main() -> None:
             sys.exit(f"the shards of {r['workers']} workers differ from those of {rows[0]['workers']}")
     corpus = {
         "files": len(inputs),
+        "fingerprint": fingerprint(inputs)[:16],
         "bytes": sum(os.path.getsize(f) for f in inputs),
         "records": rows[0]["records"],
         "tokens": rows[0]["tokens"],

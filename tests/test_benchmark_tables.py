@@ -280,3 +280,36 @@ def test_elastic_recovery_phases_table_has_a_row_per_phase_and_a_column_per_kind
     )
     assert lines[-1].endswith("| 850, 850 ms | 4.21 s |")
     assert er.record_id("on") == "elastic_recovery" and er.record_id("off") == "elastic_recovery-nohugepages"
+
+
+def test_the_corpus_is_the_interpreters_own_text_whatever_else_is_installed(tmp_path, monkeypatch):
+    """The records' corpus must not change when an extra is installed: its files come from the standard
+    library alone, and a package added to site-packages leaves the file list and fingerprint unchanged."""
+    import sysconfig
+
+    corpus = _benchmark("corpus")
+    before = corpus.text_inputs()
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    assert before and all(Path(f).resolve().is_relative_to(stdlib) for f in before)
+    assert any(f.endswith("topics.py") for f in before)  # the English reference prose is part of it
+
+    site = tmp_path / "site-packages"
+    (site / "extra-1.0.dist-info").mkdir(parents=True)
+    (site / "extra-1.0.dist-info" / "METADATA").write_text("Name: extra\n\nAn extra package's description.\n")
+    (site / "extra-1.0.dist-info" / "LICENSE").write_text("MIT\n")
+    paths = dict(sysconfig.get_paths(), purelib=str(site), platlib=str(site))
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: paths)
+    after = corpus.text_inputs()
+    assert after == before
+    assert corpus.fingerprint(after) == corpus.fingerprint(before)
+
+
+def test_the_corpus_fingerprint_tells_apart_any_change_of_text(tmp_path):
+    corpus = _benchmark("corpus")
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("one\n")
+    b.write_text("two\n")
+    first = corpus.fingerprint([str(a), str(b)])
+    assert corpus.fingerprint([str(b), str(a)]) != first  # the order is part of the text
+    b.write_text("two.\n")
+    assert corpus.fingerprint([str(a), str(b)]) != first

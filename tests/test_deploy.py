@@ -191,6 +191,7 @@ def test_trainer_command_inside_every_artefact_loads(target, pset):
     assert cfg.train.base_output_directory == p.output_dir
     assert cfg.train.jax_cache_dir == p.cache_dir
     assert cfg.checkpoint.checkpoint_period == p.checkpoint_period
+    assert cfg.observe.log_format == "json"  # INFO on stdout, each line a JSON object with its severity
     if pset == "resize":
         assert cfg.train.steps == 5000 and cfg.data.dataset_type == "arrayrecord"
         assert cfg.optim.learning_rate == pytest.approx(1e-4)
@@ -1514,6 +1515,7 @@ VARIANTS = {
     "spot, budget": {"capacity": "spot", "max_preemptions": 5},
     "tcpxo": {"gpu_networking": "tcpxo", "gpu_accelerator": "nvidia-h100-mega-80gb"},
     "rdma, resources": {"gpu_networking": "rdma", "trainer_cpu": "100", "trainer_ephemeral_storage": "100Gi"},
+    "metrics port": {"metrics_port": 9100},
 }
 
 
@@ -1524,6 +1526,28 @@ def test_the_new_settings_validate_against_the_schemas(target, variant):
     assert validate_manifest(doc)[0].endswith("(CRD)")
     if target == "pathwaysjob":
         validate_manifest(pathwaysjob_jobset(doc))
+
+
+def _trainer_pod_parts(target: str, doc: dict) -> tuple[dict, dict]:
+    """(the trainer container, the metadata of its pod template) of a rendered manifest."""
+    if target == "pathwaysjob":
+        return _pathwaysjob_trainer(doc), doc["spec"]["controller"]["template"].get("metadata", {})
+    rjob = _rjob(doc, {"jobset-pathways": "pathways-head", "jobset-gpu": "slice"}[target])
+    return _containers(_pod(rjob))["trainer"], rjob["template"]["spec"]["template"].get("metadata", {})
+
+
+@pytest.mark.parametrize("target", MANIFEST_TARGETS)
+def test_metrics_port_is_the_trainers_named_port_with_the_prometheus_scrape_annotations(target):
+    doc = render(target, _params("resize", metrics_port=9100)).manifest
+    trainer, metadata = _trainer_pod_parts(target, doc)
+    assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in trainer["ports"]
+    assert "metrics_port=9100" in extract_argv(target, render(target, _params("resize", metrics_port=9100)).text)
+    annotations = metadata["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "9100"
+    assert annotations["prometheus.io/path"] == "/metrics"
+    off, off_metadata = _trainer_pod_parts(target, render(target, _params("resize")).manifest)
+    assert all(port.get("name") != "metrics" for port in off.get("ports", []))
+    assert not any(k.startswith("prometheus.io/") for k in off_metadata.get("annotations", {}))
 
 
 # ------------------------------------------------------------------------------------------------

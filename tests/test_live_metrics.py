@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -248,7 +249,11 @@ def test_a_wandb_service_that_cannot_be_reached_is_a_warning_and_the_sink_logs_n
     (away,) = [e for e in events(tmp_path) if e["event"] == "wandb_unavailable"]
     assert away["during"] == "start" and away["error"].startswith("CommError") and away["project"] == "p"
     assert not [e for e in events(tmp_path) if e["event"] in ("wandb_run", "wandb_run_closed")]
-    assert "event=wandb_unavailable during=start" in caplog.text
+    assert "W&B unavailable during start: CommError" in caplog.text  # the event, logged as a warning
+    said = [
+        r.levelname for r in caplog.records if "W&B" in r.getMessage() or "wandb_unavailable" in r.getMessage()
+    ]
+    assert said == ["WARNING"], caplog.text  # once
 
 
 def test_wandb_refusing_the_users_login_stops_the_start_naming_the_fix(tmp_path, monkeypatch, fresh_wandb):
@@ -307,7 +312,7 @@ def test_a_run_whose_wandb_service_cannot_be_reached_trains_and_warns(tmp_path, 
     proc = run_cli(tmp_path, "w", "steps=4", "enable_wandb=true", "wandb_project=away", devices=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "STATUS: finished step=4" in proc.stdout
-    assert "event=wandb_unavailable during=start" in proc.stderr
+    assert re.search(r"^\d\d:\d\d:\d\d WARNING W&B unavailable during start: ", proc.stderr, re.M), proc.stderr
     evs = events(tmp_path / "w")
     assert [e["event"] for e in evs].count("wandb_unavailable") == 1
     assert evs[-1]["event"] == "finish" and evs[-1]["exit_code"] == 0

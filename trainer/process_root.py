@@ -49,7 +49,10 @@ log = logging.getLogger(__name__)
 
 
 def print_status(line: str) -> None:
-    """The last line a process prints: how it ended."""
+    """The last line a process prints: how it ended (below the console's live line, taken down first)."""
+    from trainer.observe.console import stop_status_line
+
+    stop_status_line()
     print(f"STATUS: {line}", flush=True)
 
 
@@ -74,7 +77,7 @@ def ending_of_error(error: BaseException, logger: logging.Logger = log) -> Endin
     text = f"{type(error).__name__}: {error}"
     if code == EXIT_BAD_INPUT:
         status = _input_status(error)
-        print(f"{status.replace('_', ' ')}: {error}", file=sys.stderr)
+        logger.error("%s: %s", status.replace("_", " "), error)
         return Ending(code, status, status, {"error": str(error)})
     if code == EXIT_GAVE_UP:
         logger.error("elastic recovery gave up: %s", error)
@@ -248,6 +251,11 @@ class ProcessRoot:
         """Step `step` completed: progress for the watchdog."""
         if self.watchdog is not None:
             self.watchdog.beat(step)
+
+    def hold(self, close: Callable[[], None]) -> None:
+        """Call `close` when the root closes, before everything `open` took is given back (a service that
+        lives as long as the process: the live metrics endpoint)."""
+        self._stack.callback(close)
 
     def writable(self) -> bool:
         """False once this process was frozen past the point its peers declared it dead: it writes nothing."""

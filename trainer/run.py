@@ -41,6 +41,7 @@ from trainer.failures.storage import StorageFaults
 from trainer.io.jsonl import LineCounter, read_jsonl
 from trainer.io.paths import resolve
 from trainer.observe import catalogue
+from trainer.observe.metrics_server import Endpoint, LiveMetrics
 from trainer.observe.profiler import StepProfiler
 from trainer.observe.rundir import RunPaths
 from trainer.observe.sinks import JsonlSink, LogSink, ProgressSink, RecordedSteps, Sinks, TensorBoardSink
@@ -83,16 +84,21 @@ def make_sinks(
     host_times: HostTimes | None = None,
     recorded: RecordedSteps | None = None,
     writable: Callable[[], bool] = lambda: True,
+    live: LiveMetrics | None = None,
 ) -> Sinks:
     """metrics.jsonl always (then `recorded`, which tracks the rows written); a live progress line when
     stderr is a terminal, else a log line every log_period steps; TensorBoard when enabled. Given the
     run's event log: slow-step events (monitor_step_time_deviation) and, on process 0, Weights & Biases
-    (enable_wandb). `writable()`: false once the process is fenced (it then writes nothing)."""
+    (enable_wandb). `live`: the metrics endpoint's records (metrics_port). `writable()`: false once the
+    process is fenced (it then writes nothing)."""
     stderr = sys.stderr if stderr is None else stderr
-    console = ProgressSink(cfg.train.steps, stream=stderr) if stderr.isatty() else LogSink(cfg.observe.log_period)
+    period = cfg.observe.log_period
+    console = ProgressSink(cfg.train.steps, stream=stderr, period=period) if stderr.isatty() else LogSink(period)
     sinks = [JsonlSink(run_dir / "metrics.jsonl"), *([recorded] if recorded is not None else []), console]
     if cfg.observe.enable_tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+    if live is not None:
+        sinks.append(live)
     o = cfg.observe
     if events is not None and o.monitor_step_time_deviation > 0:
         sinks.append(
@@ -106,6 +112,26 @@ def make_sinks(
         name = o.wandb_run_name or cfg.train.run_name or run_dir.name
         sinks.append(WandbSink(run_dir, events, project=o.wandb_project, name=name, config=to_flat_dict(cfg)))
     return Sinks(sinks, writable=writable)
+
+
+def serve_metrics(port: int, root: ProcessRoot) -> LiveMetrics | None:
+    """The live metrics endpoint (metrics_port, trainer.observe.metrics_server) on process 0 of the job,
+    fed the run's records so far and every event from now on, served until the process root closes; None
+    where it is off or on the other processes. A port that cannot be bound is a ConfigError (exit 2)."""
+    if port == 0 or root.backend.process_id != 0:
+        return None
+    run_dir = root.paths.local
+    live = LiveMetrics(events=read_jsonl(run_dir / "events.jsonl"), rows=read_jsonl(run_dir / "metrics.jsonl"))
+    try:
+        endpoint = Endpoint(live, port)
+    except OSError as e:
+        raise ConfigError(
+            f"metrics_port={port}: cannot serve live metrics on 0.0.0.0:{port} ({e.strerror or e}): "
+            "set metrics_port to a free port, or metrics_port=0 to turn the endpoint off"
+        ) from None
+    root.events.subscribe(live.on_event)
+    root.hold(endpoint.close)
+    return live
 
 
 def use_compile_cache(train: TrainConfig) -> None:
@@ -305,6 +331,7 @@ def run(cfg: RunConfig, root: ProcessRoot) -> Outcome:
     phases, stop signal and save fence); returns how it ended. The root's stop signal gets the
     supervisor's emergency save."""
     backend, events = root.backend, root.events
+    live = serve_metrics(cfg.observe.metrics_port, root)  # before the backend joins: a bad port exits 2 early
     backend.join()
     try:
         use_compile_cache(cfg.train)
@@ -319,6 +346,7 @@ def run(cfg: RunConfig, root: ProcessRoot) -> Outcome:
             host_times=backend.host_times(),
             recorded=recorded,
             writable=root.writable,
+            live=live,
         )
         with contextlib.closing(sinks):
             supervisor = build_supervisor(

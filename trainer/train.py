@@ -55,19 +55,36 @@ def _parse_args(argv):
     return args
 
 
-def _setup_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s] %(message)s", stream=sys.stderr, force=True
-    )
+def _setup_logging(log_format: str) -> None:
+    """The console for `log_format` (trainer.observe.console); third-party INFO chatter left out."""
+    from trainer.observe import console
+
+    console.setup(log_format)
     for noisy in ("absl", "jax._src", "orbax", "tensorstore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _expect_saves(checkpoint) -> None:
+    """The checkpoint period the console's progress line counts down to (auto: once it is planned)."""
+    from trainer.observe import console
+
+    console.expect_saves(checkpoint.checkpoint_period if checkpoint.enable_checkpointing else None)
+
+
+def _log_format_given(overrides: list[str]) -> str:
+    """The log_format=... of the command line, for the lines logged before the config is read (a value
+    that is not a format waits for the config's own check)."""
+    from trainer.observe.console import FORMATS
+
+    given = [o.partition("=")[2] for o in overrides if o.startswith("log_format=")]
+    return given[-1] if given and given[-1] in FORMATS else "text"
 
 
 def main(argv=None) -> int:
     from trainer.backends import deterministic_gpu_ops
 
     args = _parse_args(sys.argv[1:] if argv is None else argv)
-    _setup_logging()
+    _setup_logging(_log_format_given(args.overrides))
     deterministic_gpu_ops()  # bitwise replays on GPUs too; before anything starts a backend
     from trainer.config.loader import load_explained
     from trainer.distributed.internals import check_versions
@@ -75,6 +92,8 @@ def main(argv=None) -> int:
     try:
         check_versions()  # a JAX or Orbax outside the window the internals were checked in: exit 2
         cfg, config_text = load_explained(args.config, args.overrides)
+        _setup_logging(cfg.observe.log_format)
+        _expect_saves(cfg.checkpoint)
         if args.print_config:
             sys.stdout.write(config_text)
             return EXIT_OK
@@ -99,6 +118,7 @@ def _prepare(cfg):
     run's directory (named, and its bucket logs continued) and the preflight of every input; the process
     root that will hold them."""
     from trainer import preflight
+    from trainer.observe import console
     from trainer.observe.rundir import resolve_run_name, run_paths
     from trainer.process_root import ProcessRoot
     from trainer.run import backend_for
@@ -116,15 +136,15 @@ def _prepare(cfg):
     paths = backend.log_paths(paths)  # several processes: process i > 0 writes under process_<i>/
     checked = preflight.check(cfg, paths.checkpoints, local_checkpoints=paths.local_checkpoints)
     where = f"resuming from step {checked.resume_step}" if checked.resume_step is not None else "new run"
-    logging.getLogger("trainer.train").info(
-        "event=run_dir run_dir=%s run_name=%s named_by=%s start=%s",
-        paths.run_dir,
-        name,
-        why,
-        where.replace(" ", "_"),
-    )
+    console.identify(run_name=name, process_index=backend.process_id)
     unused = "".join(f"; {given} not used: the run resumes" for given in checked.unused_load_paths)
-    print(f"run_dir={paths.run_dir} ({where}; run_name from {why}{unused})", flush=True)
+    line = f"run_dir={paths.run_dir} ({where}; run_name from {why}{unused})"
+    if cfg.observe.log_format == "json":  # every line a JSON object
+        logging.getLogger("trainer.train").info(
+            "%s", line, extra={console.FIELDS: {"run_dir": str(paths.run_dir), "named_by": why, "start": where}}
+        )
+    else:
+        print(line, flush=True)
     return ProcessRoot(cfg.train, paths, backend), checked
 
 

@@ -78,3 +78,26 @@ def manifest_metadata(p: DeployParams) -> dict:
     if p.queue:
         labels["kueue.x-k8s.io/queue-name"] = p.queue
     return {"name": p.job_name, "namespace": p.namespace, "labels": labels}
+
+
+METRICS_PORT_NAME = "metrics"  # the trainer container's port of its live metrics (metrics_port)
+METRICS_PATH = "/metrics"
+
+
+def metrics_ports(p: DeployParams) -> list[dict]:
+    """The trainer container's `metrics` port entry (none while --metrics-port is 0)."""
+    if not p.metrics_port:
+        return []
+    return [{"name": METRICS_PORT_NAME, "containerPort": p.metrics_port, "protocol": "TCP"}]
+
+
+def scrape_annotations(p: DeployParams) -> dict[str, str]:
+    """The prometheus.io annotations of the trainer's pod, which Prometheus' Kubernetes pod discovery (the
+    common `kubernetes-pods` job) reads to scrape it (none while --metrics-port is 0)."""
+    if not p.metrics_port:
+        return {}
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(p.metrics_port),
+        "prometheus.io/path": METRICS_PATH,
+    }

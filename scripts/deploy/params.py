@@ -34,6 +34,7 @@ MANAGED_KEYS = {
     "base_output_directory": "--output-dir",
     "run_name": "--run-name",
     "jax_cache_dir": "--compile-cache",
+    "metrics_port": "--metrics-port",
 }
 
 _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -64,6 +65,9 @@ class DeployParams:
     elastic_max_retries: int = 10
     checkpoint_period: int = 100
     compile_cache: str | None = None  # jax_cache_dir; None = <output_dir>/jax_cache, "" = disabled
+    # metrics_port: the trainer's live metrics for Prometheus, the trainer container's port `metrics` and the
+    # pod's prometheus.io scrape annotations (Kubernetes targets); 0 = off.
+    metrics_port: int = 0
     # Pathways on GKE (xpk, jobset-pathways, pathwaysjob).
     tpu_type: str = "v5litepod-16"
     elastic_slices: int | None = None  # proxy --num_elastic_slices / xpk --elastic-slices; None = derived

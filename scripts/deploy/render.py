@@ -167,6 +167,13 @@ def _parser() -> argparse.ArgumentParser:
     el.add_argument("--elastic-timeout", type=float, default=d["elastic_timeout_seconds"])
     el.add_argument("--elastic-max-retries", type=int, default=d["elastic_max_retries"])
     el.add_argument("--checkpoint-period", type=int, default=d["checkpoint_period"])
+    ap.add_argument(
+        "--metrics-port",
+        type=int,
+        default=d["metrics_port"],
+        help="metrics_port: live metrics for Prometheus on the trainer (process 0), exposed as the trainer "
+        "container's port `metrics` with prometheus.io scrape annotations on its pod; 0 = off",
+    )
     pw = ap.add_argument_group("Pathways on GKE (xpk, jobset-pathways, pathwaysjob)")
     pw.add_argument("--tpu-type", default=d["tpu_type"], help=f"one of {', '.join(sorted(TPU_TYPES))}")
     pw.add_argument(
@@ -265,6 +272,7 @@ def params_from_args(ns: argparse.Namespace, overrides: Sequence[str]) -> Deploy
         elastic_timeout_seconds=ns.elastic_timeout,
         elastic_max_retries=ns.elastic_max_retries,
         checkpoint_period=ns.checkpoint_period,
+        metrics_port=ns.metrics_port,
         compile_cache=ns.compile_cache,
         tpu_type=ns.tpu_type,
         elastic_slices=ns.elastic_slices,

@@ -19,7 +19,8 @@ def _yaml_bool(b: bool) -> str:
 
 
 def trainer_argv(p: DeployParams, *, single_controller: bool) -> list[str]:
-    """`python -m trainer.train CONFIG key=value ...` for this run, as an argv list."""
+    """`python -m trainer.train CONFIG key=value ...` for this run, as an argv list (logging JSON lines;
+    an override log_format=... comes later and wins)."""
     argv = [
         *TRAINER_ENTRY,
         p.config,
@@ -38,9 +39,12 @@ def trainer_argv(p: DeployParams, *, single_controller: bool) -> list[str]:
         f"checkpoint_period={p.checkpoint_period}",
         f"base_output_directory={p.output_dir}",
         f"run_name={p.run_name}",
+        "log_format=json",  # one JSON object per line with its severity: what Cloud Logging and collectors index
     ]
     if p.cache_dir:
         argv.append(f"jax_cache_dir={p.cache_dir}")
+    if p.metrics_port:
+        argv.append(f"metrics_port={p.metrics_port}")
     if p.spot and p.explicit_stop_timeout is None:  # the stop that fits Spot's notice (spot_stop_timeout)
         argv.append(f"stop_timeout_seconds={p.spot_stop_timeout}")
     return argv + list(p.overrides)

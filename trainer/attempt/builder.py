@@ -384,7 +384,7 @@ class AttemptBuilder:
 
 def _log_ready(layout: SliceLayout, start_step: int, source: str) -> None:
     batch = layout.batch
-    log.info(
+    log.debug(  # the attempt_start event says it to people
         "attempt ready: mesh=%s global_batch=%d micro_steps=%d lr_scale=%.3f start_step=%d source=%s "
         "loader_shard=%d/%d",
         dict(layout.mesh.shape),

@@ -53,6 +53,11 @@ from trainer.observe import catalogue, procio
 
 log = logging.getLogger(__name__)
 
+
+def _no_events(name: str, fields: dict) -> None:
+    """The default `on_event`: nothing listens, so the checkpointer's own log line is the record."""
+
+
 # The items of a step directory (each is a subdirectory of <step>/).
 STATE, DATA, METADATA = "state", "data", "metadata"
 _POLL_S = 0.05
@@ -111,7 +116,7 @@ def open_checkpointer(
     directory: epath.PathLike,
     cfg: CheckpointConfig,
     *,
-    on_event: Callable[[str, dict], None] = lambda name, fields: None,
+    on_event: Callable[[str, dict], None] = _no_events,
     multiprocessing: ocp.options.MultiprocessingOptions | None = None,
     barrier_sync_fn: Callable | None = None,
     fence: SaveFence | None = None,
@@ -181,7 +186,7 @@ class Checkpointer:
         directory: epath.PathLike,
         cfg: CheckpointConfig,
         *,
-        on_event: Callable[[str, dict], None] = lambda name, fields: None,
+        on_event: Callable[[str, dict], None] = _no_events,
         clock: Callable[[], float] = time.monotonic,
         multiprocessing: ocp.options.MultiprocessingOptions | None = None,
         barrier_sync_fn: Callable | None = None,
@@ -626,7 +631,9 @@ class Checkpointer:
             raise failure
 
     def _emit(self, name: catalogue.Event, level: int = logging.INFO, **fields) -> None:
-        log.log(level, "%s %s", name, " ".join(f"{k}={v}" for k, v in fields.items()))
+        # An event log given as on_event logs the event itself: this line is then only for debugging.
+        quiet = self._on_event is not _no_events
+        log.log(logging.DEBUG if quiet else level, "%s %s", name, " ".join(f"{k}={v}" for k, v in fields.items()))
         self._on_event(name, fields)
 
 

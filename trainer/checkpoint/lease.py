@@ -242,7 +242,7 @@ class RunLease:
                 fields = {"generation": current + 1, "owner": self.owner.describe()}
                 if previous is not None:
                     fields.update(previous_owner=_describe(previous.get("owner", {})), taken_over=why)
-                log.info("event=lease_acquired %s", " ".join(f"{k}={v}" for k, v in fields.items()))
+                log.debug("lease_acquired %s", " ".join(f"{k}={v}" for k, v in fields.items()))
                 return fields
             races += 1  # another job created it first: re-read the newest generation
             if races >= 5:

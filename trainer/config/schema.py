@@ -461,6 +461,14 @@ class ObserveConfig:
     """Metrics, logs and TensorBoard."""
 
     log_period: int = key(10, "Print a metrics line every this many steps.", minimum=1)
+    log_format: str = key(
+        "text",
+        "How the console shows logs and events: text (sentences for people; at a terminal a progress line "
+        "redrawn below them) | kv (grep-friendly 'event=NAME key=value' lines) | json (one JSON object per "
+        "line with severity, message, the event's fields and the run's identity; INFO on stdout, WARNING and "
+        "above on stderr: for Cloud Logging and other collectors). events.jsonl is the same in all three.",
+        choices=("text", "kv", "json"),
+    )
     enable_tensorboard: bool = key(True, "Write TensorBoard scalars to the run directory.")
     peak_tflops_per_device: float = key(
         0.0, "Peak TFLOP/s of one device for MFU; 0 = look up the device kind (null MFU if unknown).", minimum=0.0
@@ -519,6 +527,13 @@ class ObserveConfig:
     )
     wandb_project: str = key("elastic-trainer", "W&B project of the run (enable_wandb).")
     wandb_run_name: str = key("", "W&B display name of the run (enable_wandb); '' = the run directory's name.")
+    metrics_port: int = key(
+        0,
+        "Serve live metrics for Prometheus (step, loss, goodput and badput by cause, recoveries, ...) on "
+        "this port of process 0, all interfaces, path /metrics (docs/live_metrics.md); 0 = off.",
+        minimum=0,
+        maximum=65535,
+    )
 
 
 @dataclass(frozen=True)

@@ -258,4 +258,5 @@ class AutoPeriods:
             rate=source,
             failures=failures,
             costs={k: round(v, 6) for k, v in dataclasses.asdict(costs).items()},
+            expected_goodput=None if p.expected_goodput is None else round(p.expected_goodput, 4),
         )

@@ -280,7 +280,7 @@ class Supervisor:
                 micro_steps=batch.micro_steps,
                 lr_scale=batch.lr_scale,
             )
-            log.info(
+            log.debug(  # the attempt_start event says it to people
                 "attempt %d: slices=%s global_batch=%d micro_steps=%d lr_scale=%.3f from %s (rewound %d steps)",
                 number,
                 active,

@@ -185,10 +185,11 @@ SNAPSHOT_SKIPPED = Event(
 PERIODS_PLANNED = Event(
     "periods_planned",
     "step snapshot_period local_checkpoint_period checkpoint_period recommended mode mtbf_per_slice_s "
-    "process_kill_share rate failures costs",
+    "process_kill_share rate failures costs expected_goodput?",
     "the auto periods were planned (trainer.elastic.periods.AutoPeriods): the periods now used, the model's "
     "`recommended` ones, the recovery `mode`, the failure rate it planned for (`rate`: expected, the config's, or "
-    "observed), the share of failures taken to kill the process, and the measured `costs` it weighed",
+    "observed), the share of failures taken to kill the process, the measured `costs` it weighed, and the "
+    "model's `expected_goodput` of the run at the periods now used",
 )
 LOCAL_CHECKPOINT_SAVE_START = Event(
     "local_checkpoint_save_start", "step", "a local-tier write of this step's host snapshot started"

@@ -12,6 +12,7 @@ from typing import Any
 
 from trainer.io.jsonl import dumps, open_append, read_jsonl
 from trainer.observe.catalogue import NAMES, Event
+from trainer.observe.console import describe, event_extra, severity
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +22,8 @@ class UnknownEvent(ValueError):
 
 
 class EventLog:
-    """Appends `{"event", "time", "pid", ...fields}` to events.jsonl and logs one line per event.
+    """Appends `{"event", "time", "pid", ...fields}` to events.jsonl and logs one record per event (its
+    sentence, with the event and fields attached for the console's formats: trainer.observe.console).
 
     Thread-safe (async checkpoint callbacks emit from other threads); the clock is injectable. Event
     names are the entries of `trainer.observe.catalogue`: a name that is not one raises `UnknownEvent`
@@ -48,7 +50,7 @@ class EventLog:
         with self._lock:
             if self._file is not None and self.writable():
                 self._file.write(dumps(record))
-        log.info("event=%s %s", event, " ".join(f"{k}={v}" for k, v in fields.items()))
+        log.log(severity(event), "%s", describe(event, fields), extra=event_extra(event, fields))
         for listener in self._listeners:
             try:
                 listener(record)

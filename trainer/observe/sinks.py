@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from trainer.io.jsonl import dumps, open_append
+from trainer.observe import console
 from trainer.observe.records import is_eval
 
 log = logging.getLogger("trainer.metrics")
@@ -102,7 +103,8 @@ class TensorBoardSink:
 
 
 class LogSink:
-    """Every `period` steps one grep-friendly line: step, loss, step time, tokens/s, TFLOP/s, MFU."""
+    """Every `period` steps one grep-friendly line: step, loss, step time, tokens/s, TFLOP/s, MFU (the
+    record's fields attached for the json console: trainer.observe.console)."""
 
     def __init__(self, period: int):
         self.period = period
@@ -116,6 +118,7 @@ class LogSink:
                 _maybe(record["eval_perplexity"], ".3f"),
                 record["eval_tokens"],
                 record["eval_time_s"],
+                extra={console.FIELDS: _scalars(record)},
             )
             return
         if record["step"] % self.period and not record.get("last"):
@@ -132,6 +135,7 @@ class LogSink:
             record["tokens_per_s"],
             record["tflops_per_device"],
             "null" if mfu is None else f"{mfu:.3f}",
+            extra={console.FIELDS: _scalars(record)},
         )
 
     def close(self) -> None:
@@ -139,43 +143,67 @@ class LogSink:
 
 
 class ProgressSink:
-    """One live line on a terminal, rewritten in place (\\r) every step: step/total, loss, tokens/s, ETA.
+    """One live line at a terminal, redrawn every step: step/total, loss, tokens/s, ETA and, when the
+    checkpoint period is known, the time to the next save.
 
     ETA = the median of the last `window` step times × the steps remaining; the median ignores the
     spikes of checkpoint saves and recompiles. After an elastic rewind the step goes back and the ETA
-    grows accordingly. The stream is injectable (stderr by default); close ends the line with a newline
-    so whatever is printed next starts on its own line.
+    grows accordingly. Where the console has a live line (`trainer.observe.console.status_line`: text
+    format at a terminal) the line is drawn there, below the log lines; under the json or kv format a
+    log line every `period` steps instead (LogSink); otherwise it is rewritten in place (\\r) on `stream`
+    (stderr by default), and close ends it with a newline so whatever is printed next starts on its own line.
     """
 
-    def __init__(self, total_steps: int, *, stream: TextIO | None = None, window: int = 20):
+    def __init__(self, total_steps: int, *, stream: TextIO | None = None, window: int = 20, period: int = 10):
         self.total_steps = total_steps
         self.stream = sys.stderr if stream is None else stream
         self._step_times: collections.deque[float] = collections.deque(maxlen=window)
         self._width = 0  # length of the line on screen, to blank out what a shorter line leaves behind
+        self._lines = LogSink(period)
 
     def write(self, record: dict[str, Any]) -> None:
+        if console.current_format() != "text":
+            self._lines.write(record)
+            return
+        status = console.status_line()
+        if status is not None:
+            if is_eval(record):
+                self._lines.write(record)
+            else:
+                status.update(self._line(record))
+            return
         if is_eval(record):  # a line of its own, kept above the live line
             line = f"eval at step {record['step']}: eval_loss {_maybe(record['eval_loss'], '.4f')}"
             self.stream.write("\r" + line + " " * max(self._width - len(line), 0) + "\n")
             self.stream.flush()
             self._width = 0
             return
-        self._step_times.append(record["step_time_s"])
-        remaining = max(self.total_steps - record["step"], 0)
-        eta = statistics.median(self._step_times) * remaining
-        line = (
-            f"step {record['step']}/{self.total_steps}  loss {record['loss']:.4f}  "
-            f"{record['tokens_per_s']:,.0f} tokens/s  ETA {_clock(eta)}"
-        )
+        line = self._line(record)
         self.stream.write("\r" + line + " " * max(self._width - len(line), 0))
         self.stream.flush()
         self._width = len(line)
 
+    def _line(self, record: dict[str, Any]) -> str:
+        self._step_times.append(record["step_time_s"])
+        median = statistics.median(self._step_times)
+        step = record["step"]
+        line = (
+            f"step {step}/{self.total_steps}  loss {record['loss']:.4f}  "
+            f"{record['tokens_per_s']:,.0f} tokens/s  ETA {_clock(median * max(self.total_steps - step, 0))}"
+        )
+        save = console.next_save(step, self.total_steps)
+        return line if save is None else f"{line}  save in {_clock(median * (save - step))}"
+
     def close(self) -> None:
+        console.stop_status_line()  # its last line stays on the screen
         if self._width:
             self.stream.write("\n")
             self.stream.flush()
             self._width = 0
+
+
+def _scalars(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if isinstance(v, (int, float, str, bool)) or v is None}
 
 
 def _maybe(value: float | None, fmt: str) -> str:

@@ -138,15 +138,10 @@ class WandbSink:
         return after_started if after_closed is None or after_started > after_closed else after_closed
 
     def _unavailable(self, during: str, error: BaseException, **fields) -> None:
-        """W&B failed (not the user's doing): one warning and event; the sink logs nothing more."""
+        """W&B failed (not the user's doing): one event, logged as a warning (trainer.observe.console); the
+        sink logs nothing more."""
         self.run = None
         text = f"{type(error).__name__}: {error}".splitlines()[0]
-        log.warning(
-            "event=wandb_unavailable during=%s error=%r: training goes on without W&B (metrics.jsonl and "
-            "TensorBoard have every row; a later start of this run logs to W&B again)",
-            during,
-            text,
-        )
         self._event_log.emit(catalogue.WANDB_UNAVAILABLE, during=during, error=text, **fields)
 
     def write(self, record: dict[str, Any]) -> None:

@@ -46,6 +46,7 @@ class Plan:
     mtbf_per_slice_s: float
     rate_source: str  # "expected" (the config's prior) or "observed"
     mode: str
+    expected_goodput: float | None = None  # the model's goodput of the run at `periods` (None: not computed)
 
 
 def plan(
@@ -70,4 +71,5 @@ def plan(
     floor = snapshot_floor(costs, max_overhead)
     if "snapshot" in available and "snapshot" not in fixed and floor is not None:
         chosen["snapshot"] = min(recommended["snapshot"] or steps, floor)
-    return Plan(chosen, recommended, costs, mtbf_per_slice_s, rate_source, mode)
+    outcome = model.expected(costs, failures, model.Periods(**chosen), steps, mode)
+    return Plan(chosen, recommended, costs, mtbf_per_slice_s, rate_source, mode, outcome.goodput)

@@ -21,6 +21,8 @@ from scripts.deploy.manifest import (
     job_identity_env,
     manifest_metadata,
     manifest_text,
+    metrics_ports,
+    scrape_annotations,
 )
 from scripts.deploy.multiprocess_env import multiprocess_env
 from scripts.deploy.params import DeployParams
@@ -75,7 +77,7 @@ def render_jobset_gpu(p: DeployParams) -> Rendered:
         "env": [field_env("JOB_INDEX", "metadata.labels['jobset.sigs.k8s.io/job-index']")]
         + env_list(env)
         + job_identity_env(),
-        "ports": [{"containerPort": p.coordinator_port, "protocol": "TCP"}],
+        "ports": [{"containerPort": p.coordinator_port, "protocol": "TCP"}, *metrics_ports(p)],
         "resources": gpu_resources,
         # /dev/shm: a container's default is 64 MiB, too small for NCCL and the input pipeline's processes.
         "volumeMounts": [{"name": "shared-memory", "mountPath": "/dev/shm"}, *net.trainer_mounts],
@@ -102,8 +104,9 @@ def render_jobset_gpu(p: DeployParams) -> Rendered:
         *net.volumes,
     ]
     pod_template: dict = {"spec": pod}
-    if net.annotations:
-        pod_template = {"metadata": {"annotations": dict(net.annotations)}, "spec": pod}
+    annotations = {**net.annotations, **scrape_annotations(p)}
+    if annotations:
+        pod_template = {"metadata": {"annotations": annotations}, "spec": pod}
     manifest = {
         "apiVersion": JOBSET_API,
         "kind": "JobSet",

@@ -20,6 +20,8 @@ from scripts.deploy.manifest import (
     job_identity_env,
     manifest_metadata,
     manifest_text,
+    metrics_ports,
+    scrape_annotations,
 )
 from scripts.deploy.params import DeployParams
 from scripts.deploy.pathways import (
@@ -115,6 +117,7 @@ def render_jobset_pathways(p: DeployParams) -> Rendered:
                 "command": list(argv),
                 "env": env_list(trainer_env) + job_identity_env(),
                 "resources": pathways_trainer_resources(p),
+                **({"ports": metrics_ports(p)} if p.metrics_port else {}),
             }
         ],
     }
@@ -158,7 +161,12 @@ def render_jobset_pathways(p: DeployParams) -> Rendered:
                         "spec": {
                             **trainer_job_policy(p, 1),
                             "template": {
-                                "metadata": {"annotations": {EXCLUSIVE_TOPOLOGY: "kubernetes.io/hostname"}},
+                                "metadata": {
+                                    "annotations": {
+                                        EXCLUSIVE_TOPOLOGY: "kubernetes.io/hostname",
+                                        **scrape_annotations(p),
+                                    }
+                                },
                                 "spec": head_pod,
                             },
                         }

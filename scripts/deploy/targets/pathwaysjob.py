@@ -8,7 +8,15 @@ import dataclasses
 from scripts.deploy.artefact import Rendered, artefact_header
 from scripts.deploy.capacity import SPOT_NODE_LABEL, capacity_header, capacity_node_selector
 from scripts.deploy.graceful_stop import pod_grace, worker_grace
-from scripts.deploy.manifest import TRAINER_CONTAINER, env_list, job_identity_env, manifest_metadata, manifest_text
+from scripts.deploy.manifest import (
+    TRAINER_CONTAINER,
+    env_list,
+    job_identity_env,
+    manifest_metadata,
+    manifest_text,
+    metrics_ports,
+    scrape_annotations,
+)
 from scripts.deploy.params import DeployParams
 from scripts.deploy.pathways import head_logs_command, pathways_trainer_env
 from scripts.deploy.resources import pathways_trainer_resources, quantities_text
@@ -92,11 +100,13 @@ def render_pathwaysjob(p: DeployParams) -> Rendered:
         # The controller appends JAX_PLATFORMS=proxy, XCLOUD_ENVIRONMENT and JAX_BACKEND_TARGET (the proxy).
         "env": env_list(pathways_trainer_env(p)) + job_identity_env(),
         "resources": pathways_trainer_resources(p),
+        **({"ports": metrics_ports(p)} if p.metrics_port else {}),
     }
     controller: dict = {"deploymentMode": "default", "mainContainerName": TRAINER_CONTAINER}
     if p.num_elastic_slices:
         controller["elasticSlices"] = p.num_elastic_slices
     controller["template"] = {
+        **({"metadata": {"annotations": scrape_annotations(p)}} if p.metrics_port else {}),
         "spec": {
             # Without it JobSet's webhook defaults the head pod to OnFailure; Never replaces the pod instead.
             "restartPolicy": "Never",
@@ -104,7 +114,7 @@ def render_pathwaysjob(p: DeployParams) -> Rendered:
             "serviceAccountName": p.service_account,
             "nodeSelector": {"cloud.google.com/gke-nodepool": p.head_nodepool},
             "containers": [trainer],
-        }
+        },
     }
     spec: dict = {
         "maxRestarts": p.max_restarts,

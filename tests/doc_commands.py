@@ -10,8 +10,8 @@ Every command gets one kind:
 - cluster: needs a cloud or cluster (`gcloud`, `docker push`, `xpk`, `kubectl`, `sbatch`, ...): not run here;
   what they deploy is rendered by `python -m scripts.deploy.render`, which runs as a local command;
 - shell: `export`, `cd`, `mkdir`: run as part of the block;
-- external: needs software this project does not install (its own comment starts with `# needs:`, e.g.
-  the MaxText comparison): not run here.
+- external: needs software this project does not install, or a job still training (its own comment
+  starts with `# needs:`, e.g. the MaxText comparison, a request to a running job): not run here.
 A training command documented to resume a finished run (and so train nothing) says so in its own comment,
 `# resumes ...`; every other one must train at least one step.
 A command whose own comment starts with `# cluster:` (e.g. the TPU-sized headline command) is a cluster

@@ -52,6 +52,7 @@ LAYERS = [
             "trainer.evaluate",
             "trainer.report",
             "trainer.chaos",
+            "trainer.control",
         ],
     ),
 ]

@@ -28,6 +28,7 @@ from trainer.attempt.loss_spikes import LossSpikePolicy, skipped_fingerprints
 from trainer.attempt.nonfinite import NonFinitePolicy
 from trainer.attempt.outcome import Outcome
 from trainer.attempt.sdc import SdcCheck
+from trainer.checkpoint.checkpointer import every
 from trainer.checkpoint.local_store import LocalStore
 from trainer.config.errors import ConfigError
 from trainer.config.loader import to_flat_dict
@@ -35,12 +36,14 @@ from trainer.config.schema import AUTO, UNPLANNED_CHECKPOINT_PERIOD, ElasticConf
 from trainer.distributed import resolve_settings
 from trainer.elastic.backends import Backend, BackendSpec, open_backend
 from trainer.elastic.cluster import Cluster
+from trainer.elastic.control import ControlActions, refusals
 from trainer.elastic.periods import AutoPeriods, FixedPeriods, PeriodKeys
 from trainer.elastic.supervisor import Supervisor
 from trainer.failures.storage import StorageFaults
 from trainer.io.jsonl import LineCounter, read_jsonl
 from trainer.io.paths import resolve
 from trainer.observe import catalogue
+from trainer.observe.control import ControlRequests, remove_access, write_access
 from trainer.observe.metrics_server import Endpoint, LiveMetrics
 from trainer.observe.profiler import StepProfiler
 from trainer.observe.rundir import RunPaths
@@ -114,16 +117,18 @@ def make_sinks(
     return Sinks(sinks, writable=writable)
 
 
-def serve_metrics(port: int, root: ProcessRoot) -> LiveMetrics | None:
+def serve_metrics(port: int, root: ProcessRoot, control: ControlRequests | None = None) -> LiveMetrics | None:
     """The live metrics endpoint (metrics_port, trainer.observe.metrics_server) on process 0 of the job,
     fed the run's records so far and every event from now on, served until the process root closes; None
-    where it is off or on the other processes. A port that cannot be bound is a ConfigError (exit 2)."""
+    where it is off or on the other processes. A port that cannot be bound is a ConfigError (exit 2).
+    `control`: the control endpoint's requests, served beside it (trainer.observe.control), with its token
+    and port in the run directory while the endpoint lives."""
     if port == 0 or root.backend.process_id != 0:
         return None
     run_dir = root.paths.local
     live = LiveMetrics(events=read_jsonl(run_dir / "events.jsonl"), rows=read_jsonl(run_dir / "metrics.jsonl"))
     try:
-        endpoint = Endpoint(live, port)
+        endpoint = Endpoint(live, port, control=None if control is None else control.app)
     except OSError as e:
         raise ConfigError(
             f"metrics_port={port}: cannot serve live metrics on 0.0.0.0:{port} ({e.strerror or e}): "
@@ -131,6 +136,9 @@ def serve_metrics(port: int, root: ProcessRoot) -> LiveMetrics | None:
         ) from None
     root.events.subscribe(live.on_event)
     root.hold(endpoint.close)
+    if control is not None:
+        write_access(run_dir, control.token, endpoint.port)
+        root.hold(partial(remove_access, run_dir))
     return live
 
 
@@ -150,13 +158,21 @@ def build_supervisor(
     sinks: Sinks,
     stop_requested: Callable[[int], bool],
     recorded: RecordedSteps | None = None,
+    control: ControlRequests | None = None,
 ) -> Supervisor:
     """The supervisor with every part it drives, each built from its own section of the config and the
     root's backend. `stop_requested`: the backend's stop over the root's signal; `recorded`: the rows
-    metrics.jsonl holds (the local tier commits behind them)."""
+    metrics.jsonl holds (the local tier commits behind them); `control`: the control endpoint's requests
+    (served: they are acted on from now on, at the step boundaries)."""
     backend, paths, events, phases = root.backend, root.paths, root.events, root.phases
     cluster = backend.cluster(slices, events=events, stop=stop_requested, chaos_dir=paths.local / "chaos")
     periods = save_periods(cfg, slices, paths, events, backend)
+    checkpoint_due = periods.checkpoint_due
+    if control is not None:
+        actions = ControlActions(control, stop=root.stop, periods=periods, events=events)
+        checkpoint_due = actions.checkpoint_due(checkpoint_due or every(cfg.checkpoint.checkpoint_period))
+        root.stop.add_check(actions.at_boundary)
+        control.offer(refusals(cfg.checkpoint, periods, jax.process_count()))
     run_loop = partial(
         train_loop,
         steps=cfg.train.steps,
@@ -180,7 +196,7 @@ def build_supervisor(
             events=events,
             fence=root.fence,
             storage_faults=StorageFaults.of(cfg.faults.faults),
-            checkpoint_due=periods.checkpoint_due,
+            checkpoint_due=checkpoint_due,
             phases=phases,
         ),
         run_loop=run_loop,
@@ -331,7 +347,8 @@ def run(cfg: RunConfig, root: ProcessRoot) -> Outcome:
     phases, stop signal and save fence); returns how it ended. The root's stop signal gets the
     supervisor's emergency save."""
     backend, events = root.backend, root.events
-    live = serve_metrics(cfg.observe.metrics_port, root)  # before the backend joins: a bad port exits 2 early
+    control = ControlRequests(events) if cfg.observe.metrics_port else None
+    live = serve_metrics(cfg.observe.metrics_port, root, control)  # before the backend joins: a bad port exits 2
     backend.join()
     try:
         use_compile_cache(cfg.train)
@@ -350,7 +367,13 @@ def run(cfg: RunConfig, root: ProcessRoot) -> Outcome:
         )
         with contextlib.closing(sinks):
             supervisor = build_supervisor(
-                cfg, slices, root, sinks=sinks, stop_requested=stop_requested, recorded=recorded
+                cfg,
+                slices,
+                root,
+                sinks=sinks,
+                stop_requested=stop_requested,
+                recorded=recorded,
+                control=None if live is None else control,
             )
             root.stop.add_saver(supervisor.emergency_save)
             return supervisor.run()

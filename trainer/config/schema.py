@@ -530,7 +530,8 @@ class ObserveConfig:
     metrics_port: int = key(
         0,
         "Serve live metrics for Prometheus (step, loss, goodput and badput by cause, recoveries, ...) on "
-        "this port of process 0, all interfaces, path /metrics (docs/live_metrics.md); 0 = off.",
+        "this port of process 0, all interfaces, path /metrics (docs/live_metrics.md), and the control "
+        "endpoint beside them (checkpoint, drain, replan; python -m trainer.control); 0 = off.",
         minimum=0,
         maximum=65535,
     )

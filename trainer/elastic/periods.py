@@ -12,7 +12,9 @@ When it plans:
   a snapshot every other step, an auto local tier saves twice and an auto persistent tier once (so each
   kind of step is measured);
 - again after the warm-up of every attempt that follows a failure (the observed rate changed);
-- again at steps 2x, 4x, ... the first planning step (costs drift: a bigger eval, a slower disk).
+- again at steps 2x, 4x, ... the first planning step (costs drift: a bigger eval, a slower disk);
+- at the step after an operator asks (`plan_now`: the control endpoint's `replan`), from the costs
+  measured so far, the schedule above going on as before.
 Each plan is an event `periods_planned` (the plans are spaced geometrically).
 
 The persistent tier (`checkpoint_period=auto`) is planned once its save has been measured (until then
@@ -151,6 +153,7 @@ class AutoPeriods:
         self.next_plan: int | None = None
         self.interval = WARMUP_STEPS
         self.plans: list = []  # every plan made (the planner's `Plan`s)
+        self.asked = False  # plan_now: plan after the next step
 
     @property
     def snapshot(self) -> int:
@@ -204,11 +207,18 @@ class AutoPeriods:
             self.next_plan = start_step + WARMUP_STEPS
             self.interval = max(self.interval, WARMUP_STEPS)
 
+    def plan_now(self) -> None:
+        """Plan after the next step (an operator's request), whatever the schedule."""
+        self.asked = True
+
     def after_step(self, step: int) -> None:
-        if self.next_plan is None or step < self.next_plan:
+        asked, self.asked = self.asked, False
+        scheduled = self.next_plan is not None and step >= self.next_plan
+        if not (asked or scheduled):
             return
-        self.interval *= 2
-        self.next_plan = step + self.interval
+        if scheduled:
+            self.interval *= 2
+            self.next_plan = step + self.interval
         try:
             self._plan(step)
         except Exception as e:  # planning must never cost the run: keep the current periods

@@ -351,6 +351,19 @@ SLOW_STEP = Event(
 WANDB_RUN = Event(
     "wandb_run", "run_id project name resumed", "the W&B run that this process logs to (enable_wandb)"
 )
+CONTROL_REQUEST = Event(
+    "control_request",
+    "action accepted status remote reason?",
+    "a request to the control endpoint (metrics_port, trainer.control): an `accepted` one (202) is queued for "
+    "the next step boundary; a refused one (401 no token, 403 a wrong one, 405 not POST, 404 no such action, "
+    "409 not for this run, 503 still starting; its `reason`) changes nothing",
+)
+CONTROL_APPLIED = Event(
+    "control_applied",
+    "action",
+    "the training thread took an accepted control request at a step boundary: `checkpoint` saves the next "
+    "step, `drain` stops as SIGTERM does (save, exit 42), `replan` plans the auto periods at the next step",
+)
 WANDB_RUN_CLOSED = Event("wandb_run_closed", "run_id", "the W&B sink logged everything before this event")
 WANDB_UNAVAILABLE = Event(
     "wandb_unavailable",

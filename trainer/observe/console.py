@@ -197,6 +197,12 @@ SENTENCES: dict[str, Callable[[Mapping[str, Any]], str]] = {
         f"W&B unavailable during {f['during']}: {f['error']}; training goes on without it (metrics.jsonl and "
         "TensorBoard have every row; a later start of this run logs to W&B again)"
     ),
+    ev.CONTROL_REQUEST: lambda f: (
+        f"control request {f['action']!r} accepted"
+        if f["accepted"]
+        else f"control request {f['action']!r} refused ({f['status']}): {f['reason']}"
+    ),
+    ev.CONTROL_APPLIED: lambda f: f"control: {f['action']} (requested over the control endpoint)",
     ev.PERIODS_PLANNED: lambda f: (
         f"planned periods at step {f['step']}: snapshot {f['snapshot_period']}, "
         f"local {f['local_checkpoint_period']}, checkpoint {f['checkpoint_period']} ({f['mode']})"

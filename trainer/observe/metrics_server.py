@@ -3,8 +3,10 @@
 `LiveMetrics` is a metric sink (`write`, one metrics row; see trainer.observe.sinks) and an event-log
 listener (`on_event`, see `EventLog.subscribe`): it keeps the run's rows (slimmed) and events in memory
 and computes the values at each scrape (`trainer.observe.metrics.live_values`, goodput up to the scrape's
-time). `Endpoint` serves it with prometheus_client's HTTP server on a daemon thread: it binds
-`addr:port` (an `OSError` when the port is taken); `close` stops serving.
+time). `Endpoint` serves it with prometheus_client's WSGI application on a threading HTTP server, on a
+daemon thread: it binds `addr:port` (an `OSError` when the port is taken); `close` stops serving. Given
+a control application (`trainer.observe.control`), the server hands it the paths under
+`/control/`.
 
 Metrics (every name starts with `trainer_`): step, loss, learning_rate, tokens_per_second, mfu,
 step_time_seconds, goodput (0-1), predicted_goodput (0-1), wall_seconds, productive_seconds,
@@ -19,10 +21,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 
+from trainer.observe.control import PATH as CONTROL_PATH
 from trainer.observe.metrics import BADPUT_TYPES, Values, live_values, slim
 
 log = logging.getLogger(__name__)
@@ -72,13 +76,22 @@ class LiveMetrics:
 
 
 class Endpoint:
-    """`live` served over HTTP on `addr:port` (port 0: a free one, see `port`) by prometheus_client's
-    server, on its own daemon thread, until `close`. Raises OSError when it cannot bind."""
+    """`live` served over HTTP on `addr:port` (port 0: a free one, see `port`), on its own daemon thread,
+    until `close`; `control`: the WSGI application of the paths under `/control/` (None: those are
+    metrics paths too). Raises OSError when it cannot bind."""
 
-    def __init__(self, live: LiveMetrics, port: int, addr: str = "0.0.0.0"):
+    def __init__(self, live: LiveMetrics, port: int, addr: str = "0.0.0.0", control: Callable | None = None):
         registry = CollectorRegistry(auto_describe=False)
         registry.register(live)
-        self._server, _ = start_http_server(port, addr=addr, registry=registry)
+        metrics = make_wsgi_app(registry)
+
+        def app(environ, start_response):
+            if control is not None and environ.get("PATH_INFO", "").startswith(CONTROL_PATH):
+                return control(environ, start_response)
+            return metrics(environ, start_response)
+
+        self._server = make_server(addr, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+        threading.Thread(target=self._server.serve_forever, name="metrics-endpoint", daemon=True).start()
         self.port: int = self._server.server_address[1]
         log.info("live metrics on http://%s:%d%s", addr, self.port, PATH)
 
@@ -88,6 +101,13 @@ class Endpoint:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line on stderr per scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
 
 
 def families(v: Values) -> Iterator[Metric]:

@@ -15,7 +15,8 @@ bucket's logs (a restarted pod appends to what earlier pods wrote), and `sync()`
 the log (one request, no re-upload of what the bucket has), whole lines only for the JSONL logs, so the
 bucket never holds a torn record; a log that reaches `REWRITE_AT_COMPONENTS` compositions (GCS allows
 1024) is uploaded whole once, which resets it. Other files (config.yml, stacks of a hang, profiles) go
-up whole when they change. It runs every `LIVE_SYNC_SECONDS` and soon after each committed checkpoint
+up whole when they change; the chaos requests and `control/` (the control endpoint's token,
+`trainer.observe.control`) never go up. It runs every `LIVE_SYNC_SECONDS` and soon after each committed checkpoint
 (`trainer.observe.live_upload`), after each attempt and at the finish, so a process killed -9 loses at
 most the last interval of its logs.
 """
@@ -36,6 +37,7 @@ from pathlib import Path
 from etils import epath
 
 from trainer.io.paths import is_remote, resolve
+from trainer.observe.control import CONTROL_DIR
 
 log = logging.getLogger(__name__)
 APPEND_ONLY_LOGS = ("metrics.jsonl", "events.jsonl")
@@ -140,6 +142,8 @@ class RunPaths:
                 for src in sorted(self.local.rglob("*")):
                     if not src.is_file() or "chaos" in src.parts:
                         continue
+                    if src.relative_to(self.local).parts[0] == CONTROL_DIR:
+                        continue  # the control endpoint's token stays with the job's user
                     dst = self.remote / src.relative_to(self.local).as_posix()
                     if src.name in APPEND_ONLY_LOGS or src.name.startswith(TENSORBOARD_EVENTS):
                         sent += self._append(src, dst, whole_lines=src.name in APPEND_ONLY_LOGS)

@@ -427,6 +427,16 @@ BREAKAGES: tuple[Breakage, ...] = (
         why="a trainer killed by SIGKILL or the OOM killer leaves its Grain workers running, holding memory",
     ),
     Breakage(
+        name="control-accepts-a-wrong-token",
+        file="trainer/observe/control.py",
+        old="if not hmac.compare_digest(given.strip().encode(), self.token.encode()):",
+        new="if False:",
+        tests=(
+            "tests/test_control_endpoint.py::test_a_missing_or_wrong_token_is_refused_queues_nothing_and_is_an_event",
+        ),
+        why="anyone who reaches the metrics port can checkpoint, drain or re-plan a run without its token",
+    ),
+    Breakage(
         name="eval-scores-drop-the-last-continuation-token",
         file="trainer/evaluate/batching.py",
         old="        scored[r, n - n_scored : n] = True\n",

@@ -31,7 +31,6 @@ SAMPLES = {  # a value of each shape a field can have
 def _console_restored():
     yield
     console.setup("text", stderr=io.StringIO())  # no handler left on a stream of an ended test
-    console.expect_saves(None)
 
 
 @pytest.mark.parametrize("event", [*catalogue.ALL, *catalogue.LAUNCHER], ids=str)
@@ -89,11 +88,26 @@ def test_json_console_logs_steps_instead_of_redrawing_a_line():
 
 
 def test_the_progress_line_counts_down_to_the_next_save_when_the_period_is_known():
-    console.expect_saves(5)
     term = io.StringIO()
-    sink = ProgressSink(total_steps=20, stream=term)
+    sink = ProgressSink(total_steps=20, stream=term, save_period=5)
     sink.write({"step": 3, "loss": 1.0, "tokens_per_s": 1.0, "step_time_s": 2.0})
     assert term.getvalue().endswith("ETA 0:00:34  save in 0:00:04")
+
+
+def test_the_progress_line_takes_the_period_the_planner_chooses_and_no_other_sinks():
+    term = io.StringIO()
+    sink = ProgressSink(total_steps=20, stream=term)  # checkpoint_period=auto: nothing to count down to yet
+    sink.write({"step": 3, "loss": 1.0, "tokens_per_s": 1.0, "step_time_s": 2.0})
+    assert term.getvalue().endswith("ETA 0:00:34")
+    sink.on_event({"event": "periods_planned", "checkpoint_period": 8})
+    sink.on_event({"event": "checkpoint_save_start", "checkpoint_period": 2})  # not a plan: ignored
+    sink.write({"step": 4, "loss": 1.0, "tokens_per_s": 1.0, "step_time_s": 2.0})
+    assert term.getvalue().endswith("ETA 0:00:32  save in 0:00:08")
+    other = io.StringIO()  # another sink of the same process starts with no period of its own
+    ProgressSink(total_steps=20, stream=other).write(
+        {"step": 3, "loss": 1.0, "tokens_per_s": 1.0, "step_time_s": 2.0}
+    )
+    assert other.getvalue().endswith("ETA 0:00:34")
 
 
 # ---- the CLI --------------------------------------------------------------------------------------------

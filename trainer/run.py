@@ -96,7 +96,14 @@ def make_sinks(
     process is fenced (it then writes nothing)."""
     stderr = sys.stderr if stderr is None else stderr
     period = cfg.observe.log_period
-    console = ProgressSink(cfg.train.steps, stream=stderr, period=period) if stderr.isatty() else LogSink(period)
+    if stderr.isatty():
+        c = cfg.checkpoint  # auto (< 1): no countdown until the planner's periods_planned event
+        saves = c.checkpoint_period if c.enable_checkpointing and not c.enable_continuous_checkpointing else None
+        console = ProgressSink(cfg.train.steps, stream=stderr, period=period, save_period=saves)
+        if events is not None:
+            events.subscribe(console.on_event)
+    else:
+        console = LogSink(period)
     sinks = [JsonlSink(run_dir / "metrics.jsonl"), *([recorded] if recorded is not None else []), console]
     if cfg.observe.enable_tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))

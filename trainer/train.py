@@ -64,13 +64,6 @@ def _setup_logging(log_format: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _expect_saves(checkpoint) -> None:
-    """The checkpoint period the console's progress line counts down to (auto: once it is planned)."""
-    from trainer.observe import console
-
-    console.expect_saves(checkpoint.checkpoint_period if checkpoint.enable_checkpointing else None)
-
-
 def _log_format_given(overrides: list[str]) -> str:
     """The log_format=... of the command line, for the lines logged before the config is read (a value
     that is not a format waits for the config's own check)."""
@@ -93,7 +86,6 @@ def main(argv=None) -> int:
         check_versions()  # a JAX or Orbax outside the window the internals were checked in: exit 2
         cfg, config_text = load_explained(args.config, args.overrides)
         _setup_logging(cfg.observe.log_format)
-        _expect_saves(cfg.checkpoint)
         if args.print_config:
             sys.stdout.write(config_text)
             return EXIT_OK

@@ -231,21 +231,7 @@ def event_extra(event: str, fields: Mapping[str, Any]) -> dict[str, Any]:
 # ---- the run's identity (json) and the live line ----------------------------------------------------------
 
 _identity: dict[str, Any] = {}
-_save_period: int | None = None
 _format = "text"
-
-
-def expect_saves(period: int | None) -> None:
-    """Checkpoints are saved every `period` steps (None or < 1: none, or not known)."""
-    global _save_period
-    _save_period = period if period is not None and period > 0 else None
-
-
-def next_save(step: int, total_steps: int) -> int | None:
-    """The step of the next checkpoint save after `step`, when the period is known."""
-    if _save_period is None or step >= total_steps:
-        return None
-    return min((step // _save_period + 1) * _save_period, total_steps)
 
 
 def current_format() -> str:
@@ -353,15 +339,12 @@ def _finite(v: Any) -> Any:
 
 
 class _Watch(logging.Filter):
-    """Keeps the run's `attempt` (identity) and checkpoint period (`next_save`) current from the events
-    that pass."""
+    """Keeps the run's `attempt` (identity) current from the events that pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         event, fields = getattr(record, EVENT, None), getattr(record, FIELDS, {})
         if event == ev.ATTEMPT_START:
             _identity["attempt"] = fields.get("attempt")
-        elif event == ev.PERIODS_PLANNED and isinstance(fields.get("checkpoint_period"), int):
-            expect_saves(fields["checkpoint_period"])
         return True
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from trainer.io.jsonl import dumps, open_append
+from trainer.observe import catalogue as ev
 from trainer.observe import console
 from trainer.observe.records import is_eval
 
@@ -152,10 +153,21 @@ class ProgressSink:
     format at a terminal) the line is drawn there, below the log lines; under the json or kv format a
     log line every `period` steps instead (LogSink); otherwise it is rewritten in place (\\r) on `stream`
     (stderr by default), and close ends it with a newline so whatever is printed next starts on its own line.
+    `save_period`: the checkpoint period the line counts down to (None: not known, no countdown); as an
+    event-log listener (`on_event`) it takes each period the planner chooses.
     """
 
-    def __init__(self, total_steps: int, *, stream: TextIO | None = None, window: int = 20, period: int = 10):
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        stream: TextIO | None = None,
+        window: int = 20,
+        period: int = 10,
+        save_period: int | None = None,
+    ):
         self.total_steps = total_steps
+        self.save_period = save_period if save_period is not None and save_period > 0 else None
         self.stream = sys.stderr if stream is None else stream
         self._step_times: collections.deque[float] = collections.deque(maxlen=window)
         self._width = 0  # length of the line on screen, to blank out what a shorter line leaves behind
@@ -191,8 +203,17 @@ class ProgressSink:
             f"step {step}/{self.total_steps}  loss {record['loss']:.4f}  "
             f"{record['tokens_per_s']:,.0f} tokens/s  ETA {_clock(median * max(self.total_steps - step, 0))}"
         )
-        save = console.next_save(step, self.total_steps)
-        return line if save is None else f"{line}  save in {_clock(median * (save - step))}"
+        if self.save_period is None or step >= self.total_steps:
+            return line
+        save = min((step // self.save_period + 1) * self.save_period, self.total_steps)
+        return f"{line}  save in {_clock(median * (save - step))}"
+
+    def on_event(self, record: dict[str, Any]) -> None:
+        """An event-log listener: a planned checkpoint period (`periods_planned`) becomes the one the
+        line counts down to."""
+        period = record.get("checkpoint_period")
+        if record.get("event") == ev.PERIODS_PLANNED and isinstance(period, int) and period > 0:
+            self.save_period = period
 
     def close(self) -> None:
         console.stop_status_line()  # its last line stays on the screen

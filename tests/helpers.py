@@ -102,3 +102,28 @@ def loader_processes(cfg, processes: int, *, global_batch_size: int, state=None)
         for loader in loaders:
             loader.set_state(state)
     return loaders
+
+
+def auto_periods(measure, events, **overrides):
+    """An `AutoPeriods` of 1000 steps on 2 slices of 4 chips (snapshot_period=auto, no local tier,
+    checkpoint_period 10,000, pause-and-resume) planning with the real planner; `overrides` replace any
+    constructor argument (a `clock`, another `checkpoint`, `mtbf_per_chip_s`, ...)."""
+    from trainer.config.schema import AUTO
+    from trainer.elastic.periods import AutoPeriods
+    from trainer.plan.auto import plan
+
+    args = dict(
+        snapshot=AUTO,
+        local=0,
+        checkpoint=10_000,
+        steps=1000,
+        slices=2,
+        devices_per_slice=4,
+        mode="pause_resume",
+        mtbf_per_chip_s=50_000 * 3600.0,
+        max_overhead=0.05,
+        events=events,
+        measure=measure,
+        planner=plan,
+    )
+    return AutoPeriods(**{**args, **overrides})

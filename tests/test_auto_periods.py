@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 import pytest
+from helpers import auto_periods
 
 from trainer.config import ConfigError, load_config
 from trainer.config.schema import AUTO
@@ -61,24 +62,8 @@ def test_a_plan_is_the_models_recommendation_with_the_floor_and_keeps_given_peri
 
 
 def _auto(measure, events, **kw):
-    args = dict(
-        snapshot=AUTO,
-        local=0,
-        checkpoint=10_000,
-        steps=1000,
-        slices=2,
-        devices_per_slice=4,
-        mode="pause_resume",
-        mtbf_per_chip_s=50_000 * 3600.0,
-        max_overhead=0.05,
-        events=events,
-        measure=measure,
-        planner=plan,
-        clock=lambda: clock[0],
-    )
     clock = [0.0]
-    args.update(kw)
-    return AutoPeriods(**args), clock
+    return auto_periods(measure, events, **{"clock": lambda: clock[0], **kw}), clock
 
 
 def _run(periods, steps):

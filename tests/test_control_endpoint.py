@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 from cli_harness import cli_env, command
+from helpers import auto_periods
 
-from trainer.config.schema import AUTO, CheckpointConfig
+from trainer.config.schema import CheckpointConfig
 from trainer.elastic.control import ControlActions, refusals
 from trainer.elastic.periods import WARMUP_STEPS, AutoPeriods, FixedPeriods
 from trainer.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED
@@ -154,23 +155,9 @@ class _Stop:
 
 def _auto_periods(events) -> AutoPeriods:
     from trainer.plan import model
-    from trainer.plan.auto import plan
 
     costs = model.Costs(step_s=0.5, snapshot_save_s=0.1, snapshot_write_s=0.6, checkpoint_save_s=2.0)
-    return AutoPeriods(
-        snapshot=AUTO,
-        local=0,
-        checkpoint=500,
-        steps=1000,
-        slices=2,
-        devices_per_slice=4,
-        mode="pause_resume",
-        mtbf_per_chip_s=4 * 3600.0,
-        max_overhead=0.05,
-        events=events,
-        measure=lambda: (costs, 0),
-        planner=plan,
-    )
+    return auto_periods(lambda: (costs, 0), events, checkpoint=500, mtbf_per_chip_s=4 * 3600.0)
 
 
 def test_the_training_thread_acts_on_the_requests_at_the_step_boundary(tmp_path):

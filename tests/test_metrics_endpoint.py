@@ -8,6 +8,7 @@ import urllib.request
 from types import SimpleNamespace
 
 import pytest
+from helpers import auto_periods
 from prometheus_client.parser import text_string_to_metric_families
 
 from trainer.config.errors import ConfigError
@@ -172,8 +173,7 @@ def test_the_endpoint_runs_on_process_0_only_and_lives_as_long_as_the_process_ro
 
 
 def test_each_plan_of_the_periods_carries_the_models_goodput_at_the_periods_it_chose():
-    from trainer.config.schema import AUTO
-    from trainer.elastic.periods import WARMUP_STEPS, AutoPeriods
+    from trainer.elastic.periods import WARMUP_STEPS
     from trainer.plan import model
     from trainer.plan.auto import plan
 
@@ -193,20 +193,7 @@ def test_each_plan_of_the_periods_carries_the_models_goodput_at_the_periods_it_c
     events = EventLog(None)
     live = LiveMetrics()
     events.subscribe(live.on_event)
-    periods = AutoPeriods(
-        snapshot=AUTO,
-        local=0,
-        checkpoint=500,
-        steps=1000,
-        slices=2,
-        devices_per_slice=4,
-        mode="pause_resume",
-        mtbf_per_chip_s=4 * 3600.0,
-        max_overhead=0.05,
-        events=events,
-        measure=lambda: (costs, 0),
-        planner=plan,
-    )
+    periods = auto_periods(lambda: (costs, 0), events, checkpoint=500, mtbf_per_chip_s=4 * 3600.0)
     periods.attempt_started(0)
     for step in range(1, WARMUP_STEPS + 1):
         periods.after_step(step)

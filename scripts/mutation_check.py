@@ -437,6 +437,16 @@ BREAKAGES: tuple[Breakage, ...] = (
         why="anyone who reaches the metrics port can checkpoint, drain or re-plan a run without its token",
     ),
     Breakage(
+        name="control-drain-never-stops-the-run",
+        file="trainer/elastic/control.py",
+        old='self.stop.request("drain (control endpoint)")',
+        new="pass",
+        tests=(
+            "tests/test_control_endpoint.py::test_checkpoint_now_commits_drain_exits_42_saved_and_a_bad_token_changes_nothing",
+        ),
+        why="an operator's drain is accepted but the run trains on: no save, no exit 42 before the node goes",
+    ),
+    Breakage(
         name="eval-scores-drop-the-last-continuation-token",
         file="trainer/evaluate/batching.py",
         old="        scored[r, n - n_scored : n] = True\n",

@@ -15,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -181,15 +182,18 @@ def test_the_readme_and_the_scale_guide_have_commands_to_run():
 @pytest.mark.docs
 @pytest.mark.timeout(3000)  # every command of a document in turn (each has its own 900 s bound)
 @pytest.mark.parametrize("doc", _docs_with_local_commands())
-def test_documented_commands_run_as_printed(doc, tmp_path):
+def test_documented_commands_run_as_printed(doc, tmp_path, record_property):
     runnable = [c for c in commands(REPO / doc) if c.kind in ("local", "shell")]
     clone, home = _fresh_clone(tmp_path), _scratch_home(tmp_path)
     env = cli_env(1)
     env.update(HOME=str(home), TRAINER_SMOKE="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}")
     for cmd, script in _scripts(runnable):
+        started = time.monotonic()
         proc = subprocess.run(
             ["bash", "-c", script], cwd=clone, env=env, capture_output=True, text=True, timeout=900
         )
+        # Each command's seconds, in the JUnit XML CI keeps (`.ci/run`): where the tier's time goes.
+        record_property(f"{doc}:{cmd.line} seconds", round(time.monotonic() - started, 1))
         problem = _expectation_met(cmd, proc)
         assert not problem, (
             f"{doc}:{cmd.line}: `{cmd.text}` ({problem})\n--- stdout\n{proc.stdout[-3000:]}"

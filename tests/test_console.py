@@ -14,6 +14,7 @@ import pytest
 
 from tests.cli_harness import cli_env, command, run_cli
 from trainer.config import ConfigError, load_config
+from trainer.logevents import event_extra
 from trainer.observe import catalogue, console
 from trainer.observe.events import read_events
 from trainer.observe.sinks import ProgressSink
@@ -67,7 +68,7 @@ def _record(event, **fields):
 
 def test_kv_lines_flatten_mappings_and_join_sequences():
     record = _record(catalogue.GOODPUT)
-    record.__dict__.update(console.event_extra(catalogue.GOODPUT, {"goodput": 0.5, **SAMPLES}))
+    record.__dict__.update(event_extra(catalogue.GOODPUT, {"goodput": 0.5, **SAMPLES}))
     line = console.KvFormatter().format(record)
     assert "event=goodput goodput=0.876 badput_s.startup_compile=14.7 " in line and "{" not in line, line
 

@@ -65,3 +65,67 @@ def test_json_severity_names_and_values_json_has_no_name_for():
         console.setup("text", stderr=io.StringIO())
     (info,), (crit,) = _parsed(out.getvalue()), _parsed(err.getvalue())
     assert info["severity"] == "INFO" and info["loss"] == "nan" and crit["severity"] == "CRITICAL"
+
+
+def test_log_lines_of_every_layer_carry_their_event_sentence_kv_and_json(tmp_path):
+    """A module below the event log (here a JSONL file's torn last line, trainer.io) logs an event the
+    same three ways: a sentence (text), `event=NAME key=value` (kv), fields as JSON keys (json)."""
+    from trainer.io.jsonl import repair_tail
+
+    shown = {}
+    for fmt in console.FORMATS:
+        path = tmp_path / f"{fmt}.jsonl"
+        path.write_bytes(b'{"step": 1}\n{"step": 2, "lo')
+        err = io.StringIO()
+        console.setup(fmt, stdout=io.StringIO(), stderr=err)
+        try:
+            assert repair_tail(path) > 0
+        finally:
+            console.setup("text")
+        shown[fmt] = err.getvalue().strip().splitlines()[-1]
+    assert "removed a torn last line" in shown["text"] and "event=" not in shown["text"]
+    assert "event=jsonl_torn_tail_removed file=" in shown["kv"] and " bytes=" in shown["kv"]
+    obj = json.loads(shown["json"])
+    assert obj["event"] == "jsonl_torn_tail_removed" and obj["severity"] == "WARNING"
+    assert obj["file"].endswith("json.jsonl") and obj["bytes"] > 0 and obj["message"].startswith("removed a torn")
+
+
+def test_a_hangs_stacks_are_one_json_object_and_kept_in_the_run_directory(tmp_path):
+    from trainer.process.watchdog import Hang
+    from trainer.process_root import _dump_stacks
+
+    err = io.StringIO()
+    console.setup("json", stdout=io.StringIO(), stderr=err)
+    try:
+        path = _dump_stacks(Hang(phase="steps", step=7, seconds=5.2, timeout_s=5.0), tmp_path / "hangs" / "1.txt")
+    finally:
+        console.setup("text")
+    (line,) = err.getvalue().strip().splitlines()  # the whole dump is one line: one log entry
+    obj = json.loads(line)
+    assert obj["event"] == "hang_stacks" and obj["severity"] == "ERROR" and obj["step"] == 7
+    assert (
+        obj["path"] == str(path)
+        and "thread 0x" in obj["message"].lower()
+        and "test_a_hangs_stacks" in obj["message"]
+    )
+    assert "test_a_hangs_stacks" in path.read_text()
+
+
+def test_no_log_call_in_the_trainer_writes_key_value_text_of_its_own():
+    """`event=` lines are the kv format's to write, from an event's fields (trainer.logevents): a message
+    that spells them out shows as raw key=value text to a person and as an unstructured string in JSON."""
+    import ast
+    from pathlib import Path
+
+    found = []
+    for path in (Path(__file__).resolve().parents[1] / "trainer").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+                first = node.args[0]
+                if (
+                    isinstance(first, ast.Constant)
+                    and isinstance(first.value, str)
+                    and first.value.startswith("event=")
+                ):
+                    found.append(f"{path.name}:{node.lineno}")
+    assert not found, f"log calls that write event= text themselves: {found}"

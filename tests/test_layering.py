@@ -19,7 +19,7 @@ TRAINER = Path(__file__).resolve().parents[1] / "trainer"
 LAYERS = [
     # the exit-code contract and its errors; one path layer and the rest of I/O (JSONL, staging, the byte
     # count of a tree of arrays, the Orbax internals); process bootstrap that needs nothing else
-    ("foundation", ["trainer.errors", "trainer.io", "trainer.hostmem", "trainer.backends"]),
+    ("foundation", ["trainer.errors", "trainer.logevents", "trainer.io", "trainer.hostmem", "trainer.backends"]),
     # what a run records and reads back: the event catalogue, event log, sinks, run directory, goodput,
     # timelines and plots; none of it needs the config
     ("observation", ["trainer.observe"]),

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from trainer.checkpoint.fence import SaveFence
 from trainer.config.schema import TrainConfig
 from trainer.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_PREEMPTED, EXIT_TRANSIENT, exit_code_for
+from trainer.logevents import event_extra
 from trainer.observe import catalogue
 from trainer.observe.events import EventLog
 from trainer.process.preemption import Phases, Preempted, StopSignal
@@ -340,20 +341,30 @@ class ProcessRoot:
 
 
 def _dump_stacks(hang: Hang, path: Path) -> Path | None:
-    """Every thread's stack to stderr and to `path`; the path, or None when it could not be written."""
-    print(
-        f"hang: no progress in phase {hang.phase} for {hang.seconds:.0f} s; every thread's stack:", file=sys.stderr
-    )
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    """Every thread's stack to `path` and to the log as one record (one JSON object under
+    `log_format=json`, the stacks in its message); the path. When `path` cannot be written, the stacks go
+    to stderr as faulthandler writes them, and None is returned."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
             f.write(f"phase={hang.phase} step={hang.step} seconds={hang.seconds} timeout_s={hang.timeout_s}\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+        stacks = path.read_text()
     except OSError as e:
-        print(f"hang: could not write the stacks to the run directory: {e}", file=sys.stderr)
+        print(
+            f"hang: could not write the stacks to the run directory ({e}); every thread's stack:", file=sys.stderr
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         return None
+    log.error(
+        "no progress in phase %s for %.0f s; every thread's stack (also in %s):\n%s",
+        hang.phase,
+        hang.seconds,
+        path,
+        stacks,
+        extra=event_extra("hang_stacks", {"phase": hang.phase, "step": hang.step, "path": str(path)}),
+    )
     return path
 
 

@@ -22,6 +22,7 @@ from trainer.aot import analysis, hlo
 from trainer.aot.topology import Target, topology_devices
 from trainer.config.schema import RunConfig
 from trainer.io.nbytes import tree_nbytes
+from trainer.logevents import event_extra
 from trainer.model import attention
 from trainer.parallel.mesh import group_into_slices
 from trainer.program.layout import TrainSpec, compile_step, slice_layout, train_spec
@@ -113,12 +114,22 @@ def compile_layout(spec: TrainSpec, slices: list[list], target: Target, *, label
         largest_collectives=hlo.largest(found),
     )
     log.info(
-        "event=compiled layout=%s chips=%d seconds=%.1f total_bytes=%d fits=%s",
+        "compiled %s on %d chips in %.1f s: %d bytes per chip, %s",
         label,
         chips,
         seconds,
         result.memory.total,
-        result.fits,
+        "fits" if result.fits else "does not fit",
+        extra=event_extra(
+            "compiled",
+            {
+                "layout": label,
+                "chips": chips,
+                "seconds": seconds,
+                "total_bytes": result.memory.total,
+                "fits": result.fits,
+            },
+        ),
     )
     return result
 
@@ -161,7 +172,15 @@ def _compile_eval(spec: TrainSpec, layout, target: Target) -> dict:
 
 
 def _refused(label: str, slices: list[list], layout, memory: analysis.Memory) -> LayoutResult:
-    log.info("event=compiled layout=%s chips=%d refused=%s", label, layout.mesh.size, memory.compiler_error)
+    log.info(
+        "compiled %s on %d chips: refused (%s)",
+        label,
+        layout.mesh.size,
+        memory.compiler_error,
+        extra=event_extra(
+            "compiled", {"layout": label, "chips": layout.mesh.size, "refused": memory.compiler_error}
+        ),
+    )
     return LayoutResult(
         label=label,
         active_slices=len(slices),

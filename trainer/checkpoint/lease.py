@@ -41,6 +41,7 @@ from etils import epath
 
 from trainer.errors import UserInputError
 from trainer.io.paths import is_remote
+from trainer.logevents import event_extra
 
 log = logging.getLogger(__name__)
 
@@ -260,14 +261,19 @@ class RunLease:
         if beat_again or age <= SILENT_BEATS * interval:
             raise LeaseHeld(self._held_message(holder))
         if waited_on is None:
+            wait = {
+                "run_dir": str(self.run_dir),
+                "holder": _describe(holder.get("owner", {})),
+                "heartbeat_age_s": round(age),
+                "stale_s": self.stale_s,
+                "wait_s": round(max(0.0, self.stale_s - age)),
+            }
             log.warning(
-                "event=lease_wait run_dir=%s holder=%s heartbeat_age_s=%.0f stale_s=%g: the holder stopped "
-                "beating; waiting up to %.0f s for it to go stale, then taking the run over",
-                self.run_dir,
-                _describe(holder.get("owner", {})).replace(" ", "_"),
-                age,
-                self.stale_s,
-                max(0.0, self.stale_s - age),
+                "the lease holder of %(run_dir)s (%(holder)s) stopped beating %(heartbeat_age_s)d s ago: "
+                "waiting up to %(wait_s)d s for it to go stale (run_lease_stale_seconds=%(stale_s)g), "
+                "then taking the run over",
+                wait,
+                extra=event_extra("lease_wait", wait),
             )
         self.sleep(min(interval, max(0.0, self.stale_s - age) + 0.1))
         return generation, heartbeat
@@ -346,7 +352,14 @@ class RunLease:
             while not self._stop.wait(interval):
                 try:
                     if not self.renew():
-                        log.error("event=lease_lost run_dir=%s generation=%s", self.run_dir, self.generation)
+                        log.error(
+                            "the lease on %s was lost (generation %s): another process holds the run now",
+                            self.run_dir,
+                            self.generation,
+                            extra=event_extra(
+                                "lease_lost", {"run_dir": str(self.run_dir), "generation": self.generation}
+                            ),
+                        )
                         on_lost()
                         return
                 except Exception as e:  # noqa: BLE001 - storage blips: the next beat tries again

@@ -35,6 +35,7 @@ from trainer.data.errors import DataError
 from trainer.data.readers import SHARD_SUFFIX
 from trainer.io import paths
 from trainer.io.staging import check_writable
+from trainer.logevents import event_extra
 
 log = logging.getLogger(__name__)
 
@@ -178,4 +179,9 @@ def _upload_all(built: Path, uri: str) -> None:
         if p.name.endswith(SHARD_SUFFIX) and p.name not in shards:
             p.unlink()  # an old shard the new output does not have
     _upload(built / INFO_FILE, info)
-    log.info("event=prepare_uploaded output=%s shards=%d", uri, len(shards))
+    log.info(
+        "uploaded %d shards to %s",
+        len(shards),
+        uri,
+        extra=event_extra("prepare_uploaded", {"output": str(uri), "shards": len(shards)}),
+    )

@@ -59,6 +59,7 @@ from trainer.data.prepare_units import (
 from trainer.data.readers import SHARD_SUFFIX, TEXT_UNITS, check_inputs
 from trainer.data.tokenizer import Tokenizer
 from trainer.io import paths
+from trainer.logevents import event_extra
 
 log = logging.getLogger(__name__)
 
@@ -285,22 +286,28 @@ def prepare(
             raise
         except BaseException:
             log.warning(
-                "event=prepare_stopped work=%s: the completed work units are kept; rerun the same command "
+                "preparation stopped: the completed work units in %s are kept; rerun the same command "
                 "to resume from them",
                 work,
+                extra=event_extra("prepare_stopped", {"work": str(work)}),
             )
             raise
         remove_work_dir(work)
     summary.output_dir = str(out)
+    done = {
+        "output": str(out),
+        "records": summary.records,
+        "bad": sum(summary.bad.values()),
+        "shards": len(summary.shards),
+        "units": summary.units,
+        "resumed": summary.units_resumed,
+        "workers": summary.workers,
+    }
     log.info(
-        "event=prepare_done output=%s records=%d bad=%d shards=%d units=%d resumed=%d workers=%d",
-        out,
-        summary.records,
-        sum(summary.bad.values()),
-        len(summary.shards),
-        summary.units,
-        summary.units_resumed,
-        summary.workers,
+        "prepared %(records)d records (%(bad)d bad) into %(shards)d shards in %(output)s: %(units)d work units, "
+        "%(resumed)d resumed, %(workers)d workers",
+        done,
+        extra=event_extra("prepare_done", done),
     )
     return summary
 

@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from trainer.logevents import event_extra
+
 log = logging.getLogger(__name__)
 
 
@@ -32,7 +34,12 @@ def parse_lines(text: str, *, source: str = "") -> list[dict[str, Any]]:
         else:
             bad += 1
     if bad:
-        log.warning("event=jsonl_skipped file=%s lines=%d (torn or corrupt writes)", source or "?", bad)
+        log.warning(
+            "skipped %d torn or corrupt lines of %s",
+            bad,
+            source or "?",
+            extra=event_extra("jsonl_skipped", {"file": str(source or "?"), "lines": bad}),
+        )
     return out
 
 
@@ -116,7 +123,12 @@ def repair_tail(path: str | os.PathLike) -> int:
             return 0
         except ValueError:
             f.truncate(size - len(fragment))
-    log.warning("event=jsonl_torn_tail_removed file=%s bytes=%d", path, len(fragment))
+    log.warning(
+        "removed a torn last line (%d bytes) from %s",
+        len(fragment),
+        path,
+        extra=event_extra("jsonl_torn_tail_removed", {"file": str(path), "bytes": len(fragment)}),
+    )
     return len(fragment)
 
 

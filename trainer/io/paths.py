@@ -21,6 +21,8 @@ from pathlib import Path
 
 from etils import epath
 
+from trainer.logevents import event_extra
+
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _GLOB_CHARS = set("*?[")
@@ -126,5 +128,11 @@ def local_copy(path: epath.Path, cache_dir: str | os.PathLike | None = None) -> 
         while chunk := src.read(1 << 22):
             out.write(chunk)
     os.replace(tmp, dest)
-    log.info("event=remote_copy src=%s dest=%s bytes=%d", path, dest, size)
+    log.info(
+        "copied %s to %s (%d bytes)",
+        path,
+        dest,
+        size,
+        extra=event_extra("remote_copy", {"src": str(path), "dest": str(dest), "bytes": size}),
+    )
     return dest

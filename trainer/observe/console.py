@@ -11,7 +11,8 @@
   event's name and fields, the run's identity: `run_name`, `process_index`, `pid`, `attempt`). INFO and
   below on stdout, WARNING and above on stderr.
 
-`EventLog.emit` logs each event with `event_extra(name, fields)`; these handlers read it from the record.
+`EventLog.emit` logs each event with `trainer.logevents.event_extra(name, fields)`, as any module may log
+one; these handlers read it from the record.
 Values are rendered without Python reprs: a list as `a,b`, a mapping flattened to `key.sub=value` (kv) or
 to words (text). The final `STATUS:` line is not a log record: it stays as `print_status` writes it.
 """
@@ -27,11 +28,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
+from trainer.logevents import EVENT, FIELDS
 from trainer.observe import catalogue as ev
 
 FORMATS = ("text", "kv", "json")
-EVENT = "trainer_event"  # a LogRecord attribute: the event's name
-FIELDS = "trainer_fields"  # a LogRecord attribute: the event's (or a record's) fields, a dict
 
 # Events a person should not miss: logged as WARNING (the rest INFO).
 WARNINGS = frozenset(
@@ -221,11 +221,6 @@ def describe(event: str, fields: Mapping[str, Any]) -> str:
             pass
     pairs = [f"{k} {_value(v)}" for k, v in fields.items()]
     return str(event).replace("_", " ") + (": " + ", ".join(pairs) if pairs else "")
-
-
-def event_extra(event: str, fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The `extra=` of an event's log record, for the handlers below."""
-    return {EVENT: str(event), FIELDS: dict(fields)}
 
 
 # ---- the run's identity (json) and the live line ----------------------------------------------------------

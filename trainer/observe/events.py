@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from trainer.io.jsonl import dumps, open_append, read_jsonl
+from trainer.logevents import event_extra
 from trainer.observe.catalogue import NAMES, Event
-from trainer.observe.console import describe, event_extra, severity
+from trainer.observe.console import describe, severity
 
 log = logging.getLogger(__name__)
 

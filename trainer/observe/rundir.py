@@ -37,6 +37,7 @@ from pathlib import Path
 from etils import epath
 
 from trainer.io.paths import is_remote, resolve
+from trainer.logevents import event_extra
 from trainer.observe.control import CONTROL_DIR
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,12 @@ class RunPaths:
                         if f.read(len(data)) == data:
                             continue  # the bucket's log and more: this node's own, not yet sent
                 dst.write_bytes(data)
-                log.info("event=log_pulled file=%s bytes=%d", src, len(data))
+                log.info(
+                    "continued %s from the bucket (%d bytes)",
+                    src,
+                    len(data),
+                    extra=event_extra("log_pulled", {"file": str(src), "bytes": len(data)}),
+                )
             except Exception as e:  # noqa: BLE001 - a failed download must not end training
                 log.warning("could not continue %s from the bucket: %s", src, e)
 

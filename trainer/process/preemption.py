@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from trainer.errors import EXIT_PREEMPTED
+from trainer.logevents import event_extra
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +125,13 @@ class StopSignal:
         self.received_in = where or self.phases.current()
         self._event.set()
         log.warning(
-            "event=sigterm phase=%s: stopping within stop_timeout_seconds=%g (exit %d)",
+            "SIGTERM in phase %s: stopping within stop_timeout_seconds=%g, then exit %d",
             self.received_in,
             self.timeout_s,
             EXIT_PREEMPTED,
+            extra=event_extra(
+                "sigterm", {"phase": self.received_in, "timeout_s": self.timeout_s, "exit_code": EXIT_PREEMPTED}
+            ),
         )
         threading.Thread(target=self._watchdog, name="stop-watchdog", daemon=True).start()
 
@@ -160,16 +164,25 @@ class StopSignal:
     def _watchdog(self) -> None:
         if self._finished.wait(self.timeout_s / 2):
             return
-        log.warning("event=stop_overdue phase=%s: saving what the process holds", self.phases.current())
+        phase = self.phases.current()
+        log.warning(
+            "the stop is overdue in phase %s: saving what the process holds",
+            phase,
+            extra=event_extra("stop_overdue", {"phase": phase}),
+        )
         saver = threading.Thread(target=self.save_now, name="stop-emergency-save", daemon=True)
         saver.start()
         if self._finished.wait(self.timeout_s / 2):
             return
+        phase = self.phases.current()
         log.error(
-            "event=stop_deadline phase=%s seconds=%g: exiting %d now",
-            self.phases.current(),
+            "stop_timeout_seconds=%g reached in phase %s: exiting %d now",
             self.timeout_s,
+            phase,
             EXIT_PREEMPTED,
+            extra=event_extra(
+                "stop_deadline", {"phase": phase, "timeout_s": self.timeout_s, "exit_code": EXIT_PREEMPTED}
+            ),
         )
         print(f"STATUS: preempted (stop_timeout_seconds={self.timeout_s:g} reached)", flush=True)
         for handler in logging.getLogger().handlers:

@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from trainer.logevents import event_extra
 from trainer.process.preemption import STEPPING
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,9 @@ class ProgressWatchdog:
         while not self._stop.wait(self.poll_s):
             if frozen := self.frozen_for():
                 log.error(
-                    "event=frozen seconds=%.1f: the process was stopped; its peers went on without it", frozen
+                    "this process was stopped for %.1f s (frozen); its peers went on without it",
+                    frozen,
+                    extra=event_extra("frozen", {"seconds": round(frozen, 1)}),
                 )
                 self.on_frozen(frozen)
                 return
@@ -174,11 +177,20 @@ class ProgressWatchdog:
             hang = self.check()
             if hang is not None:
                 log.error(
-                    "event=hang phase=%s step=%s seconds=%.1f timeout_s=%.1f: no progress",
+                    "no progress in phase %s at step %s for %.1f s (bound %.1f s)",
                     hang.phase,
                     hang.step,
                     hang.seconds,
                     hang.timeout_s,
+                    extra=event_extra(
+                        "hang",
+                        {
+                            "phase": hang.phase,
+                            "step": hang.step,
+                            "seconds": hang.seconds,
+                            "timeout_s": hang.timeout_s,
+                        },
+                    ),
                 )
                 self.on_hang(hang)
                 return

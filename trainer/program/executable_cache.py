@@ -31,6 +31,7 @@ import jax
 from etils import epath
 
 from trainer.io.paths import is_remote
+from trainer.logevents import event_extra
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +92,11 @@ def _prepare(directory: epath.Path) -> bool:
         if str(directory) not in _refused:
             _refused.add(str(directory))
             log.warning(
-                "event=executable_cache_refused directory=%s: %s; its entries are never loaded (they are code) "
+                "the executable cache %s is refused: %s; its entries are never loaded (they are code) "
                 "and this process compiles instead: use a jax_cache_dir only you can write",
                 directory,
                 reason,
+                extra=event_extra("executable_cache_refused", {"directory": str(directory), "reason": reason}),
             )
         return False
     return True

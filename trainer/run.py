@@ -179,7 +179,7 @@ def build_supervisor(
         actions = ControlActions(control, stop=root.stop, periods=periods, events=events)
         checkpoint_due = actions.checkpoint_due(checkpoint_due or every(cfg.checkpoint.checkpoint_period))
         root.stop.add_check(actions.at_boundary)
-        control.offer(refusals(cfg.checkpoint, periods, jax.process_count()))
+        control.offer(refusals(cfg.checkpoint, periods, backend.processes))
     run_loop = partial(
         train_loop,
         steps=cfg.train.steps,

@@ -30,7 +30,7 @@ def refusals(checkpoint: CheckpointConfig, periods, processes: int) -> dict[str,
         out["checkpoint"] = "enable_continuous_checkpointing=true already saves whenever the last save finished"
     elif processes > 1:
         out["checkpoint"] = f"the job has {processes} processes and a save needs all of them: use drain instead"
-    if not getattr(periods, "auto", None):
+    if not periods.auto:
         out["replan"] = "no period is auto: set snapshot_period, local_checkpoint_period or checkpoint_period=auto"
     return out
 

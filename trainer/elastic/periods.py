@@ -74,6 +74,7 @@ class FixedPeriods:
 
     snapshot: int = 0
     local: int = 0
+    auto = frozenset()  # the tiers whose period is planned: none
 
     def attempt_started(self, start_step: int) -> None:
         pass

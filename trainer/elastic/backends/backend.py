@@ -68,6 +68,11 @@ class Backend:
         return self.spec.settings.process_id
 
     @property
+    def processes(self) -> int:
+        """How many trainer processes the job has (one controller: 1)."""
+        return self.spec.settings.num_processes
+
+    @property
     def freeze_bound_s(self) -> float:
         """A process frozen longer than this has been left behind by its peers: it must write nothing
         (`trainer.process.watchdog`). 0: nobody goes on without it."""

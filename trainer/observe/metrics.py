@@ -1,12 +1,13 @@
 """The live metrics of a run: a pure mapping from its events and metrics rows to named values.
 
-`live_values(events, rows, now=...)` returns a `Values` that `trainer.observe.metrics_server` serves to
-Prometheus. Each number comes from the records the run already writes, so a scrape and a later report
+`LiveState` is fed the run's events and rows as they are written and gives a `Values` at each scrape
+(`live_values(events, rows, now=...)` does both for lists), which `trainer.observe.metrics_server` serves
+to Prometheus. Each number comes from the records the run already writes, so a scrape and a later report
 agree:
 
 - the newest step row: step, loss, learning rate, tokens/s, MFU (None where the device kind is unknown),
   step time;
-- goodput and badput by cause: `trainer.observe.goodput.account` over every event and row so far, up to
+- goodput and badput by cause: `trainer.observe.goodput`'s account of every event and row so far, up to
   `now`; each cause also carries ml-goodput-measurement's `BadputType` name (`BADPUT_TYPES`);
 - recoveries by kind: each attempt that resumed saved state after a failure or a restart (the kind is
   `restart` for a new process, else the tier it restored from: `snapshot`, `local`, `checkpoint`, ...);
@@ -25,7 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from trainer.observe import catalogue
-from trainer.observe.goodput import account
+from trainer.observe.goodput import GoodputAccount
 from trainer.observe.records import is_eval
 
 # Our badput causes under ml-goodput-measurement's names (its `BadputType`), for dashboards built on them.
@@ -42,19 +43,8 @@ BADPUT_TYPES = {
     "other": "OTHER",
 }
 
-# The fields of a metrics row that the goodput account and the step gauges read; rows are kept slim.
-ROW_FIELDS = (
-    "step",
-    "time",
-    "kind",
-    "loss",
-    "learning_rate",
-    "tokens_per_s",
-    "mfu",
-    "step_time_s",
-    "sdc_check_s",
-    "eval_time_s",
-)
+# The fields of the newest step row served as gauges.
+STEP_GAUGES = ("step", "loss", "learning_rate", "tokens_per_s", "mfu", "step_time_s")
 SAVE_TIERS = {
     catalogue.CHECKPOINT_SAVE_COMMITTED: "checkpoint",
     catalogue.LOCAL_CHECKPOINT_SAVE_COMMITTED: "local",
@@ -81,56 +71,73 @@ class Values:
     predicted_goodput: float | None = None
 
 
-def slim(row: dict[str, Any]) -> dict[str, Any]:
-    """The fields of a metrics row that `live_values` reads."""
-    return {k: row[k] for k in ROW_FIELDS if k in row}
+class LiveState:
+    """The run's live metrics, fed its events and metrics rows one at a time in file order (`add_event`,
+    `add_row`); `values(now)` at any point. It keeps running counts and the goodput account's per-step
+    state (`trainer.observe.goodput.GoodputAccount`), never the records: a long run's endpoint holds a
+    few bytes per step, and a scrape costs one pass over the step times."""
+
+    def __init__(self):
+        self.goodput = GoodputAccount()
+        self.last: dict[str, Any] = {}  # the newest step row's fields
+        self.recoveries: dict[str, int] = {}
+        self.failures: dict[str, int] = {}
+        self.saved: dict[str, float] = {}  # tier -> the newest committed save's time
+        self.steps_lost = 0
+        self.slices: int | None = None
+        self.predicted: float | None = None
+        self._previous: str | None = None  # the previous event's name
+
+    def add_event(self, e: dict[str, Any]) -> None:
+        self.goodput.add_event(e)
+        name = e["event"]
+        if name == catalogue.ATTEMPT_START:
+            self.steps_lost += e.get("steps_rewound") or 0
+            self.slices = _count(e.get("slices"), self.slices)
+            kind = _recovery_kind(e, restart=self._previous == catalogue.RESTART_RESUMED)
+            if kind is not None:
+                self.recoveries[kind] = self.recoveries.get(kind, 0) + 1
+        elif name == catalogue.WAIT_END:
+            self.slices = _count(e.get("active"), self.slices)
+        elif name == catalogue.SLICE_DOWN_DETECTED:
+            cause = str(e.get("cause") or "unknown")
+            self.failures[cause] = self.failures.get(cause, 0) + 1
+        elif name in SAVE_TIERS:
+            self.saved[SAVE_TIERS[name]] = e["time"]
+        elif name == catalogue.PERIODS_PLANNED and e.get("expected_goodput") is not None:
+            self.predicted = e["expected_goodput"]
+        self._previous = name
+
+    def add_row(self, row: dict[str, Any]) -> None:
+        self.goodput.add_row(row)
+        if not is_eval(row):
+            self.last = {k: row.get(k) for k in STEP_GAUGES}
+
+    def values(self, now: float) -> Values:
+        summary = self.goodput.result(now)
+        return Values(
+            **self.last,
+            goodput=summary["goodput"],
+            wall_s=summary["wall_s"],
+            productive_s=summary["productive_s"],
+            badput_s=dict(summary["badput_s"]),
+            recoveries=dict(self.recoveries),
+            failures=dict(self.failures),
+            steps_lost=self.steps_lost,
+            seconds_since_save={tier: max(0.0, now - t) for tier, t in self.saved.items()},
+            slices=self.slices,
+            predicted_goodput=self.predicted,
+        )
 
 
 def live_values(events: Iterable[dict[str, Any]], rows: Iterable[dict[str, Any]], *, now: float) -> Values:
     """The run's live metrics from its events and metrics rows so far (file order), at time `now`."""
-    events, rows = list(events), list(rows)
-    steps = [r for r in rows if not is_eval(r)]
-    last = steps[-1] if steps else {}
-    summary = account(events, rows, now=now)
-    recoveries: dict[str, int] = {}
-    failures: dict[str, int] = {}
-    saved: dict[str, float] = {}
-    steps_lost, slices, predicted = 0, None, None
-    for i, e in enumerate(events):
-        name = e["event"]
-        if name == catalogue.ATTEMPT_START:
-            steps_lost += e.get("steps_rewound") or 0
-            slices = _count(e.get("slices"), slices)
-            kind = _recovery_kind(e, restart=i > 0 and events[i - 1]["event"] == catalogue.RESTART_RESUMED)
-            if kind is not None:
-                recoveries[kind] = recoveries.get(kind, 0) + 1
-        elif name == catalogue.WAIT_END:
-            slices = _count(e.get("active"), slices)
-        elif name == catalogue.SLICE_DOWN_DETECTED:
-            cause = str(e.get("cause") or "unknown")
-            failures[cause] = failures.get(cause, 0) + 1
-        elif name in SAVE_TIERS:
-            saved[SAVE_TIERS[name]] = e["time"]
-        elif name == catalogue.PERIODS_PLANNED and e.get("expected_goodput") is not None:
-            predicted = e["expected_goodput"]
-    return Values(
-        step=last.get("step"),
-        loss=last.get("loss"),
-        learning_rate=last.get("learning_rate"),
-        tokens_per_s=last.get("tokens_per_s"),
-        mfu=last.get("mfu"),
-        step_time_s=last.get("step_time_s"),
-        goodput=summary["goodput"],
-        wall_s=summary["wall_s"],
-        productive_s=summary["productive_s"],
-        badput_s=dict(summary["badput_s"]),
-        recoveries=recoveries,
-        failures=failures,
-        steps_lost=steps_lost,
-        seconds_since_save={tier: max(0.0, now - t) for tier, t in saved.items()},
-        slices=slices,
-        predicted_goodput=predicted,
-    )
+    state = LiveState()
+    for e in events:
+        state.add_event(e)
+    for r in rows:
+        state.add_row(r)
+    return state.values(now)
 
 
 def _recovery_kind(attempt_start: dict[str, Any], *, restart: bool) -> str | None:

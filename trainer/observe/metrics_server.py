@@ -1,9 +1,9 @@
 """The live metrics endpoint (metrics_port): Prometheus / OpenMetrics text over HTTP on process 0.
 
 `LiveMetrics` is a metric sink (`write`, one metrics row; see trainer.observe.sinks) and an event-log
-listener (`on_event`, see `EventLog.subscribe`): it keeps the run's rows (slimmed) and events in memory
-and computes the values at each scrape (`trainer.observe.metrics.live_values`, goodput up to the scrape's
-time). `Endpoint` serves it with prometheus_client's WSGI application on a threading HTTP server, on a
+listener (`on_event`, see `EventLog.subscribe`): it feeds both to a `trainer.observe.metrics.LiveState`
+(running counts and a few bytes per step, not the records) and computes the values at each scrape
+(goodput up to the scrape's time). `Endpoint` serves it with prometheus_client's WSGI application on a threading HTTP server, on a
 daemon thread: it binds `addr:port` (an `OSError` when the port is taken); `close` stops serving. Given
 a control application (`trainer.observe.control`), the server hands it the paths under
 `/control/`.
@@ -27,7 +27,7 @@ from prometheus_client.core import CollectorRegistry, CounterMetricFamily, Gauge
 from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 
 from trainer.observe.control import PATH as CONTROL_PATH
-from trainer.observe.metrics import BADPUT_TYPES, Values, live_values, slim
+from trainer.observe.metrics import BADPUT_TYPES, LiveState, Values
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +48,17 @@ class LiveMetrics:
         clock: Callable[[], float] = time.time,
     ):
         self._lock = threading.Lock()
-        self._events = list(events)
-        self._rows = [slim(r) for r in rows]
+        self._state = LiveState()
+        for e in events:
+            self._state.add_event(e)
+        for r in rows:
+            self._state.add_row(r)
         self.clock = clock
 
     def write(self, record: dict[str, Any]) -> None:
         """A metrics row (the MetricSink protocol)."""
         with self._lock:
-            self._rows.append(slim(record))
+            self._state.add_row(record)
 
     def close(self) -> None:
         """The MetricSink protocol: nothing to release (the endpoint serving it is closed by its owner)."""
@@ -63,12 +66,11 @@ class LiveMetrics:
     def on_event(self, record: dict[str, Any]) -> None:
         """An event as the event log wrote it (an `EventLog.subscribe` listener)."""
         with self._lock:
-            self._events.append(record)
+            self._state.add_event(record)
 
     def values(self) -> Values:
         with self._lock:
-            events, rows = list(self._events), list(self._rows)
-        return live_values(events, rows, now=self.clock())
+            return self._state.values(self.clock())
 
     def collect(self) -> Iterator[Metric]:
         """The prometheus_client collector protocol."""

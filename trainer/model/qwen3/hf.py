@@ -1,8 +1,9 @@
 """Hugging Face Qwen3 / Qwen3-MoE config.json <-> ModelConfig.
 
 Supported: `Qwen3ForCausalLM` and `Qwen3MoeForCausalLM` with default RoPE or a RoPE scaling (`linear`,
-`dynamic`, `yarn`, `llama3`: read in either spelling, written in both, `trainer/model/hf_rope.py`), SiLU,
-no attention bias, no sliding window, and (MoE) every layer sparse (`decoder_sparse_step=1`, no `mlp_only_layers`).
+`dynamic`, `yarn`, `llama3`: read in either spelling, written in both, `trainer/model/hf_rope.py`),
+SiLU, no attention bias, no sliding window, and (MoE) every layer sparse (`decoder_sparse_step=1`, no
+`mlp_only_layers`).
 Anything else, and a key of the wrong type, raises `HfFormatError` naming the config key (and the file,
 given as `source`). The tensors are the shared decoder's (`trainer/model/hf_tensors.py`).
 """

@@ -74,6 +74,30 @@ def test_prefill_then_cached_steps_give_the_full_forward_logits_at_every_positio
     np.testing.assert_allclose(np.stack(got, 1), want[:, 3:], atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        "dynamic:factor=2.0,original_max_position_embeddings=4",
+        "yarn:factor=4.0,original_max_position_embeddings=4,beta_fast=32.0,beta_slow=1.0",
+    ],
+)
+def test_scaled_rope_decodes_with_one_table_the_size_of_the_cache(rope_scaling):
+    """Prefill and every cached step rotate by the table of a forward over the whole cache (dynamic NTK
+    reads the cache's size, not the chunk's; YaRN's attention factor applies in both)."""
+    cfg = dataclasses.replace(TINY, rope_scaling=rope_scaling)
+    params = _params(cfg)
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
+    want = _forward_logits(params, cfg, tokens)
+    icfg = generation.for_inference(cfg)
+    step = jax.jit(partial(generation.extend, cfg=icfg))
+    logits, cache = step(params, tokens=tokens[:, :4], cache=generation.init_cache(icfg, batch=2, max_length=9))
+    got = [logits]
+    for t in range(4, 9):
+        logits, cache = step(params, tokens=tokens[:, t : t + 1], cache=cache)
+        got.append(logits)
+    np.testing.assert_allclose(np.stack(got, 1), want[:, 3:], atol=1e-5)
+
+
 def test_greedy_generation_equals_argmax_rollout_of_the_full_forward(tiny_params):
     prompt = np.array([[3, 14, 15, 92], [65, 35, 89, 79]], np.int32)
     seq = np.zeros((2, 10), np.int32)  # one shape for every rollout step: later slots cannot leak back (causal)

@@ -401,7 +401,7 @@ def test_unexpected_tensor_is_named(tmp_path):
     [
         ("dense_tied", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "LlamaForCausalLM"),
         ("dense_tied", {"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "GemmaForCausalLM"),
-        ("dense_tied", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "yarn"),
+        ("dense_tied", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e6}}, "longrope"),
         ("dense_tied", {"attention_bias": True}, "attention_bias"),
         ("dense_tied", {"use_sliding_window": True}, "use_sliding_window"),
         ("moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),

@@ -1,14 +1,23 @@
 """The `rope_scaling` key: a RoPE frequency scaling, written as its type and its parameters.
 
     none                                            no scaling: inv_freq = theta^(-2i / head_dim)
+    linear:factor=4.0
+    dynamic:factor=2.0,original_max_position_embeddings=4096
+    yarn:factor=4.0,original_max_position_embeddings=32768,beta_fast=32.0,beta_slow=1.0
+    yarn:factor=4.0,...,beta_slow=1.0,attention_factor=1.1,mscale=1.0,mscale_all_dim=1.0,truncate=false
     llama3:factor=32,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192
 
 A type is one entry of `SCALINGS`: a frozen dataclass whose fields are its parameters, by the names
-Hugging Face's `rope_scaling` / `rope_parameters` give them, all required. A new type (`linear`,
-`dynamic`, `yarn`) is a dataclass here, its frequencies in `trainer/model/rope.py` and its config.json
-spelling in the family's HF mapping. The text form is canonical (`rope_scaling_text`): parameters in
-declaration order, numbers written so they read back exactly, so a config saved and loaded again names
-the same scaling. Parsing imports nothing heavy: config validation runs it before any device work.
+Hugging Face's `rope_scaling` / `rope_parameters` give them. A field without a default is required; a
+field with one is optional (yarn's `attention_factor`, `mscale`, `mscale_all_dim`: None = not given;
+`truncate`: true). A new type is a dataclass here, its frequencies in `trainer/model/rope.py` and its
+config.json spelling in `trainer/model/hf_rope.py`.
+
+The text form is canonical (`rope_scaling_text`): the required parameters in declaration order, then the
+optional ones that differ from their default, in declaration order; numbers written so they read back
+exactly (`repr`), booleans as `true` / `false`. So a config saved and loaded again names the same scaling,
+and the canonical text of a parsed canonical text is itself. Parsing imports nothing heavy: config
+validation runs it before any device work.
 """
 
 from __future__ import annotations
@@ -25,6 +34,73 @@ from trainer.config.errors import ConfigError
 NONE = "none"
 
 
+def _positive(scaling, *names: str) -> list[str]:
+    """A problem for each named parameter that is given (not None) and not > 0."""
+    values = {n: getattr(scaling, n) for n in names}
+    return [f"{n}={v} must be > 0" for n, v in values.items() if v is not None and v <= 0]
+
+
+def _stretches(factor: float) -> list[str]:
+    return [] if factor >= 1 else [f"factor={factor} must be >= 1 (the scaling stretches the context by it)"]
+
+
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """Position interpolation (Hugging Face rope_type "linear"): every frequency divided by `factor`."""
+
+    type: ClassVar[str] = "linear"
+    factor: float
+
+    def problems(self) -> list[str]:
+        return _stretches(self.factor)
+
+
+@dataclass(frozen=True)
+class DynamicRopeScaling:
+    """Dynamic NTK (Hugging Face rope_type "dynamic"): for a sequence of length L longer than
+    original_max_position_embeddings, theta becomes theta * (factor * L / original - (factor - 1)) ^
+    (head_dim / (head_dim - 2)); at most the original length, RoPE is unscaled. L is the static length of
+    the forward (`trainer/model/rope.py` says which); Hugging Face reads the original length from
+    config.json's `max_position_embeddings`."""
+
+    type: ClassVar[str] = "dynamic"
+    factor: float
+    original_max_position_embeddings: int
+
+    def problems(self) -> list[str]:
+        return _stretches(self.factor) + _positive(self, "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN (Hugging Face rope_type "yarn"): frequencies that rotate fewer than `beta_slow` times over
+    original_max_position_embeddings divided by `factor`, more than `beta_fast` times kept, a linear ramp
+    between (its ends floored / ceiled when `truncate`); cos and sin multiplied by the attention factor:
+    `attention_factor` if given, else (0.1 * mscale * ln factor + 1) / (0.1 * mscale_all_dim * ln factor
+    + 1) when both mscales are given, else 0.1 * ln factor + 1."""
+
+    type: ClassVar[str] = "yarn"
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def problems(self) -> list[str]:
+        out = _stretches(self.factor) + _positive(
+            self, "original_max_position_embeddings", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"
+        )
+        if self.beta_fast < self.beta_slow:
+            out.append(
+                f"beta_fast={self.beta_fast} must be >= beta_slow={self.beta_slow} (beta_fast bounds the "
+                "frequencies kept, beta_slow those interpolated)"
+            )
+        return out
+
+
 @dataclass(frozen=True)
 class Llama3RopeScaling:
     """Llama 3.1's frequency-dependent scaling (Hugging Face rope_type "llama3"): wavelengths longer than
@@ -38,7 +114,7 @@ class Llama3RopeScaling:
     original_max_position_embeddings: int
 
     def problems(self) -> list[str]:
-        out = [f"{name}={getattr(self, name)} must be > 0" for name in self._names() if getattr(self, name) <= 0]
+        out = _positive(self, *(f.name for f in dataclasses.fields(self)))
         if self.high_freq_factor <= self.low_freq_factor:
             out.append(
                 f"high_freq_factor={self.high_freq_factor} must exceed low_freq_factor={self.low_freq_factor} "
@@ -46,20 +122,35 @@ class Llama3RopeScaling:
             )
         return out
 
-    @classmethod
-    def _names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+
+RopeScaling = LinearRopeScaling | DynamicRopeScaling | YarnRopeScaling | Llama3RopeScaling
+SCALINGS: dict[str, type[RopeScaling]] = {
+    kind.type: kind for kind in (LinearRopeScaling, DynamicRopeScaling, YarnRopeScaling, Llama3RopeScaling)
+}
 
 
-RopeScaling = Llama3RopeScaling  # the union of SCALINGS' types (one so far)
-SCALINGS: dict[str, type[RopeScaling]] = {Llama3RopeScaling.type: Llama3RopeScaling}
+def _required(field: dataclasses.Field) -> bool:
+    return field.default is dataclasses.MISSING
+
+
+def _value_kind(field: dataclasses.Field) -> type:
+    """int, float or bool: the field's annotation (a string under postponed evaluation) less `| None`."""
+    name = str(field.type).replace(" | None", "").strip()
+    return {"int": int, "float": float, "bool": bool}[name]
 
 
 def _example(kind: type[RopeScaling]) -> str:
-    return f"{kind.type}:" + ",".join(f"{f.name}=..." for f in dataclasses.fields(kind))
+    fields = dataclasses.fields(kind)
+    required = [f"{f.name}=..." for f in fields if _required(f)]
+    optional = [f.name for f in fields if not _required(f)]
+    return f"{kind.type}:" + ",".join(required) + (f" (optional: {', '.join(optional)})" if optional else "")
 
 
-def _value(name: str, text: str, kind: type, where: str) -> float | int:
+def _value(name: str, text: str, kind: type, where: str) -> float | int | bool:
+    if kind is bool:
+        if text not in ("true", "false"):
+            raise ConfigError(f"{where}: {name}={text!r} must be true or false")
+        return text == "true"
     try:
         value = float(text)
     except ValueError:
@@ -82,7 +173,7 @@ def parse_rope_scaling(text: str, source: str = "rope_scaling") -> RopeScaling |
         known = ", ".join([NONE, *SCALINGS])
         raise ConfigError(f"{source}={text!r}: unknown scaling type {name.strip()!r}; known: {known}")
     fields = {f.name: f for f in dataclasses.fields(kind)}
-    values: dict[str, float | int] = {}
+    values: dict[str, float | int | bool] = {}
     for item in (p.strip() for p in params.split(",") if p.strip()):
         key, eq, raw = item.partition("=")
         key = key.strip()
@@ -94,9 +185,8 @@ def parse_rope_scaling(text: str, source: str = "rope_scaling") -> RopeScaling |
             )
         if key in values:
             raise ConfigError(f"{source}={text!r}: {key} is given twice")
-        kind_of_value = int if fields[key].type in (int, "int") else float
-        values[key] = _value(key, raw.strip(), kind_of_value, f"{source}={text!r}")
-    missing = [n for n in fields if n not in values]
+        values[key] = _value(key, raw.strip(), _value_kind(fields[key]), f"{source}={text!r}")
+    missing = [n for n, f in fields.items() if _required(f) and n not in values]
     if missing:
         raise ConfigError(
             f"{source}={text!r}: {kind.type} needs {', '.join(missing)} too; write it as {_example(kind)}"
@@ -108,9 +198,22 @@ def parse_rope_scaling(text: str, source: str = "rope_scaling") -> RopeScaling |
     return scaling
 
 
+def _text(value: float | int | bool) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else repr(value)
+
+
+def given_parameters(scaling: RopeScaling) -> dict[str, float | int | bool]:
+    """The parameters the canonical text writes, by name, in its order: the required ones, then the
+    optional ones not at their default (also what a config.json carries)."""
+    fields = dataclasses.fields(scaling)
+    shown = [f for f in fields if _required(f)]
+    shown += [f for f in fields if not _required(f) and getattr(scaling, f.name) != f.default]
+    return {f.name: getattr(scaling, f.name) for f in shown}
+
+
 def rope_scaling_text(scaling: RopeScaling | None) -> str:
     """The canonical `rope_scaling` value of `scaling` (parse_rope_scaling's inverse)."""
     if scaling is None:
         return NONE
-    params = ",".join(f"{f.name}={getattr(scaling, f.name)!r}" for f in dataclasses.fields(scaling))
+    params = ",".join(f"{name}={_text(value)}" for name, value in given_parameters(scaling).items())
     return f"{scaling.type}:{params}"

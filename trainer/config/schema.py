@@ -125,8 +125,10 @@ class ModelConfig:
     rope_max_timescale: float = key(1_000_000.0, "RoPE theta.", minimum=1.0)
     rope_scaling: str = key(
         "none",
-        "RoPE frequency scaling, as its type and parameters: none | llama3:factor=F,low_freq_factor=L,"
-        "high_freq_factor=H,original_max_position_embeddings=N (Llama 3.1/3.2; trainer/config/rope_scaling.py).",
+        "RoPE frequency scaling, as its type and parameters: none | linear:factor=F | dynamic:factor=F,"
+        "original_max_position_embeddings=N | yarn:factor=F,original_max_position_embeddings=N,beta_fast=B,"
+        "beta_slow=B[,attention_factor=A,mscale=M,mscale_all_dim=M,truncate=false] | llama3:factor=F,"
+        "low_freq_factor=L,high_freq_factor=H,original_max_position_embeddings=N (docs/models.md#rope-scaling).",
     )
     normalization_layer_epsilon: float = key(1e-6, "RMSNorm epsilon.", minimum=0.0)
     use_qk_norm: bool = key(True, "Per-head RMSNorm on queries and keys before RoPE (Qwen3; Llama has none).")

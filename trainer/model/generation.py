@@ -80,9 +80,9 @@ def extend(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache) 
     b, t = tokens.shape
     dt, start = jnp.dtype(cfg.dtype), cache.length
     positions = start + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    cos, sin = rope_tables(
-        positions, cfg.head_dim, cfg.rope_max_timescale, dt, parse_rope_scaling(cfg.rope_scaling)
-    )
+    scaling = parse_rope_scaling(cfg.rope_scaling)
+    # One table length for the prompt and every decoded token: the cache's size (read by `dynamic` only).
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_max_timescale, dt, scaling, length=cache.k.shape[2])
     slots = jnp.arange(cache.k.shape[2], dtype=jnp.int32)
     mask = (slots[None, None, :] <= positions[:, :, None])[:, None, None]  # [B, 1, 1, T, S]
     valid = jnp.ones((b, t), bool)

@@ -10,8 +10,8 @@ Numerics follow Hugging Face `transformers` (Qwen3, Llama) so that imported chec
 - RMSNorm normalises in float32, casts back to the activation dtype, then multiplies by the weight
   (`Qwen3RMSNorm` order).
 - RoPE uses the rotate-half layout with inv_freq = theta^(-arange(0, hd, 2) / hd) (rescaled by a
-  `rope_scaling` type where the config names one), tables computed in float32 and cast to the activation
-  dtype.
+  `rope_scaling` type where the config names one, cos/sin multiplied by its attention factor: YaRN's),
+  tables computed in float32 and cast to the activation dtype.
 - Attention scores and softmax are float32; probabilities are cast back before the value matmul
   (`attention.py` holds the implementations the `attention` key selects between).
 Init (HF `initializer_range=0.02`): matrices and the embedding ~ normal(0, 0.02); norm weights = 1.
@@ -29,7 +29,7 @@ from flax import nnx
 from trainer.config.rope_scaling import RopeScaling
 from trainer.model.attention import AttentionKernel
 from trainer.model.attention import grouped_attention as grouped_attention  # dot_product; the KV-cache decoder
-from trainer.model.rope import scale_frequencies
+from trainer.model.rope import rope_frequencies
 from trainer.parallel.activations import UNSHARDED, ActivationSharding
 
 BTD = ("activation_batch", "activation_length", "activation_embed")
@@ -70,16 +70,26 @@ class Context(NamedTuple):
 
 
 def rope_tables(
-    positions: jax.Array, head_dim: int, theta: float, dtype, scaling: RopeScaling | None = None
+    positions: jax.Array,
+    head_dim: int,
+    theta: float,
+    dtype,
+    scaling: RopeScaling | None = None,
+    length: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """cos/sin of RoPE angles [B, T, head_dim], both halves repeated (HF rotate-half layout); `scaling`
-    (the parsed `rope_scaling` key, None for none) rescales the frequencies first (`trainer/model/rope.py`)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    if scaling is not None:
-        inv_freq = scale_frequencies(inv_freq, scaling)
+    (the parsed `rope_scaling` key, None for none) sets the frequencies and multiplies cos and sin by its
+    attention factor (YaRN's; 1 otherwise) (`trainer/model/rope.py`). `length` is the static sequence
+    length `dynamic` scaling reads: the position table's T unless given (cached generation gives the
+    cache's size)."""
+    length = positions.shape[-1] if length is None else length
+    inv_freq, attention_factor = rope_frequencies(theta, head_dim, scaling, length)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

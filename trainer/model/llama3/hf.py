@@ -1,10 +1,9 @@
 """Hugging Face Llama 3 (3.1 / 3.2) config.json <-> ModelConfig.
 
-Supported: `LlamaForCausalLM` with default RoPE or the `llama3` RoPE scaling, tied or untied embeddings,
-GQA, SiLU, no attention or MLP biases. The RoPE section is read in either spelling (`rope_parameters`,
-transformers 5, with `rope_theta` inside; `rope_scaling` with a top-level `rope_theta`, 4.x) and written
-in both. Anything else (another RoPE type: linear, dynamic, yarn, ...), and a key of the wrong type,
-raises `HfFormatError` naming the config key and the file (`source`). The tensors are the shared
+Supported: `LlamaForCausalLM` with default RoPE or a RoPE scaling (`linear`, `dynamic`, `yarn`,
+`llama3`), tied or untied embeddings, GQA, SiLU, no attention or MLP biases. The RoPE section is read in
+either spelling and written in both (`trainer/model/hf_rope.py`). Anything else, and a key of the wrong
+type, raises `HfFormatError` naming the config key and the file (`source`). The tensors are the shared
 decoder's (`trainer/model/hf_tensors.py`); Llama has no q/k norm, so none are read or written.
 """
 
@@ -13,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from trainer.config.rope_scaling import Llama3RopeScaling, parse_rope_scaling, rope_scaling_text
+from trainer.config.rope_scaling import parse_rope_scaling, rope_scaling_text
 from trainer.config.schema import ModelConfig
 from trainer.model.hf_format import (
     HfFormatError,
@@ -21,10 +20,9 @@ from trainer.model.hf_format import (
     positive_int,
     reject_common,
     reject_unsupported,
-    rope_section,
     rope_theta,
-    rope_type,
 )
+from trainer.model.hf_rope import rope_config, scaling_from_hf
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 # Written into exported config.json; RoPE has no length limit, this is Llama 3.1 / 3.2's published context.
@@ -46,7 +44,7 @@ def model_keys(hf: Mapping[str, Any], model_type: str, source: str) -> dict[str,
         )
     return {
         "model_family": "llama3",
-        "rope_scaling": rope_scaling_text(_scaling(hf, source)),
+        "rope_scaling": rope_scaling_text(scaling_from_hf(hf, source, "Llama")),
         "base_num_decoder_layers": positive_int(hf, "num_hidden_layers", source),
         "base_emb_dim": hidden,
         "base_num_query_heads": heads,
@@ -61,39 +59,12 @@ def model_keys(hf: Mapping[str, Any], model_type: str, source: str) -> dict[str,
     }
 
 
-def _scaling(hf: Mapping[str, Any], source: str) -> Llama3RopeScaling | None:
-    """The RoPE scaling of the config's rope section: None for default RoPE, the llama3 parameters."""
-    key, rope = rope_section(hf, source)
-    kind = rope_type(rope)
-    if kind == "default":
-        return None
-    if kind != Llama3RopeScaling.type:
-        raise HfFormatError(
-            f"{source} {key}: rope_type {kind!r} is not supported for Llama (default or llama3 RoPE)"
-        )
-    where = f"{source} {key}"
-    for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        if rope.get(name) is None:
-            raise HfFormatError(f"{where} has no {name!r} (rope_type llama3 needs it)")
-    scaling = Llama3RopeScaling(
-        factor=number(rope["factor"], "factor", where),
-        low_freq_factor=number(rope["low_freq_factor"], "low_freq_factor", where),
-        high_freq_factor=number(rope["high_freq_factor"], "high_freq_factor", where),
-        original_max_position_embeddings=positive_int(rope, "original_max_position_embeddings", where),
-    )
-    if scaling.problems():
-        raise HfFormatError(f"{where}: " + "; ".join(scaling.problems()))
-    return scaling
-
-
 def config_json(cfg: ModelConfig, torch_dtype: str) -> dict[str, Any]:
     """config.json for `cfg` that transformers 4.x and 5.x both read (the RoPE section in both spellings)."""
     if cfg.use_qk_norm:
         raise HfFormatError("use_qk_norm=true has no Llama equivalent (Llama norms neither q nor k)")
     if cfg.num_experts > 1:
         raise HfFormatError(f"num_experts={cfg.num_experts} has no Llama equivalent (Llama 3 is dense)")
-    scaling = parse_rope_scaling(cfg.rope_scaling)
-    params = {} if scaling is None else {"rope_type": scaling.type, **vars(scaling)}
     return {
         "architectures": [ARCHITECTURES["llama"]],
         "model_type": "llama",
@@ -105,11 +76,8 @@ def config_json(cfg: ModelConfig, torch_dtype: str) -> dict[str, Any]:
         "num_key_value_heads": cfg.base_num_kv_heads,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
         "rms_norm_eps": cfg.normalization_layer_epsilon,
-        "rope_theta": cfg.rope_max_timescale,
-        "rope_parameters": {"rope_type": "default", **params, "rope_theta": cfg.rope_max_timescale},
-        "rope_scaling": params or None,
+        **rope_config(parse_rope_scaling(cfg.rope_scaling), cfg.rope_max_timescale, MAX_POSITION_EMBEDDINGS),
         "tie_word_embeddings": cfg.logits_via_embedding,
         "attention_bias": False,
         "attention_dropout": 0.0,

@@ -1,7 +1,9 @@
 """Hugging Face Qwen3 / Qwen3-MoE config.json <-> ModelConfig.
 
-Supported: `Qwen3ForCausalLM` and `Qwen3MoeForCausalLM` with default RoPE, SiLU, no attention bias,
-no sliding window, and (MoE) every layer sparse (`decoder_sparse_step=1`, no `mlp_only_layers`).
+Supported: `Qwen3ForCausalLM` and `Qwen3MoeForCausalLM` with default RoPE or a RoPE scaling (`linear`,
+`dynamic`, `yarn`, `llama3`: read in either spelling, written in both, `trainer/model/hf_rope.py`),
+SiLU, no attention bias, no sliding window, and (MoE) every layer sparse (`decoder_sparse_step=1`, no
+`mlp_only_layers`).
 Anything else, and a key of the wrong type, raises `HfFormatError` naming the config key (and the file,
 given as `source`). The tensors are the shared decoder's (`trainer/model/hf_tensors.py`).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from trainer.config.rope_scaling import parse_rope_scaling, rope_scaling_text
 from trainer.config.schema import ModelConfig
 from trainer.model.hf_format import (
     HfFormatError,
@@ -18,10 +21,9 @@ from trainer.model.hf_format import (
     positive_int,
     reject_common,
     reject_unsupported,
-    rope_section,
     rope_theta,
-    rope_type,
 )
+from trainer.model.hf_rope import rope_config, scaling_from_hf
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Written into exported config.json; RoPE has no length limit, this is Qwen3's published context.
@@ -44,7 +46,7 @@ def model_keys(hf: Mapping[str, Any], model_type: str, source: str) -> dict[str,
         )
     keys = {
         "model_family": "qwen3",
-        "rope_scaling": "none",
+        "rope_scaling": rope_scaling_text(scaling_from_hf(hf, source, "Qwen3")),
         "base_num_decoder_layers": positive_int(hf, "num_hidden_layers", source),
         "base_emb_dim": hidden,
         "base_num_query_heads": heads,
@@ -79,13 +81,9 @@ def model_keys(hf: Mapping[str, Any], model_type: str, source: str) -> dict[str,
 
 
 def config_json(cfg: ModelConfig, torch_dtype: str) -> dict[str, Any]:
-    """config.json for `cfg` that transformers 4.x and 5.x both read (rope_theta in both spellings)."""
+    """config.json for `cfg` that transformers 4.x and 5.x both read (the RoPE section in both spellings)."""
     if not cfg.use_qk_norm:
         raise HfFormatError("use_qk_norm=false has no Qwen3 equivalent (Qwen3 always norms q and k)")
-    if cfg.rope_scaling != "none":
-        raise HfFormatError(
-            f"rope_scaling={cfg.rope_scaling!r} has no Qwen3 equivalent here (only default RoPE is exported)"
-        )
     moe = cfg.num_experts > 1
     out = {
         "architectures": [ARCHITECTURES["qwen3_moe" if moe else "qwen3"]],
@@ -98,10 +96,8 @@ def config_json(cfg: ModelConfig, torch_dtype: str) -> dict[str, Any]:
         "num_key_value_heads": cfg.base_num_kv_heads,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
         "rms_norm_eps": cfg.normalization_layer_epsilon,
-        "rope_theta": cfg.rope_max_timescale,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_max_timescale},
+        **rope_config(parse_rope_scaling(cfg.rope_scaling), cfg.rope_max_timescale, MAX_POSITION_EMBEDDINGS),
         "tie_word_embeddings": cfg.logits_via_embedding,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -131,11 +127,6 @@ def config_json(cfg: ModelConfig, torch_dtype: str) -> dict[str, Any]:
 def _reject_unsupported(hf: Mapping[str, Any], model_type: str, source: str) -> None:
     reject_common(hf, source)
     reject_unsupported(hf, source, use_sliding_window="sliding-window attention")
-    key, rope = rope_section(hf, source)
-    if rope_type(rope) != "default":
-        raise HfFormatError(
-            f"{source} {key}: rope_type {rope_type(rope)!r} is not supported for Qwen3 (only default RoPE)"
-        )
     if model_type == "qwen3_moe":
         sparse_only = "a MoE model with dense-MLP layers (every layer must be MoE)"
         if hf.get("decoder_sparse_step", 1) != 1:

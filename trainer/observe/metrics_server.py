@@ -1,12 +1,11 @@
 """The live metrics endpoint (metrics_port): Prometheus / OpenMetrics text over HTTP on process 0.
 
-`LiveMetrics` is a metric sink (`write`, one metrics row; see trainer.observe.sinks) and an event-log
-listener (`on_event`, see `EventLog.subscribe`): it feeds both to a `trainer.observe.metrics.LiveState`
-(running counts and a few bytes per step, not the records) and computes the values at each scrape
-(goodput up to the scrape's time). `Endpoint` serves it with prometheus_client's WSGI application on a threading HTTP server, on a
-daemon thread: it binds `addr:port` (an `OSError` when the port is taken); `close` stops serving. Given
-a control application (`trainer.observe.control`), the server hands it the paths under
-`/control/`.
+`LiveMetrics` is a metric sink (`write`, one metrics row; see trainer.observe.sinks) and an event-log listener
+(`on_event`, see `EventLog.subscribe`): it feeds both to a `trainer.observe.metrics.LiveState` (running counts
+and a few bytes per step, not the records) and computes the values at each scrape (goodput up to the scrape's
+time). `Endpoint` serves it with prometheus_client's WSGI application on a threading HTTP server, on a daemon
+thread: it binds `addr:port` (an `OSError` when the port is taken); `close` stops serving. Given a control
+application (`trainer.observe.control`), the server hands it the paths under `/control/`.
 
 Metrics (every name starts with `trainer_`): step, loss, learning_rate, tokens_per_second, mfu,
 step_time_seconds, goodput (0-1), predicted_goodput (0-1), wall_seconds, productive_seconds,

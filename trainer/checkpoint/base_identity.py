@@ -26,9 +26,7 @@ def content_sha256(path: str) -> str:
 
     root = resolve(path)
     digest = hashlib.sha256()
-    files = sorted((f for f in root.rglob("*") if f.is_file()), key=lambda f: str(f.relative_to(root)))
-    for f in files:
-        rel = str(f.relative_to(root))
+    for rel, f in sorted(_files(root, "")):
         if f.name == commit.COMMIT_MARKER:
             continue
         digest.update(rel.encode() + b"\0")
@@ -37,6 +35,15 @@ def content_sha256(path: str) -> str:
                 digest.update(chunk)
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def _files(directory, prefix: str) -> list:
+    """(relative name, path) of every file under `directory` (a walk by listing: works on gs:// too)."""
+    out = []
+    for entry in directory.iterdir():
+        rel = f"{prefix}{entry.name}"
+        out += _files(entry, rel + "/") if entry.is_dir() else [(rel, entry)]
+    return out
 
 
 def base_record(load_parameters_path: str, init_weights_seed: int) -> dict:

@@ -162,3 +162,30 @@ def test_the_config_refuses_what_lora_cannot_do(overrides, message):
 
 def test_lora_keys_are_not_checked_with_lora_off():
     micro_config("lora_rank=0", "lora_dropout=0.1", "lora_target_modules=[qkv]")
+
+
+def _committed(root, files: dict[str, bytes]):
+    from trainer.checkpoint import commit
+
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    (root / commit.COMMIT_MARKER).write_text(str(root))  # differs per directory: left out of the hash
+    return str(root)
+
+
+def test_the_base_is_named_by_its_content_and_another_content_is_refused(tmp_path):
+    from trainer.checkpoint import base_identity
+
+    files = {"state/a": b"weights", "state/d/b": b"more"}
+    one = base_identity.base_record(_committed(tmp_path / "one", files), 0)
+    moved = base_identity.base_record(_committed(tmp_path / "moved", files), 0)
+    other = base_identity.base_record(_committed(tmp_path / "other", {**files, "state/d/b": b"MORE"}), 0)
+    assert one["sha256"] == moved["sha256"] != other["sha256"]
+    assert base_identity.difference(one, moved) is None  # the same content elsewhere: the adapters fit it
+    assert "trained over base load_parameters_path=" in base_identity.difference(one, other)
+    seed0, seed1 = base_identity.base_record("", 0), base_identity.base_record("", 1)
+    assert seed0 == {"init_weights_seed": 0} and base_identity.difference(seed0, seed0) is None
+    assert "init_weights_seed=0" in base_identity.difference(seed0, seed1)
+    assert "init_weights_seed=0" in base_identity.difference(seed0, one)
+    assert base_identity.difference(None, one) is None  # not a LoRA step: the structure check's business

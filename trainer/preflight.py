@@ -187,7 +187,7 @@ def describe_mismatch(cfg: RunConfig, saved: compat.SavedStep) -> str | None:
         else "resume it with the config it was saved with"
     ]
     ways.append("or start a new run: another run_name=...")
-    if saved.load_hint:
+    if saved.load_hint and saved.lora_base is None:  # a LoRA step holds adapters, not a model to start from
         ways.append(
             f"or start a new run from this run's parameters: run_name=<new> load_parameters_path={saved.load_hint}"
         )

@@ -12,12 +12,14 @@ the load_parameters_path and its content hash, or the init seed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 
 from trainer.checkpoint.checks import check_checkpoint_dir
+from trainer.config.schema import LoraConfig, ModelConfig
 from trainer.errors import UserInputError
 from trainer.hf.checkpoints import _recorded_config, load_checkpoint_params
 from trainer.hf.outputs import check_output
@@ -28,13 +30,22 @@ from trainer.io.staging import staged_dir
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
-def lora_run_config(ckpt):
-    """The RunConfig a LoRA checkpoint recorded, or None when it is not one (full training, params-only)."""
+@dataclasses.dataclass(frozen=True)
+class LoraSections:
+    """The sections of the config a LoRA checkpoint recorded that its export needs."""
+
+    model: ModelConfig
+    lora: LoraConfig
+
+
+def lora_run_config(ckpt) -> LoraSections | None:
+    """The model and LoRA sections a LoRA checkpoint recorded, or None when it is not one (full training,
+    params-only)."""
     meta = resolve(ckpt) / "metadata" / "metadata"
     if not meta.is_file():
         return None
-    run = _recorded_config(ckpt)
-    return run if run.lora.lora_rank > 0 else None
+    recorded = _recorded_config(ckpt)
+    return LoraSections(recorded.model, recorded.lora) if recorded.lora.lora_rank > 0 else None
 
 
 def _base_record(ckpt) -> dict:

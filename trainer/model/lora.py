@@ -10,6 +10,9 @@ leading "layers" dim. The adapters mirror the params' paths, one {"lora_A", "lor
     layers/self_attn/o_proj/lora_A  [L, N, hd, r]  ("layers", "heads", "head_dim", None)
     layers/mlp/down_proj/lora_B     [L, r, D]      ("layers", None, "embed")
 
+The step merges before the forward (`merge`), so it holds the merged targeted weights and, in the
+backward, their gradient (contracted onto A and B there): the weights' size, sharded like them.
+
 Init as PEFT's: A ~ uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) (kaiming-uniform with a = sqrt(5)),
 fan_in = prod(*in); B = 0, so a fresh adapter leaves the base's function unchanged.
 Pure functions of shapes and arrays; jittable with the configs static.

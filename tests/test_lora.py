@@ -189,3 +189,25 @@ def test_the_base_is_named_by_its_content_and_another_content_is_refused(tmp_pat
     assert "init_weights_seed=0" in base_identity.difference(seed0, seed1)
     assert "init_weights_seed=0" in base_identity.difference(seed0, one)
     assert base_identity.difference(None, one) is None  # not a LoRA step: the structure check's business
+
+
+class _NoEvents:
+    def emit(self, name, **fields):
+        pass
+
+
+def test_a_local_tier_step_records_its_base_and_a_resume_over_another_is_refused(tmp_path):
+    from trainer import preflight
+    from trainer.checkpoint import compat
+    from trainer.checkpoint.local_store import LocalStore
+
+    cfg = _cfg()
+    state = {"step": np.int32(3), "params": lora.init_adapters(cfg.model, cfg.lora, jax.random.key(0))}
+    store = LocalStore(tmp_path, keep=1, events=_NoEvents(), config={}, lora_base={"init_weights_seed": 0})
+    store.write(3, jax.tree.map(np.asarray, state), {"cursor": 3})
+    saved = preflight.local_step(tmp_path, 3, None)
+    assert saved.lora_base == {"init_weights_seed": 0}
+    assert preflight.base_mismatch(cfg, saved) is None
+    other = _cfg("init_weights_seed=5")
+    with pytest.raises(compat.CheckpointMismatch, match="init_weights_seed=0.*init_weights_seed=5"):
+        preflight.check_saved_step(other, dataclasses.replace(saved, state=None))

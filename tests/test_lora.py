@@ -211,3 +211,21 @@ def test_a_local_tier_step_records_its_base_and_a_resume_over_another_is_refused
     other = _cfg("init_weights_seed=5")
     with pytest.raises(compat.CheckpointMismatch, match="init_weights_seed=0.*init_weights_seed=5"):
         preflight.check_saved_step(other, dataclasses.replace(saved, state=None))
+
+
+def test_the_eval_step_and_the_replica_checksums_take_the_adapters_over_the_base():
+    from trainer.program.step import make_eval_step, make_replica_checksums
+
+    cfg = _cfg("lora_target_modules=[v_proj]")
+    base = init_params(cfg.model, jax.random.key(0))
+    adapters = jax.tree.map(lambda a: a + 0.05, lora.init_adapters(cfg.model, cfg.lora, jax.random.key(1)))
+    batch = {k: jnp.asarray(v) for k, v in synthetic_batch(cfg, rows=2).items()}
+    sums = make_eval_step(cfg.model, lora=cfg.lora)(adapters, batch, base)
+    _, parts = loss_sums(lora.merge(base, adapters, cfg.model, cfg.lora), cfg.model, 0.0, batch)
+    _, plain = loss_sums(base, cfg.model, 0.0, batch)
+    assert float(sums["ce_sum"]) == pytest.approx(float(parts["ce_sum"]), rel=1e-6)
+    assert float(sums["ce_sum"]) != pytest.approx(float(plain["ce_sum"]), rel=1e-6)  # the adapters count
+    rows = make_replica_checksums(cfg.model, z_loss_multiplier=0.0, micro_steps=1, lora=cfg.lora)(
+        adapters, batch, base
+    )
+    assert rows.shape == (1, 3 + 2)  # ce, z, tokens, then one sum per adapter leaf (v_proj's A and B)

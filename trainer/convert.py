@@ -13,6 +13,11 @@
         load (the checkpoint's model_family picks which), and the checkpoint's tokenizer.json
         (tokenizer_type=huggingface) with a tokenizer_config.json that AutoTokenizer loads to the same
         token ids; a sentencepiece tokenizer is left out (a warning).
+    python -m trainer.convert lora-to-peft --checkpoint C --output-dir O
+        C: a LoRA run's checkpoint step (lora_rank > 0). O: adapter_config.json + adapter_model.safetensors
+        that peft.PeftModel.from_pretrained loads over the base's trainer-to-hf export. trainer-to-hf of
+        the same C writes the merged full model instead (the base, read from its recorded
+        load_parameters_path and checked against its recorded content hash, plus lora_alpha / r * A B).
     python -m trainer.convert logits (--checkpoint C | --hf-dir D) --input-ids IDS --output out.npy
         float32 logits [batch, seq, vocab] of int token ids [batch, seq] (or [seq]); the model runs in
         float32 and, if MoE, dropless (as HF does), whatever the training dtype and capacity factor.
@@ -54,6 +59,7 @@ import sys
 
 from trainer.errors import UserInputError, tool_main
 from trainer.hf.logits import logits_command
+from trainer.hf.lora_export import lora_to_peft
 from trainer.hf.safetensors_io import ST_DTYPES
 from trainer.hf.to_hf import trainer_to_hf
 from trainer.hf.to_trainer import hf_to_trainer
@@ -96,6 +102,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--model", help="model preset or YAML, if the checkpoint does not record its config")
     b.add_argument("--dtype", choices=sorted(ST_DTYPES), help="output dtype (default: the params' dtype)")
     b.add_argument("--max-shard-gb", type=float, default=5.0, help="split the safetensors past this size")
+    lo = sub.add_parser("lora-to-peft", help="LoRA checkpoint -> PEFT adapter directory")
+    lo.add_argument("--checkpoint", required=True, help="<run>/checkpoints/<step> of a run with lora_rank > 0")
+    lo.add_argument("--output-dir", required=True)
+    lo.add_argument("--overwrite", **overwrite)
     c = sub.add_parser("logits", help="float32 logits of token ids, from a checkpoint or an HF directory")
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint")
@@ -135,6 +145,9 @@ def _run(args) -> int:
             max_shard_bytes=int(args.max_shard_gb * 2**30),
             overwrite=args.overwrite,
         )
+        print(f"wrote {out}")
+    elif args.command == "lora-to-peft":
+        out = lora_to_peft(args.checkpoint, args.output_dir, overwrite=args.overwrite)
         print(f"wrote {out}")
     else:
         out = logits_command(

@@ -20,7 +20,7 @@ from typing import Any
 
 from etils import epath
 
-from trainer.checkpoint import compat
+from trainer.checkpoint import base_identity, compat
 from trainer.config.errors import ConfigError
 from trainer.config.schema import RunConfig
 from trainer.errors import UserInputError
@@ -55,6 +55,7 @@ def persistent_step(checkpoints: epath.Path, step: int) -> compat.SavedStep:
         config=metadata.get("config"),
         data_state=_read_json(step_dir / "data" / "metadata"),
         load_hint=str(step_dir),
+        lora_base=metadata.get(base_identity.RECORD_KEY),
     )
 
 
@@ -70,6 +71,7 @@ def local_step(root: epath.Path, step: int, load_hint: str | None) -> compat.Sav
         config=manifest.get("config"),
         data_state=manifest.get("data_state"),
         load_hint=load_hint,
+        lora_base=manifest.get(base_identity.RECORD_KEY),
     )
 
 
@@ -140,19 +142,18 @@ def observe_problems(cfg: RunConfig) -> None:
 # ---- a resumed run's saved steps against this config ---------------------------------------------
 
 # The config sections whose keys can change the structure of the train state / of the data state.
-STATE_SECTIONS = ("model", "optim")
+STATE_SECTIONS = ("model", "optim", "lora")
 DATA_SECTIONS = ("data",)
 
 
 def abstract_state(cfg: RunConfig) -> dict:
     """The train state {"step", "params", "opt_state"} `cfg` builds, as shapes: no mesh."""
-    from trainer import model
     from trainer.program.optim import learning_rate_schedule, make_optimizer
-    from trainer.program.state import abstract_train_state
+    from trainer.program.state import abstract_train_state, trainable_logical_axes
 
     schedule = learning_rate_schedule(cfg.optim, steps=cfg.train.steps, lr_scale=1.0)
-    optimizer = make_optimizer(cfg.optim, model.param_logical_axes(cfg.model), schedule=schedule)
-    return abstract_train_state(cfg.model, optimizer)
+    optimizer = make_optimizer(cfg.optim, trainable_logical_axes(cfg.model, cfg.lora), schedule=schedule)
+    return abstract_train_state(cfg.model, optimizer, cfg.lora)
 
 
 def describe_mismatch(cfg: RunConfig, saved: compat.SavedStep) -> str | None:
@@ -186,7 +187,7 @@ def describe_mismatch(cfg: RunConfig, saved: compat.SavedStep) -> str | None:
         else "resume it with the config it was saved with"
     ]
     ways.append("or start a new run: another run_name=...")
-    if saved.load_hint:
+    if saved.load_hint and saved.lora_base is None:  # a LoRA step holds adapters, not a model to start from
         ways.append(
             f"or start a new run from this run's parameters: run_name=<new> load_parameters_path={saved.load_hint}"
         )
@@ -243,10 +244,30 @@ def _norm(value):
 
 
 def check_saved_step(cfg: RunConfig, saved: compat.SavedStep) -> None:
-    """Raise CheckpointMismatch (exit 2, before compiling) when `saved` does not fit `cfg`."""
-    message = describe_mismatch(cfg, saved)
+    """Raise CheckpointMismatch (exit 2, before compiling) when `saved` does not fit `cfg`: its state's
+    structure, or (LoRA) the base its adapters were trained over."""
+    message = describe_mismatch(cfg, saved) or base_mismatch(cfg, saved)
     if message is not None:
         raise compat.CheckpointMismatch(message)
+
+
+def base_mismatch(cfg: RunConfig, saved: compat.SavedStep) -> str | None:
+    """None unless `saved` holds LoRA adapters trained over another base than this config's."""
+    if cfg.lora.lora_rank == 0:
+        return None
+    now = base_identity.base_record(cfg.checkpoint.load_parameters_path, cfg.train.init_weights_seed)
+    why = base_identity.difference(saved.lora_base, now)
+    if why is None:
+        return None
+    back = saved.lora_base.get("load_parameters_path")
+    revert = (
+        f"load_parameters_path={back}" if back else f"init_weights_seed={saved.lora_base.get('init_weights_seed')}"
+    )
+    return (
+        f"cannot resume from {saved.where}: {why}. Ways forward: resume it over its own base ({revert}, the "
+        "same content); or start a new run over this base: another run_name=... Nothing in the run directory "
+        "was changed."
+    )
 
 
 def check_load_paths_exist(cfg: RunConfig) -> list[str]:
@@ -291,4 +312,6 @@ def check(cfg: RunConfig, checkpoints: epath.Path, *, local_checkpoints: epath.P
         check_load_path(cfg)
     data_problems(cfg)
     observe_problems(cfg)
+    if cfg.lora.lora_rank > 0:  # a LoRA run's base is loaded on every start, resumed or not
+        load_paths = [p for p in load_paths if not p.startswith("load_parameters_path=")]
     return Preflight(resume_step=resume, unused_load_paths=tuple(load_paths) if resume is not None else ())

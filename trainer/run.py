@@ -327,7 +327,17 @@ def local_store(
         events=events,
         config=to_flat_dict(cfg),
         recorded=recorded,
+        lora_base=lora_base_record(cfg),
     )
+
+
+def lora_base_record(cfg: RunConfig) -> dict | None:
+    """A LoRA run's base identity, saved with each step (`trainer.checkpoint.base_identity`); None otherwise."""
+    if cfg.lora.lora_rank == 0:
+        return None
+    from trainer.checkpoint.base_identity import base_record
+
+    return base_record(cfg.checkpoint.load_parameters_path, cfg.train.init_weights_seed)
 
 
 def last_recorded_step(metrics: Path) -> int | None:

@@ -35,7 +35,7 @@ from trainer.io.nbytes import tree_nbytes
 from trainer.observe import catalogue
 from trainer.process.preemption import Phases
 from trainer.program.layout import BatchLayout, SliceLayout, TrainSpec, slice_layout
-from trainer.program.state import init_state, state_around
+from trainer.program.state import init_base, init_state, state_around
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +221,7 @@ class AttemptBuilder:
             restored = self._restore(layout, checkpointer, parts.snapshots, not_after)
             if restored.data_state is not None:
                 iterator.set_state(restored.data_state)
+            layout = self._with_base(layout)
             step_fn = layout.step_fn if parts.wrap_step is None else parts.wrap_step(layout.step_fn)
             evaluator = self._evaluator(layout, eval_iterator)
             attempt = self._attempt(layout, restored, step_fn, iterator, checkpointer, evaluator, stack)
@@ -287,6 +288,29 @@ class AttemptBuilder:
         )
         return layout
 
+    def _with_base(self, layout: SliceLayout) -> SliceLayout:
+        """The layout as this attempt runs it: with LoRA on, its compiled steps bound to the frozen base, read
+        onto this mesh (load_parameters_path, else initialised from init_weights_seed) once per attempt and
+        held by the bound steps only (never saved: the state holds the adapters). Full training: as is."""
+        if layout.abstract_base is None:
+            return layout
+        spec = self.spec
+        with self.phases.enter("restore"):
+            if spec.checkpoint.load_parameters_path:
+                from trainer.checkpoint import load_parameters
+
+                base = load_parameters(spec.checkpoint.load_parameters_path, layout.abstract_base)
+            else:
+                base = init_base(spec.model, layout.base_shardings, seed=spec.init_weights_seed)
+            jax.block_until_ready(base)
+
+        def bound(fn):
+            return None if fn is None else partial(_with_third, fn, base)
+
+        return dataclasses.replace(
+            layout, step_fn=bound(layout.step_fn), eval_fn=bound(layout.eval_fn), sdc_fn=bound(layout.sdc_fn)
+        )
+
     def _checkpointer(self, stack: contextlib.ExitStack, multiprocessing, barrier):
         """A fresh checkpointer (advancing the save fence); `stack` closes it."""
         checkpointer = open_checkpointer(
@@ -319,7 +343,10 @@ class AttemptBuilder:
                 checkpoints=checkpointer,
                 snapshots=snapshots,
                 load_full_state_path=spec.checkpoint.load_full_state_path,
-                load_parameters_path=spec.checkpoint.load_parameters_path,
+                # A LoRA run's load_parameters_path is its frozen base (`_with_base`), not what trains.
+                load_parameters_path=""
+                if layout.abstract_base is not None
+                else spec.checkpoint.load_parameters_path,
                 fresh_state=partial(self._fresh_state, layout),
                 not_after=not_after,
             )
@@ -349,16 +376,29 @@ class AttemptBuilder:
             checkpointer=checkpointer,
             flops_per_step=model.training_flops_per_token(spec.model, length) * batch.global_batch_size * length,
             sequence_length=length,
-            checkpoint_metadata={
-                "config": spec.config_record,
-                "mesh": dict(layout.mesh.shape),
-                "global_batch_size": batch.global_batch_size,
-                "micro_steps": batch.micro_steps,
-            },
+            checkpoint_metadata=self._metadata(layout),
             stack=stack,
             evaluator=evaluator,
             sdc_fn=layout.sdc_fn,
         )
+
+    def _metadata(self, layout: SliceLayout) -> dict:
+        """What each saved step records besides its state: the run config, the mesh and batch layout, and a
+        LoRA run's base identity (`trainer.checkpoint.base_identity`, checked before a resume compiles)."""
+        spec, batch = self.spec, layout.batch
+        metadata = {
+            "config": spec.config_record,
+            "mesh": dict(layout.mesh.shape),
+            "global_batch_size": batch.global_batch_size,
+            "micro_steps": batch.micro_steps,
+        }
+        if layout.abstract_base is not None:
+            from trainer.checkpoint import base_identity
+
+            metadata[base_identity.RECORD_KEY] = base_identity.base_record(
+                spec.checkpoint.load_parameters_path, spec.init_weights_seed
+            )
+        return metadata
 
     def _evaluator(self, layout: SliceLayout, iterator) -> Evaluator | None:
         if iterator is None:
@@ -377,9 +417,18 @@ class AttemptBuilder:
     def _fresh_state(self, layout: SliceLayout, params=None) -> dict:
         if params is None:
             return init_state(
-                self.spec.model, layout.optimizer, layout.shardings, seed=self.spec.init_weights_seed
+                self.spec.model,
+                layout.optimizer,
+                layout.shardings,
+                seed=self.spec.init_weights_seed,
+                lora=self.spec.lora,
             )
         return state_around(params, layout.optimizer, layout.shardings)
+
+
+def _with_third(fn: Callable, base, first, batch):
+    """`fn(first, batch, base)`: a LoRA step bound to its base, called as the full-training step is."""
+    return fn(first, batch, base)
 
 
 def _log_ready(layout: SliceLayout, start_step: int, source: str) -> None:

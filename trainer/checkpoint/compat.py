@@ -157,3 +157,4 @@ class SavedStep:
     config: dict | None  # the flat config it was saved with
     data_state: dict | None
     load_hint: str | None  # a path load_parameters_path can take to start a new run from its params
+    lora_base: dict | None = None  # a LoRA run's base identity (trainer.checkpoint.base_identity)

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trainer.checkpoint import base_identity
 from trainer.observe import catalogue
 
 log = logging.getLogger(__name__)
@@ -70,13 +71,17 @@ class LocalStore:
 
     `write` runs on the snapshot's background thread; everything else on the main thread."""
 
-    def __init__(self, root, *, keep: int, events, config: dict | None = None, recorded=None):
+    def __init__(
+        self, root, *, keep: int, events, config: dict | None = None, recorded=None, lora_base: dict | None = None
+    ):
         """`config`: the run's flat config, recorded in every manifest. `recorded`: the run's
-        `RecordedSteps`; a step commits only once its metrics row is written (None: at once)."""
+        `RecordedSteps`; a step commits only once its metrics row is written (None: at once). `lora_base`:
+        a LoRA run's base identity (`trainer.checkpoint.base_identity`), recorded in every manifest."""
         self.root = Path(root)
         self.keep = keep
         self.events = events
         self.config = config or {}
+        self.lora_base = lora_base
         self.recorded = recorded
         self._writing = threading.Lock()  # the snapshot thread and a stop's emergency save never overlap
 
@@ -139,6 +144,8 @@ class LocalStore:
             "config": self.config,
             "time": time.time(),
         }
+        if self.lora_base is not None:
+            manifest[base_identity.RECORD_KEY] = self.lora_base
         (partial / MANIFEST).write_text(json.dumps(manifest))
         if self.recorded is not None and not self.recorded.wait(step):
             # A step that is restored from must have its record: without it, it is never written.

@@ -258,6 +258,36 @@ class OptimConfig:
     )
 
 
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA) over a frozen base model: a parameterisation of whatever objective trains.
+
+    With lora_rank > 0 the train state's params are the adapters only; the base (load_parameters_path,
+    else initialised from init_weights_seed) is frozen in weight_dtype, outside the state."""
+
+    lora_rank: int = key(
+        0,
+        "LoRA rank r; 0 = full training. > 0 trains adapters A [in, r], B [r, out] on the targeted projections "
+        "(W + lora_alpha / r * A B) over the frozen base: checkpoints hold the adapters and their optimizer "
+        "state only.",
+        minimum=0,
+    )
+    lora_alpha: float = key(
+        16.0, "LoRA scaling numerator: the adapters' update is scaled by lora_alpha / lora_rank."
+    )
+    lora_dropout: float = key(
+        0.0, "Dropout on the adapters' input; only 0 is supported (the step stays deterministic).", minimum=0.0
+    )
+    lora_target_modules: list = key(
+        list(LORA_MODULES),
+        "Projections that get adapters, by their PEFT names: q_proj k_proj v_proj o_proj (attention), gate_proj "
+        "up_proj down_proj (dense MLP); or [all-linear] for all of them.",
+    )
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpoints under <run dir>/checkpoints."""
@@ -669,6 +699,7 @@ class RunConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
@@ -693,6 +724,7 @@ def section_classes() -> dict[str, type]:
         "mesh": MeshConfig,
         "data": DataConfig,
         "optim": OptimConfig,
+        "lora": LoraConfig,
         "checkpoint": CheckpointConfig,
         "eval": EvalConfig,
         "elastic": ElasticConfig,

@@ -6,7 +6,7 @@ import dataclasses
 
 from trainer.config.errors import ConfigError
 from trainer.config.rope_scaling import parse_rope_scaling
-from trainer.config.schema import RunConfig, section_classes
+from trainer.config.schema import LORA_MODULES, RunConfig, section_classes
 from trainer.errors import UserInputError
 
 
@@ -185,9 +185,48 @@ def _cluster_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def _lora_problems(cfg: RunConfig) -> list[str]:
+    lo, problems = cfg.lora, []
+    if lo.lora_rank == 0:
+        return problems
+    targets = lo.lora_target_modules
+    known = (*LORA_MODULES, "all-linear")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        problems.append(
+            f"lora_target_modules={targets!r} must be a non-empty list of projection names, e.g. [q_proj,v_proj]"
+        )
+        return problems
+    unknown = [t for t in targets if t not in known]
+    if unknown:
+        problems.append(
+            f"lora_target_modules names {', '.join(map(repr, unknown))}: not a projection of this model; "
+            f"use names from {', '.join(known)}"
+        )
+    mlp = {"gate_proj", "up_proj", "down_proj"} & ({*LORA_MODULES} if "all-linear" in targets else {*targets})
+    if cfg.model.num_experts > 1 and mlp:
+        problems.append(
+            f"lora_target_modules targets the MLP ({', '.join(sorted(mlp))}) of an MoE model "
+            f"(num_experts={cfg.model.num_experts}): adapters go on the attention projections only there; "
+            "set lora_target_modules=[q_proj,k_proj,v_proj,o_proj]"
+        )
+    if lo.lora_dropout > 0:
+        problems.append(
+            f"lora_dropout={lo.lora_dropout} is not supported (a dropped adapter input would make the step depend "
+            "on more than its batch and state); set lora_dropout=0"
+        )
+    if lo.lora_alpha <= 0:
+        problems.append(f"lora_alpha={lo.lora_alpha} must be > 0 (the adapters' scale is lora_alpha / lora_rank)")
+    if cfg.checkpoint.load_full_state_path:
+        problems.append(
+            "load_full_state_path with lora_rank > 0: a LoRA run starts from its base (load_parameters_path) "
+            "with fresh adapters, or resumes its own checkpoints; unset load_full_state_path"
+        )
+    return problems
+
+
 def validate(cfg: RunConfig) -> None:
     """Raise one ConfigError listing every problem found."""
     problems = _field_constraints(cfg) + _model_problems(cfg) + _run_problems(cfg) + _eval_problems(cfg)
-    problems += _cluster_problems(cfg)
+    problems += _cluster_problems(cfg) + _lora_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

@@ -16,6 +16,7 @@ import numpy as np
 
 from trainer.checkpoint.checks import check_checkpoint_dir
 from trainer.hf.checkpoints import check_matches, checkpoint_sections, load_checkpoint_params
+from trainer.hf.lora_export import lora_run_config, merged_params
 from trainer.hf.outputs import check_output
 from trainer.hf.safetensors_io import OutTensor, write_hf_safetensors
 from trainer.hf.tokenizer_export import export_tokenizer
@@ -49,7 +50,8 @@ def trainer_to_hf(
     """Write config.json + safetensors (+ the tokenizer, where exportable) of a checkpoint; returns output_dir.
 
     Everything that can be checked without reading an array is, first: the checkpoint directory, the
-    output, the model config and its HF equivalent, and the stored shapes against that config."""
+    output, the model config and its HF equivalent, and the stored shapes against that config. A LoRA
+    checkpoint (adapters only) is written merged into its recorded base (`trainer.hf.lora_export`)."""
     from trainer.model.hf import hf_config, tensor_plan
 
     ckpt = check_checkpoint_dir(ckpt)
@@ -58,8 +60,12 @@ def trainer_to_hf(
     dtype = dtype or cfg.weight_dtype
     config = hf_config(cfg, dtype)  # raises before anything is written if cfg has no HF equivalent
     plan = tensor_plan(cfg)
-    check_matches(ckpt, cfg, model)
-    params = load_checkpoint_params(ckpt, cfg)
+    lora_run = None if model else lora_run_config(ckpt)
+    if lora_run is not None:  # adapters only: the merged model, W + scale * A B over the recorded base
+        params = merged_params(ckpt, lora_run)
+    else:
+        check_matches(ckpt, cfg, model)
+        params = load_checkpoint_params(ckpt, cfg)
     with staged_dir(output_dir, overwrite=overwrite) as staging:
         config.update(export_tokenizer(data, ckpt, staging))
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

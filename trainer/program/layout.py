@@ -26,25 +26,26 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trainer import model
 from trainer.config.loader import to_flat_dict
 from trainer.config.schema import (
     AUTO,
     CheckpointConfig,
     DataConfig,
     EvalConfig,
+    LoraConfig,
     MeshConfig,
     ModelConfig,
     OptimConfig,
     RunConfig,
 )
 from trainer.data.batch import BATCH_KEYS
+from trainer.model import lora as lora_math
 from trainer.parallel.activations import ActivationSharding
 from trainer.parallel.mesh import build_mesh
 from trainer.parallel.rules import logical_to_spec
 from trainer.program.executable_cache import compile_lowered
 from trainer.program.optim import learning_rate_schedule, make_optimizer
-from trainer.program.state import state_shardings
+from trainer.program.state import base_shardings, state_shardings, trainable_logical_axes
 from trainer.program.step import make_eval_step, make_replica_checksums, make_train_step
 
 Step = Literal["train", "eval", "sdc"]
@@ -66,6 +67,7 @@ class TrainSpec:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     sdc_check: bool = False  # sdc_check_period > 0: compile the replica checksums too (trainer.attempt.sdc)
     sdc_lazy: bool = False  # sdc_check_period auto on 2+ slices: compile them at the first check
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # lora_rank > 0: adapters over a frozen base
 
 
 def train_spec(cfg: RunConfig) -> TrainSpec:
@@ -83,6 +85,7 @@ def train_spec(cfg: RunConfig) -> TrainSpec:
         eval=cfg.eval,
         sdc_check=cfg.elastic.sdc_check_period > 0,
         sdc_lazy=cfg.elastic.sdc_check_period == AUTO and cfg.mesh.num_slices > 1,
+        lora=cfg.lora,
     )
 
 
@@ -175,6 +178,10 @@ class SliceLayout:
     eval_fn: Callable | None = None  # set by `compiled` when eval is on
     eval_compile_s: float = 0.0
     sdc_fn: Callable | None = None  # set by `compiled` when the silent-data-corruption check is on
+    # LoRA (lora_rank > 0): the frozen base's shardings and abstract params on this mesh; every step takes the
+    # base as its third argument (`trainer.program.step`). None: full training.
+    base_shardings: Any = None
+    abstract_base: Any = None
 
     def compiled(self, spec: TrainSpec) -> SliceLayout:
         step_fn, seconds = compile_step(spec, self, "train")
@@ -208,8 +215,13 @@ def slice_layout(spec: TrainSpec, slices: list[list]) -> SliceLayout:
     )
     loader_index, loader_count = loader_shard(batch_sharding, batch.global_batch_size)
     schedule = learning_rate_schedule(spec.optim, steps=spec.steps, lr_scale=batch.lr_scale)
-    optimizer = make_optimizer(spec.optim, model.param_logical_axes(spec.model), schedule=schedule)
-    shardings, abstract_state = state_shardings(spec.model, spec.mesh.logical_axis_rules, mesh, optimizer)
+    optimizer = make_optimizer(spec.optim, trainable_logical_axes(spec.model, spec.lora), schedule=schedule)
+    shardings, abstract_state = state_shardings(
+        spec.model, spec.mesh.logical_axis_rules, mesh, optimizer, spec.lora
+    )
+    base_sh = abstract_base = None
+    if lora_math.enabled(spec.lora):
+        base_sh, abstract_base = base_shardings(spec.model, spec.mesh.logical_axis_rules, mesh)
     eval_batch, eval_loader = None, (0, 1)
     if spec.eval.eval_interval > 0:
         # The same global eval batch on every mesh (never scaled): the same tokens at every evaluation.
@@ -235,6 +247,8 @@ def slice_layout(spec: TrainSpec, slices: list[list]) -> SliceLayout:
         abstract_state,
         eval_batch=eval_batch,
         eval_loader=eval_loader,
+        base_shardings=base_sh,
+        abstract_base=abstract_base,
     )
 
 
@@ -266,6 +280,7 @@ def _program(spec: TrainSpec, layout: SliceLayout, step: Step) -> _Program:
             data_reduce_dtype=spec.optim.data_reduce_dtype,
             learning_rate=layout.lr_schedule,
             shard=shard,
+            lora=spec.lora,
         )
         return _Program(
             fn, layout.batch, layout.abstract_state, layout.shardings, (layout.shardings, replicated), (0,)
@@ -278,6 +293,7 @@ def _program(spec: TrainSpec, layout: SliceLayout, step: Step) -> _Program:
             micro_steps=layout.eval_batch.micro_steps,
             batch_spec=layout.batch_sharding.spec,
             shard=shard,
+            lora=spec.lora,
         )
         params = layout.abstract_state["params"]
         return _Program(fn, layout.eval_batch, params, layout.shardings["params"], replicated, ())
@@ -288,6 +304,7 @@ def _program(spec: TrainSpec, layout: SliceLayout, step: Step) -> _Program:
             micro_steps=layout.batch.micro_steps,
             batch_spec=layout.batch_sharding.spec,
             shard=shard,
+            lora=spec.lora,
         )
         params = layout.abstract_state["params"]
         return _Program(fn, layout.batch, params, layout.shardings["params"], replicated, ())
@@ -296,11 +313,12 @@ def _program(spec: TrainSpec, layout: SliceLayout, step: Step) -> _Program:
 
 def lower_step(spec: TrainSpec, layout: SliceLayout, step: Step = "train") -> jax.stages.Lowered:
     """The train step (or the eval step) jitted for this layout's mesh and batch, lowered over the abstract
-    state and an abstract int32 batch of the layout's global rows."""
+    state and an abstract int32 batch of the layout's global rows (and, with LoRA on, the abstract base)."""
     program = _program(spec, layout, step)
+    base = () if layout.abstract_base is None else (layout.abstract_base,)
     jitted = jax.jit(
         program.fn,
-        in_shardings=(program.state_sharding, layout.batch_sharding),
+        in_shardings=(program.state_sharding, layout.batch_sharding, *(layout.base_shardings,) * len(base)),
         out_shardings=program.out_shardings,
         donate_argnums=program.donate_argnums,
     )
@@ -308,7 +326,7 @@ def lower_step(spec: TrainSpec, layout: SliceLayout, step: Step = "train") -> ja
     abstract_batch = {
         k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout.batch_sharding) for k in BATCH_KEYS
     }
-    return jitted.lower(program.state, abstract_batch)
+    return jitted.lower(program.state, abstract_batch, *base)
 
 
 class _CompiledOnFirstCall:

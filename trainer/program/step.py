@@ -2,6 +2,11 @@
 
 `train_step(state, batch) -> (state, metrics)`; state is {"step", "params", "opt_state"}; metrics are
 device arrays that the loop reads one step late. No logging, host syncs or globals in here.
+
+With LoRA on (`lora` given, lora_rank > 0) the state's params are the adapters and every step function
+takes the frozen base as one more argument, `train_step(state, batch, base)`: the model runs with
+`trainer.model.lora.merge(base, adapters)`, gradients and optimizer updates reach the adapters only, and
+the base is neither donated nor returned.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import optax
 from jax.sharding import PartitionSpec
 
 from trainer import model
-from trainer.config.schema import ModelConfig
+from trainer.config.schema import LoraConfig, ModelConfig
+from trainer.model import lora as lora_math
 from trainer.model.layers import BTD
 from trainer.parallel.activations import UNSHARDED, ActivationSharding, axes_of
 
@@ -206,6 +212,14 @@ def loss_sums(
     return objective, {"ce_sum": ce, "z_sum": z, "tokens": tokens, "aux_loss": aux_loss}
 
 
+def model_weights(cfg: ModelConfig, lora: LoraConfig | None) -> Callable:
+    """`(trainable, frozen) -> params the model runs with`: the trainable params themselves, or with LoRA on
+    the frozen base merged with the trainable adapters."""
+    if not lora_math.enabled(lora):
+        return lambda trainable, frozen: trainable
+    return lambda trainable, frozen: lora_math.merge(frozen, trainable, cfg, lora)
+
+
 def _split_micro(batch: dict, n: int) -> dict:
     return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
@@ -234,20 +248,23 @@ def per_replica(fn: Callable, shard: ActivationSharding, combine: Callable) -> C
     )
 
 
-def _summed_grads(cfg: ModelConfig, z_loss_multiplier: float, micro_steps: int, batch_spec):
-    """`(params, batch, shard) -> (grads, parts)`: gradients of the token-summed objective over the
-    batch's micro-steps (not yet divided by the token count) and its summed parts; the train step and
-    the silent-data-corruption check (`make_replica_checksums`) compute exactly this."""
+def _summed_grads(cfg: ModelConfig, z_loss_multiplier: float, micro_steps: int, batch_spec, weights: Callable):
+    """`((trainable, frozen), batch, shard) -> (grads, parts)`: gradients, with respect to the trainable
+    params only, of the token-summed objective over the batch's micro-steps (not yet divided by the token
+    count) and its summed parts; `weights(trainable, frozen)` gives the params the model runs with
+    (`model_weights`). The train step and the silent-data-corruption check (`make_replica_checksums`)
+    compute exactly this."""
 
     def micro_grads(params, micro, shard):
+        trainable, frozen = params
         if batch_spec is not None:
             micro = {k: shard.pin(v, batch_spec) for k, v in micro.items()}
 
         def objective(p):
-            total, parts = loss_sums(p, cfg, z_loss_multiplier, micro, shard=shard)
+            total, parts = loss_sums(weights(p, frozen), cfg, z_loss_multiplier, micro, shard=shard)
             return total + parts["aux_loss"] * parts["tokens"], parts
 
-        (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
         return grads, parts
 
     def summed_grads(params, batch, shard):
@@ -258,7 +275,7 @@ def _summed_grads(cfg: ModelConfig, z_loss_multiplier: float, micro_steps: int, 
             g, p = micro_grads(params, micro, shard)
             return jax.tree.map(jnp.add, acc, (g, p)), None
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = jax.tree.map(jnp.zeros_like, params[0])
         scalar = jnp.zeros((), jnp.float32)
         init = (zeros, {"ce_sum": scalar, "z_sum": scalar, "tokens": scalar, "aux_loss": scalar})
         (grads, parts), _ = jax.lax.scan(body, init, _split_micro(batch, micro_steps))
@@ -277,6 +294,7 @@ def make_train_step(
     learning_rate: optax.Schedule | None = None,
     shard: ActivationSharding = UNSHARDED,
     data_reduce_dtype: str = "float32",
+    lora: LoraConfig | None = None,
 ):
     """Build `train_step(state, batch)`.
 
@@ -293,9 +311,10 @@ def make_train_step(
     `learning_rate`, the optimizer's schedule, adds the rate this update used to the metrics: computed
     inside the compiled step, since evaluating an optax schedule eagerly on the host compiles each of
     its ~12 jnp ops on first use (~1 s in every new process).
+    `lora` (lora_rank > 0): the state's params are adapters over the `base` the step takes (module doc).
     """
 
-    summed_grads = _summed_grads(cfg, z_loss_multiplier, micro_steps, batch_spec)
+    summed_grads = _summed_grads(cfg, z_loss_multiplier, micro_steps, batch_spec, model_weights(cfg, lora))
     replicas = _replicas(shard)
     # XLA:CPU aborts on a bfloat16 all-reduce in a shard_map; CPU slices are emulated (no DCN).
     cpu = shard.mesh is not None and shard.mesh.devices.flat[0].platform == "cpu"
@@ -308,9 +327,9 @@ def make_train_step(
 
     gradients = per_replica(summed_grads, shard, sum_replicas)
 
-    def train_step(state: dict[str, Any], batch: dict) -> tuple[dict[str, Any], dict]:
+    def train_step(state: dict[str, Any], batch: dict, base=None) -> tuple[dict[str, Any], dict]:
         params = state["params"]
-        grads, parts = gradients(params, batch)
+        grads, parts = gradients((params, base), batch)
         denom = jnp.maximum(parts["tokens"], 1.0)
         grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
         loss, grad_norm = parts["ce_sum"] / denom, optax.tree.norm(grads)
@@ -348,8 +367,10 @@ def make_eval_step(
     micro_steps: int = 1,
     batch_spec: PartitionSpec | None = None,
     shard: ActivationSharding = UNSHARDED,
+    lora: LoraConfig | None = None,
 ):
-    """Build `eval_step(params, batch) -> {"ce_sum", "tokens"}`: the forward pass only (no gradient, no
+    """Build `eval_step(params, batch) -> {"ce_sum", "tokens"}` (with LoRA on, `eval_step(adapters, batch,
+    base)`): the forward pass only (no gradient, no
     z-loss, no update), summed over the batch's loss-masked tokens, so the caller adds batches up exactly
     and divides once. The loss mask is the batch's own (assistant tokens only under SFT).
 
@@ -357,10 +378,12 @@ def make_eval_step(
     every mesh (the same tokens at every evaluation), so a smaller mesh runs it in more parts.
     """
 
+    weights = model_weights(cfg, lora)
+
     def sums(params, batch, shard):
         if batch_spec is not None:
             batch = {k: shard.pin(v, batch_spec) for k, v in batch.items()}
-        _, parts = loss_sums(params, cfg, 0.0, batch, shard=shard)
+        _, parts = loss_sums(weights(*params), cfg, 0.0, batch, shard=shard)
         return {"ce_sum": parts["ce_sum"], "tokens": parts["tokens"]}
 
     def summed(params, batch, shard):
@@ -376,8 +399,8 @@ def make_eval_step(
 
     replicated = per_replica(summed, shard, lambda out: jax.lax.psum(out, DATA))
 
-    def eval_step(params, batch: dict) -> dict:
-        return replicated(params, batch)
+    def eval_step(params, batch: dict, base=None) -> dict:
+        return replicated((params, base), batch)
 
     return eval_step
 
@@ -389,15 +412,17 @@ def make_replica_checksums(
     micro_steps: int,
     batch_spec: PartitionSpec | None = None,
     shard: ActivationSharding = UNSHARDED,
+    lora: LoraConfig | None = None,
 ):
-    """Build `checksums(params, batch) -> float32 [replicas, 3 + leaves]`: what each data-parallel replica
+    """Build `checksums(params, batch) -> float32 [replicas, 3 + leaves]` (with LoRA on,
+    `checksums(adapters, batch, base)`, the leaves the adapters'): what each data-parallel replica
     computes of a train step on its own rows, before the gradients are summed across replicas: its
     objective's parts (ce, z, tokens) and the sum of each gradient leaf.
 
     The same computation (`_summed_grads`) as the train step, per replica and without the reduction, so
     two runs of it on the same rows are bitwise equal on healthy devices wherever they run: the
     silent-data-corruption check (trainer.attempt.sdc) compares them with the rows moved to other slices."""
-    summed_grads = _summed_grads(cfg, z_loss_multiplier, micro_steps, batch_spec)
+    summed_grads = _summed_grads(cfg, z_loss_multiplier, micro_steps, batch_spec, model_weights(cfg, lora))
 
     def checksums(out):
         grads, parts = out
@@ -406,5 +431,6 @@ def make_replica_checksums(
         return jax.lax.all_gather(row, DATA) if _replicas(shard) > 1 else row[None]
 
     if _replicas(shard) == 1:
-        return lambda params, batch: checksums(summed_grads(params, batch, shard))
-    return per_replica(summed_grads, shard, checksums)
+        return lambda params, batch, base=None: checksums(summed_grads((params, base), batch, shard))
+    replicated = per_replica(summed_grads, shard, checksums)
+    return lambda params, batch, base=None: replicated((params, base), batch)

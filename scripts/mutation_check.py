@@ -447,6 +447,17 @@ BREAKAGES: tuple[Breakage, ...] = (
         why="an operator's drain is accepted but the run trains on: no save, no exit 42 before the node goes",
     ),
     Breakage(
+        name="lora-resumes-over-another-base",
+        file="trainer/checkpoint/base_identity.py",
+        old="    if saved is None or saved == now:\n",
+        new="    if True:\n",
+        tests=(
+            "tests/test_lora.py::test_the_base_is_named_by_its_content_and_another_content_is_refused",
+            "tests/test_lora.py::test_a_local_tier_step_records_its_base_and_a_resume_over_another_is_refused",
+        ),
+        why="adapters trained over one base resume over another: the run trains on, its adapters meaningless",
+    ),
+    Breakage(
         name="eval-scores-drop-the-last-continuation-token",
         file="trainer/evaluate/batching.py",
         old="        scored[r, n - n_scored : n] = True\n",

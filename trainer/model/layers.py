@@ -29,8 +29,10 @@ from flax import nnx
 from trainer.config.rope_scaling import RopeScaling
 from trainer.model.attention import AttentionKernel
 from trainer.model.attention import grouped_attention as grouped_attention  # dot_product; the KV-cache decoder
+from trainer.model.context_attention import context_attention
 from trainer.model.rope import scale_frequencies
 from trainer.parallel.activations import UNSHARDED, ActivationSharding
+from trainer.parallel.context import context_shards
 
 BTD = ("activation_batch", "activation_length", "activation_embed")
 _NORMAL = jax.nn.initializers.normal(stddev=0.02)
@@ -122,6 +124,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, ctx: Context) -> jax.Array:
         q, k, v = self.project_qkv(x, ctx.cos, ctx.sin, shard=ctx.shard)
+        if context_shards(ctx.shard) > 1:  # the sequence is split, in zigzag order (parallel/context.py)
+            return self.project_out(context_attention(ctx.attend, q, k, v, ctx.segment_ids, ctx.shard))
         return self.project_out(ctx.attend(q, k, v, ctx.segment_ids, ctx.shard))
 
     def project_qkv(

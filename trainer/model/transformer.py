@@ -51,7 +51,7 @@ from flax import nnx
 
 from trainer.config.rope_scaling import parse_rope_scaling
 from trainer.config.schema import ModelConfig
-from trainer.model import attention
+from trainer.model import attention, context_attention
 from trainer.model.layers import (
     BTD,
     Attention,
@@ -64,6 +64,7 @@ from trainer.model.layers import (
 )
 from trainer.model.moe import MoeMlp
 from trainer.parallel.activations import UNSHARDED, ActivationSharding
+from trainer.parallel.context import context_shards
 
 Params = dict[str, Any]
 logger = logging.getLogger(__name__)
@@ -156,6 +157,8 @@ def _attention_kernel(cfg: ModelConfig, seq_len: int, shard: ActivationSharding)
     name = attention.resolve(
         cfg.attention, backend=backend, seq_len=seq_len, head_dim=cfg.head_dim, dtype=cfg.dtype
     )
+    if cfg.attention == "autoselected" and context_shards(shard) > 1 and name not in context_attention.SUPPORTED:
+        name = "flash"  # the fused kernels do not split the sequence (yet); flash runs everywhere
     if cfg.attention == "autoselected":
         logger.info("attention=autoselected -> %s (backend %s, sequence %d)", name, backend, seq_len)
     return attention.AttentionKernel(name, block_q=cfg.sa_block_q, block_kv=cfg.sa_block_kv)
@@ -275,7 +278,9 @@ def forward(
     float32 aux loss: load_balance_loss_weight * mean over layers of the MoE balance loss; 0 if dense).
 
     Attention is causal and restricted to tokens with the same segment id (0 = padding). `shard` pins the
-    activations to a mesh (the train step passes the attempt's; the default leaves them unconstrained)."""
+    activations to a mesh (the train step passes the attempt's; the default leaves them unconstrained).
+    Where its mesh has a context axis over several devices, the tokens come in the zigzag order over it
+    (trainer/parallel/context.py: the train step reorders the batch) and `hidden` is in that order."""
     return bind(cfg, params)(inputs, positions, segment_ids, shard=shard)
 
 

@@ -146,6 +146,14 @@ def _context_problems(cfg: RunConfig) -> list[str]:
             f"ici_context_parallelism={n} splits the sequence into 2 x {n} equal chunks, but "
             f"max_target_length={length} is not a multiple of {2 * n}; round it to a multiple of {2 * n}"
         )
+    length_axes = [axes for name, axes in cfg.mesh.logical_axis_rules if name == "activation_length"]
+    if not any(
+        axes == "context" or (isinstance(axes, (list, tuple)) and "context" in axes) for axes in length_axes
+    ):
+        problems.append(
+            f"ici_context_parallelism={n} splits the sequence over the context axis, but logical_axis_rules "
+            "does not map activation_length to it; add [activation_length, [context]] to logical_axis_rules"
+        )
     if cfg.model.attention in ("splash", "cudnn_flash"):
         problems.append(
             f"attention={cfg.model.attention} does not run under context parallelism yet; use "

@@ -4,6 +4,7 @@ sequence split over the context axis equals the step without it."""
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import jax
 import numpy as np
@@ -114,6 +115,15 @@ def test_a_step_with_the_sequence_split_equals_the_step_without(attention, conte
     for a, b, p in zip(jax.tree.leaves(got), jax.tree.leaves(ref), jax.tree.leaves(start)):
         mine, theirs = np.asarray(a) - np.asarray(p), np.asarray(b) - np.asarray(p)  # the updates
         assert np.linalg.norm(mine - theirs) <= 1e-5 * np.linalg.norm(theirs)
+
+
+def test_autoselected_picks_a_kernel_that_runs_on_a_split_sequence():
+    from trainer.model import attention
+
+    pick = partial(attention.resolve, "autoselected", head_dim=128, dtype="bfloat16", seq_len=4096)
+    assert (pick(backend="tpu"), pick(backend="gpu")) == ("splash", "cudnn_flash")
+    assert pick(backend="tpu", context=2) == pick(backend="gpu", context=2) == "flash"
+    assert pick(backend="cpu", context=2, seq_len=512) == "dot_product"
 
 
 def test_config_validation_names_the_length_and_the_kernels_context_parallelism_needs():

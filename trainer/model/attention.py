@@ -43,15 +43,24 @@ CPU_FLASH_MIN_LENGTH = 2048
 
 _MASKED = float(np.finfo(np.float32).min)
 
+# The implementations that run with the sequence split over the context axis (context_attention.py).
+CONTEXT_PARALLEL = ("dot_product", "flash")
 
-def resolve(name: str, *, backend: str, seq_len: int, head_dim: int, dtype) -> str:
+
+def resolve(name: str, *, backend: str, seq_len: int, head_dim: int, dtype, context: int = 1) -> str:
     """The concrete implementation `name` means on `backend` for these shapes (`autoselected` picks).
 
     TPU: splash when the sequence tiles into 128-lane blocks, else flash. GPU: cudnn_flash for
     16-bit activations and head_dim <= 128 (cuDNN's fused kernel), else flash. Other backends:
-    dot_product for short sequences, flash from CPU_FLASH_MIN_LENGTH on."""
+    dot_product for short sequences, flash from CPU_FLASH_MIN_LENGTH on. With the sequence split over
+    `context` devices only CONTEXT_PARALLEL kernels run: flash where the backend's pick is another."""
     if name != "autoselected":
         return name
+    picked = _autoselect(backend, seq_len, head_dim, dtype)
+    return picked if context == 1 or picked in CONTEXT_PARALLEL else "flash"
+
+
+def _autoselect(backend: str, seq_len: int, head_dim: int, dtype) -> str:
     if backend == "tpu":
         return "splash" if seq_len % 128 == 0 else "flash"
     if backend in ("gpu", "cuda", "rocm"):

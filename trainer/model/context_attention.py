@@ -26,8 +26,6 @@ from trainer.model import attention
 from trainer.parallel.activations import ActivationSharding
 from trainer.parallel.context import AXIS, context_shards, unzigzag, zigzag_order
 
-SUPPORTED = ("dot_product", "flash")
-
 
 def context_attention(
     kernel: attention.AttentionKernel,
@@ -39,7 +37,7 @@ def context_attention(
 ) -> jax.Array:
     """`kernel`'s attention for q [B,T,N,hd], k/v [B,T,K,hd], segment_ids [B,T] whose tokens are in the
     zigzag order over `shard`'s context axis, split along it -> [B,T,N,hd] in the same order."""
-    if kernel.name not in SUPPORTED:
+    if kernel.name not in attention.CONTEXT_PARALLEL:
         raise ValueError(
             f"attention={kernel.name} does not run under context parallelism yet; use attention=flash or "
             "attention=dot_product with ici_context_parallelism > 1"

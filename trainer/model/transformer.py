@@ -51,7 +51,7 @@ from flax import nnx
 
 from trainer.config.rope_scaling import parse_rope_scaling
 from trainer.config.schema import ModelConfig
-from trainer.model import attention, context_attention
+from trainer.model import attention
 from trainer.model.layers import (
     BTD,
     Attention,
@@ -155,10 +155,13 @@ def _attention_kernel(cfg: ModelConfig, seq_len: int, shard: ActivationSharding)
     a CPU host and must still pick the TPU kernel."""
     backend = shard.mesh.devices.flat[0].platform if shard.mesh is not None else jax.default_backend()
     name = attention.resolve(
-        cfg.attention, backend=backend, seq_len=seq_len, head_dim=cfg.head_dim, dtype=cfg.dtype
+        cfg.attention,
+        backend=backend,
+        seq_len=seq_len,
+        head_dim=cfg.head_dim,
+        dtype=cfg.dtype,
+        context=context_shards(shard),
     )
-    if cfg.attention == "autoselected" and context_shards(shard) > 1 and name not in context_attention.SUPPORTED:
-        name = "flash"  # the fused kernels do not split the sequence (yet); flash runs everywhere
     if cfg.attention == "autoselected":
         logger.info("attention=autoselected -> %s (backend %s, sequence %d)", name, backend, seq_len)
     return attention.AttentionKernel(name, block_q=cfg.sa_block_q, block_kv=cfg.sa_block_kv)

@@ -204,7 +204,13 @@ def test_the_answer_drops_special_tokens_and_is_cut_before_the_first_stop_sequen
 def test_the_eval_mesh_keeps_the_runs_axes_where_they_fit_and_else_uses_one_fsdp_axis():
     devices = jax.devices()[:4]
     tensor = dataclasses.replace(MeshConfig(), ici_fsdp_parallelism=-1, ici_tensor_parallelism=2)
-    assert dict(eval_mesh(tensor, devices).shape) == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1}
+    assert dict(eval_mesh(tensor, devices).shape) == {"data": 1, "fsdp": 2, "context": 1, "tensor": 2, "expert": 1}
     too_big = dataclasses.replace(MeshConfig(), num_slices=4, ici_fsdp_parallelism=1, ici_tensor_parallelism=8)
-    assert dict(eval_mesh(too_big, devices).shape) == {"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}
+    assert dict(eval_mesh(too_big, devices).shape) == {
+        "data": 1,
+        "fsdp": 4,
+        "context": 1,
+        "tensor": 1,
+        "expert": 1,
+    }
     assert row_shards(eval_mesh(tensor, devices), RULES) == 2

@@ -76,7 +76,7 @@ def test_inside_a_region_manual_over_data_the_specs_leave_the_data_axis_to_the_s
     alone: the data axis is never picked, so the fsdp split still has to divide the replica's rows."""
     cfg = micro_config("num_slices=2")
     mesh = build_mesh(cfg.mesh, group_into_slices(jax.devices()[:4], 2))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 1, "expert": 1}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 1, "expert": 1}
     whole = ActivationSharding(mesh, cfg.mesh.logical_axis_rules)
     inner = whole.within(("data",))
     assert whole.spec(("activation_batch", None), (4, 16)) == PartitionSpec(("data", "fsdp"), None)
@@ -98,7 +98,7 @@ def test_virtual_slices_are_equal_contiguous_groups_and_form_the_outer_data_axis
     assert [len(s) for s in slices] == [4, 4]
     cfg = micro_config("num_slices=2", "ici_fsdp_parallelism=2", "ici_data_parallelism=2")
     mesh = build_mesh(cfg.mesh, slices)
-    assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1, "expert": 1}
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "context": 1, "tensor": 1, "expert": 1}
     first_rows = {d.id for d in mesh.devices[:2].flat}
     assert first_rows == {d.id for d in slices[0]}
 

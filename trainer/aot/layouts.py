@@ -138,7 +138,12 @@ def _attention_kernel(spec: TrainSpec, target: Target) -> str:
     """The attention implementation the model resolves on the target's chips (as the trace did)."""
     m = spec.model
     return attention.resolve(
-        m.attention, backend="tpu", seq_len=spec.data.max_target_length, head_dim=m.head_dim, dtype=m.dtype
+        m.attention,
+        backend="tpu",
+        seq_len=spec.data.max_target_length,
+        head_dim=m.head_dim,
+        dtype=m.dtype,
+        context=spec.mesh.ici_context_parallelism,
     )
 
 

@@ -53,7 +53,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # the vocabulary over the devices (trainer/program/step.py), so the table never moves.
 DEFAULT_LOGICAL_AXIS_RULES = [
     ["activation_batch", ["data", "fsdp", "expert"]],
-    ["activation_length", []],
+    ["activation_length", ["context"]],
     ["activation_embed", []],
     ["activation_heads", ["tensor"]],
     ["activation_kv_heads", ["tensor"]],
@@ -177,6 +177,19 @@ class MeshConfig:
     ici_fsdp_parallelism: int = key(-1, "Fully-sharded data parallelism inside a slice; -1 = fill.")
     ici_tensor_parallelism: int = key(1, "Tensor (Megatron) parallelism inside a slice; -1 = fill.")
     ici_expert_parallelism: int = key(1, "Expert parallelism inside a slice (MoE); -1 = fill.")
+    ici_context_parallelism: int = key(
+        1,
+        "Context parallelism inside a slice: every activation's sequence split this many ways, causally "
+        "load-balanced (max_target_length a multiple of 2x it; attention=dot_product or flash).",
+        minimum=1,
+    )
+    context_parallel_strategy: str = key(
+        "all_gather",
+        "How attention sees the other shards' keys and values under context parallelism: all_gather "
+        "(gather them once per layer) | ring (pass them around the context axis block by block, the "
+        "exchange overlapping the compute).",
+        choices=("all_gather", "ring"),
+    )
     logical_axis_rules: list = key(
         DEFAULT_LOGICAL_AXIS_RULES, "Logical-axis -> mesh-axes rules for params and activations."
     )

@@ -80,6 +80,7 @@ def _run_problems(cfg: RunConfig) -> list[str]:
         mesh.ici_tensor_parallelism,
         mesh.ici_expert_parallelism,
     ]
+    problems += _context_problems(cfg)
     if sum(v == -1 for v in ici) > 1:
         problems.append("at most one ici_*_parallelism may be -1 (fill)")
     if any(v == 0 or v < -1 for v in ici):
@@ -130,6 +131,35 @@ def _run_problems(cfg: RunConfig) -> list[str]:
             and isinstance(rule[1], (list, tuple, str, type(None)))
         ):
             problems.append(f"logical_axis_rules entry {rule!r} must be [logical_name, [mesh_axes...]]")
+    return problems
+
+
+def _context_problems(cfg: RunConfig) -> list[str]:
+    """Context parallelism: the sequence must cut into 2 x N equal zigzag chunks, and the attention
+    kernel must be one that runs on a split sequence."""
+    n, problems = cfg.mesh.ici_context_parallelism, []
+    if n == 1:
+        return problems
+    length = cfg.data.max_target_length
+    if length % (2 * n):
+        problems.append(
+            f"ici_context_parallelism={n} splits the sequence into 2 x {n} equal chunks, but "
+            f"max_target_length={length} is not a multiple of {2 * n}; round it to a multiple of {2 * n}"
+        )
+    length_axes = [axes for name, axes in cfg.mesh.logical_axis_rules if name == "activation_length"]
+    if not any(
+        axes == "context" or (isinstance(axes, (list, tuple)) and "context" in axes) for axes in length_axes
+    ):
+        problems.append(
+            f"ici_context_parallelism={n} splits the sequence over the context axis, but logical_axis_rules "
+            "does not map activation_length to it; add [activation_length, [context]] to logical_axis_rules"
+        )
+    if cfg.model.attention in ("splash", "cudnn_flash"):
+        problems.append(
+            f"attention={cfg.model.attention} does not run under context parallelism yet; use "
+            "attention=flash (or dot_product, or autoselected, which picks flash) with "
+            f"ici_context_parallelism={n}, or set ici_context_parallelism=1"
+        )
     return problems
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 
 import jax
 import jax.numpy as jnp
@@ -44,15 +43,24 @@ CPU_FLASH_MIN_LENGTH = 2048
 
 _MASKED = float(np.finfo(np.float32).min)
 
+# The implementations that run with the sequence split over the context axis (context_attention.py).
+CONTEXT_PARALLEL = ("dot_product", "flash")
 
-def resolve(name: str, *, backend: str, seq_len: int, head_dim: int, dtype) -> str:
+
+def resolve(name: str, *, backend: str, seq_len: int, head_dim: int, dtype, context: int = 1) -> str:
     """The concrete implementation `name` means on `backend` for these shapes (`autoselected` picks).
 
     TPU: splash when the sequence tiles into 128-lane blocks, else flash. GPU: cudnn_flash for
     16-bit activations and head_dim <= 128 (cuDNN's fused kernel), else flash. Other backends:
-    dot_product for short sequences, flash from CPU_FLASH_MIN_LENGTH on."""
+    dot_product for short sequences, flash from CPU_FLASH_MIN_LENGTH on. With the sequence split over
+    `context` devices only CONTEXT_PARALLEL kernels run: flash where the backend's pick is another."""
     if name != "autoselected":
         return name
+    picked = _autoselect(backend, seq_len, head_dim, dtype)
+    return picked if context == 1 or picked in CONTEXT_PARALLEL else "flash"
+
+
+def _autoselect(backend: str, seq_len: int, head_dim: int, dtype) -> str:
     if backend == "tpu":
         return "splash" if seq_len % 128 == 0 else "flash"
     if backend in ("gpu", "cuda", "rocm"):
@@ -115,6 +123,17 @@ def segment_mask(segment_ids: jax.Array) -> jax.Array:
     return (causal[None] & same)[:, None, None]
 
 
+def position_mask(
+    segment_ids: jax.Array, kv_segment_ids: jax.Array, q_positions: jax.Array, kv_positions: jax.Array
+) -> jax.Array:
+    """[B, 1, 1, T, S] bool: query t sees key s when kv_positions[s] <= q_positions[t] (int [T] and [S],
+    the tokens' places in the sequence) and their segment ids ([B,T] and [B,S]) are equal: the mask
+    `segment_mask` gives, for a shard of the queries against keys in any order."""
+    causal = q_positions[:, None] >= kv_positions[None, :]
+    same = segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+    return (causal[None] & same)[:, None, None]
+
+
 def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, num_kv_heads: int) -> jax.Array:
     """Softmax attention, q [B,T,N,hd], k/v [B,S,K,hd] -> [B,T,N,hd]; q head n uses kv head n // (N/K).
 
@@ -140,35 +159,49 @@ def flash_attention(
     *,
     block_q: int = FLASH_BLOCK_Q,
     block_kv: int = FLASH_BLOCK_KV,
+    kv_segment_ids: jax.Array | None = None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
 ) -> jax.Array:
-    """Causal, segment-masked GQA attention, q [B,T,N,hd], k/v [B,T,K,hd] -> [B,T,N,hd], in O(T) memory.
+    """Causal, segment-masked GQA attention, q [B,T,N,hd], k/v [B,S,K,hd] -> [B,T,N,hd], in O(T) memory.
 
-    Blocks are clipped to the sequence; a length that is not a multiple of the blocks is padded with
-    segment id -1 (padded keys are invisible to real queries) and the padding cut off again."""
+    By default keys are the queries' own sequence (S = T, `kv_segment_ids` = `segment_ids`) and
+    causality is by index. Context parallelism passes a shard's queries against the whole sequence's
+    keys: `kv_segment_ids` [B,S], and the tokens' places in the sequence as `q_positions` [T] and
+    `kv_positions` [S] (int, the same for every row, each ascending: the causal block skipping relies
+    on it); query t then sees key s when kv_positions[s] <= q_positions[t] and their segments match.
+
+    Blocks are clipped to the lengths; a length that is not a multiple of its block is padded (padded
+    keys are invisible to every query, padded queries see nothing) and the padding cut off again."""
     b, t, n, hd = q.shape
-    kvh = k.shape[2]
-    bq, bk = min(block_q, t), min(block_kv, t)
-    total = _round_up(t, math.lcm(bq, bk))
-    seg = segment_ids.astype(jnp.int32)
-    if total != t:
-        pad = [(0, 0), (0, total - t), (0, 0), (0, 0)]
-        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-        seg = jnp.pad(seg, [(0, 0), (0, total - t)], constant_values=-1)
-    # Head-major once ([B,K,G,T,hd] and [B,K,T,hd]) so each tile is a plain batched matmul.
-    qh = q.reshape(b, total, kvh, n // kvh, hd).transpose(0, 2, 3, 1, 4)
+    s, kvh = k.shape[1], k.shape[2]
+    kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+    q_positions = jnp.arange(t, dtype=jnp.int32) if q_positions is None else q_positions.astype(jnp.int32)
+    kv_positions = jnp.arange(s, dtype=jnp.int32) if kv_positions is None else kv_positions.astype(jnp.int32)
+    bq, bk = min(block_q, t), min(block_kv, s)
+    tq, tk = _round_up(t, bq), _round_up(s, bk)
+    seg_q, seg_k = segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+    if tq != t:
+        q = jnp.pad(q, [(0, 0), (0, tq - t), (0, 0), (0, 0)])
+        seg_q = jnp.pad(seg_q, [(0, 0), (0, tq - t)], constant_values=-1)
+        q_positions = jnp.pad(q_positions, (0, tq - t), mode="edge")
+    if tk != s:
+        k, v = (jnp.pad(x, [(0, 0), (0, tk - s), (0, 0), (0, 0)]) for x in (k, v))
+        seg_k = jnp.pad(seg_k, [(0, 0), (0, tk - s)], constant_values=-2)
+        kv_positions = jnp.pad(kv_positions, (0, tk - s), mode="edge")
+    # Head-major once ([B,K,G,T,hd] and [B,K,S,hd]) so each tile is a plain batched matmul.
+    qh = q.reshape(b, tq, kvh, n // kvh, hd).transpose(0, 2, 3, 1, 4)
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    out = _flash(qh, kh, vh, seg, bq, bk, hd**-0.5)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, total, n, hd)[:, :t]
+    out = _flash(qh, kh, vh, (seg_q, seg_k, q_positions, kv_positions), bq, bk, hd**-0.5)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, tq, n, hd)[:, :t]
 
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _tile_mask(seg_q, seg_k, q0, k0):
-    """[B,1,1,bq,bk] bool for the tile whose first query/key indices are q0/k0."""
-    pos_q = q0 + jnp.arange(seg_q.shape[1])
-    pos_k = k0 + jnp.arange(seg_k.shape[1])
+def _tile_mask(seg_q, seg_k, pos_q, pos_k):
+    """[B,1,1,bq,bk] bool for a tile: segments [B,bq] / [B,bk], positions [bq] / [bk]."""
     allowed = (pos_q[:, None] >= pos_k[None, :])[None] & (seg_q[:, :, None] == seg_k[:, None, :])
     return allowed[:, None, None]
 
@@ -182,17 +215,32 @@ def _scores(qi, kj, mask, scale):
     return jnp.where(mask, s, _MASKED)
 
 
-def _flash_forward(q, k, v, seg, bq, bk, scale):
+def _block_tile(masks, i, j, bq, bk):
+    """The mask of query block i against key block j."""
+    seg_q, seg_k, pos_q, pos_k = masks
+    return _tile_mask(
+        _slice(seg_q, i * bq, bq, 1),
+        _slice(seg_k, j * bk, bk, 1),
+        _slice(pos_q, i * bq, bq, 0),
+        _slice(pos_k, j * bk, bk, 0),
+    )
+
+
+def _flash_forward(q, k, v, masks, bq, bk, scale):
     """Output [B,K,G,T,hd] and log-sum-exp [B,K,G,T] (float32), one query block at a time."""
-    nq = q.shape[3] // bq
+    nq, nk = q.shape[3] // bq, k.shape[2] // bk
+    _, _, pos_q, pos_k = masks
+    # Causal: query block i visits the key blocks that start at or before its last position (positions
+    # ascend, so those are a prefix); later ones are fully masked, never visited.
+    visible = jnp.sum(pos_k.reshape(nk, bk)[:, 0][None, :] <= pos_q.reshape(nq, bq).max(axis=1)[:, None], axis=1)
 
     def query_block(i):
-        qi, sq = _slice(q, i * bq, bq, 3), _slice(seg, i * bq, bq, 1)
+        qi = _slice(q, i * bq, bq, 3)
 
         def key_block(j, carry):
             m, l, acc = carry
             kj, vj = _slice(k, j * bk, bk, 2), _slice(v, j * bk, bk, 2)
-            mask = _tile_mask(sq, _slice(seg, j * bk, bk, 1), i * bq, j * bk)
+            mask = _block_tile(masks, i, j, bq, bk)
             s = _scores(qi, kj, mask, scale)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -202,8 +250,8 @@ def _flash_forward(q, k, v, seg, bq, bk, scale):
 
         shape = qi.shape[:-1]
         init = (jnp.full(shape, _MASKED), jnp.zeros(shape), jnp.zeros(qi.shape, jnp.float32))
-        last = ((i + 1) * bq + bk - 1) // bk  # causal: later key blocks are fully masked, never visited
-        m, l, acc = jax.lax.fori_loop(0, last, key_block, init)
+        m, l, acc = jax.lax.fori_loop(0, visible[i], key_block, init)
+        l = jnp.where(l == 0, 1.0, l)  # a query that sees no key (padding rows): output 0
         return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
 
     out, lse = jax.lax.map(query_block, jnp.arange(nq))  # [nq, B,K,G,bq,(hd)]
@@ -213,29 +261,32 @@ def _flash_forward(q, k, v, seg, bq, bk, scale):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _flash(q, k, v, seg, bq, bk, scale):
-    return _flash_forward(q, k, v, seg, bq, bk, scale)[0]
+def _flash(q, k, v, masks, bq, bk, scale):
+    return _flash_forward(q, k, v, masks, bq, bk, scale)[0]
 
 
-def _flash_fwd(q, k, v, seg, bq, bk, scale):
-    out, lse = _flash_forward(q, k, v, seg, bq, bk, scale)
-    return out, (q, k, v, seg, out, lse)
+def _flash_fwd(q, k, v, masks, bq, bk, scale):
+    out, lse = _flash_forward(q, k, v, masks, bq, bk, scale)
+    return out, (q, k, v, masks, out, lse)
 
 
 def _flash_bwd(bq, bk, scale, res, dout):
     """FlashAttention-2 backward: per key block, loop over the query blocks that see it, recomputing
     the tile's probabilities from the saved log-sum-exp; dk/dv accumulate per key block, dq in place."""
-    q, k, v, seg, out, lse = res
+    q, k, v, masks, out, lse = res
     nq, nk = q.shape[3] // bq, k.shape[2] // bk
+    _, _, pos_q, pos_k = masks
+    # Causal: the query blocks that end before key block j starts see none of its keys (a prefix).
+    unseen = jnp.sum(pos_q.reshape(nq, bq).max(axis=1)[None, :] < pos_k.reshape(nk, bk)[:, 0][:, None], axis=1)
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B,K,G,T]
 
     def key_block(dq, j):
-        kj, vj, sk = _slice(k, j * bk, bk, 2), _slice(v, j * bk, bk, 2), _slice(seg, j * bk, bk, 1)
+        kj, vj = _slice(k, j * bk, bk, 2), _slice(v, j * bk, bk, 2)
 
         def query_block(i, carry):
             dq, dk, dv = carry
             qi, doi = _slice(q, i * bq, bq, 3), _slice(dout, i * bq, bq, 3)
-            mask = _tile_mask(_slice(seg, i * bq, bq, 1), sk, i * bq, j * bk)
+            mask = _block_tile(masks, i, j, bq, bk)
             s = _scores(qi, kj, mask, scale)
             p = jnp.where(mask, jnp.exp(s - _slice(lse, i * bq, bq, 3)[..., None]), 0.0)
             dv = dv + jnp.einsum("bkgqs,bkgqh->bksh", p.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
@@ -246,16 +297,16 @@ def _flash_bwd(bq, bk, scale, res, dout):
             dq = jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, i * bq, bq, 3) + dqi, i * bq, axis=3)
             return dq, dk, dv
 
-        first = (j * bk) // bq  # causal: earlier query blocks see none of these keys
         zeros = jnp.zeros(kj.shape, jnp.float32)
-        dq, dk, dv = jax.lax.fori_loop(first, nq, query_block, (dq, zeros, zeros))
+        dq, dk, dv = jax.lax.fori_loop(unseen[j], nq, query_block, (dq, zeros, zeros))
         return dq, (dk, dv)
 
     dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(nk))
     b, kvh, _, hd = k.shape
     dk = jnp.moveaxis(dk, 0, 2).reshape(b, kvh, nk * bk, hd)
     dv = jnp.moveaxis(dv, 0, 2).reshape(b, kvh, nk * bk, hd)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    masks_ct = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), masks)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), masks_ct
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -29,8 +29,10 @@ from flax import nnx
 from trainer.config.rope_scaling import RopeScaling
 from trainer.model.attention import AttentionKernel
 from trainer.model.attention import grouped_attention as grouped_attention  # dot_product; the KV-cache decoder
+from trainer.model.context_attention import context_attention
 from trainer.model.rope import rope_frequencies
 from trainer.parallel.activations import UNSHARDED, ActivationSharding
+from trainer.parallel.context import context_shards
 
 BTD = ("activation_batch", "activation_length", "activation_embed")
 _NORMAL = jax.nn.initializers.normal(stddev=0.02)
@@ -132,7 +134,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, ctx: Context) -> jax.Array:
         q, k, v = self.project_qkv(x, ctx.cos, ctx.sin, shard=ctx.shard)
-        return self.project_out(ctx.attend(q, k, v, ctx.segment_ids, ctx.shard))
+        if context_shards(ctx.shard) > 1:  # the sequence is split, in zigzag order (parallel/context.py)
+            return self.project_out(context_attention(ctx.attend, q, k, v, ctx.segment_ids, ctx.shard), ctx.shard)
+        return self.project_out(ctx.attend(q, k, v, ctx.segment_ids, ctx.shard), ctx.shard)
 
     def project_qkv(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, shard: ActivationSharding = UNSHARDED
@@ -140,10 +144,9 @@ class Attention(nnx.Module):
         """x [B,T,D] -> q [B,T,N,hd], k and v [B,T,K,hd]: projected, q/k normed and rotated (the KV cache
         stores k and v exactly as returned here)."""
         dt, b, t = self.dtype, x.shape[0], x.shape[1]
-        rows = x.reshape(b * t, x.shape[2])  # 2-D matmuls: XLA CPU then needs no transposes for the grads
-        q = (rows @ _flat_in(self.q_proj[...], dt)).reshape(b, t, self.num_heads, self.head_dim)
-        k = (rows @ _flat_in(self.k_proj[...], dt)).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = (rows @ _flat_in(self.v_proj[...], dt)).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = token_matmul(x, _flat_in(self.q_proj[...], dt), shard).reshape(b, t, self.num_heads, self.head_dim)
+        k = token_matmul(x, _flat_in(self.k_proj[...], dt), shard).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = token_matmul(x, _flat_in(self.v_proj[...], dt), shard).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)
@@ -151,11 +154,21 @@ class Attention(nnx.Module):
         kv_names = ("activation_batch", "activation_length", "activation_kv_heads", None)
         return q, shard(apply_rope(k, cos, sin), kv_names), shard(v, kv_names)
 
-    def project_out(self, out: jax.Array) -> jax.Array:
+    def project_out(self, out: jax.Array, shard: ActivationSharding = UNSHARDED) -> jax.Array:
         """Attention output [B,T,N,hd] -> [B,T,D] through o_proj."""
         b, t = out.shape[0], out.shape[1]
         o = self.o_proj[...].astype(self.dtype)
-        return (out.reshape(b * t, -1) @ o.reshape(-1, o.shape[-1])).reshape(b, t, -1)
+        return token_matmul(out.reshape(b, t, -1), o.reshape(-1, o.shape[-1]), shard)
+
+
+def token_matmul(x: jax.Array, w: jax.Array, shard: ActivationSharding = UNSHARDED) -> jax.Array:
+    """x [B,T,I] @ w [I,O] -> [B,T,O], as one 2-D matmul over the B*T rows (XLA CPU then needs no
+    transposes for the gradients), or, where the context axis splits T, batched over [B,T]: merging a
+    split T into the rows would make the compiler gather the whole sequence."""
+    if context_shards(shard) > 1:
+        return jnp.einsum("bti,io->bto", x, w)
+    b, t = x.shape[0], x.shape[1]
+    return (x.reshape(b * t, x.shape[2]) @ w).reshape(b, t, w.shape[1])
 
 
 def _flat_in(kernel: jax.Array, dtype) -> jax.Array:
@@ -174,9 +187,7 @@ class Mlp(nnx.Module):
 
     def __call__(self, x: jax.Array, *, shard: ActivationSharding = UNSHARDED) -> jax.Array:
         dt = self.dtype
-        b, t, d = x.shape
-        x2 = x.reshape(b * t, d)
-        gate = (x2 @ self.gate_proj[...].astype(dt)).reshape(b, t, -1)
-        up = (x2 @ self.up_proj[...].astype(dt)).reshape(b, t, -1)
+        gate = token_matmul(x, self.gate_proj[...].astype(dt), shard)
+        up = token_matmul(x, self.up_proj[...].astype(dt), shard)
         hidden = shard(jax.nn.silu(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
-        return (hidden.reshape(b * t, -1) @ self.down_proj[...].astype(dt)).reshape(b, t, d)
+        return token_matmul(hidden, self.down_proj[...].astype(dt), shard)

@@ -36,6 +36,7 @@ from flax import nnx
 
 from trainer.model.layers import matrix
 from trainer.parallel.activations import UNSHARDED, ActivationSharding
+from trainer.parallel.context import context_shards, zigzag_order
 
 
 def expert_capacity(tokens_per_group: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -53,14 +54,21 @@ def route(logits: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Arra
     return probs, weights, experts
 
 
-def _dispatch_plan(experts: jax.Array, valid: jax.Array, num_experts: int, capacity: int):
-    """One routing group. experts [T, k] int, valid [T] bool ->
+def _dispatch_plan(
+    experts: jax.Array, valid: jax.Array, num_experts: int, capacity: int, order: jax.Array | None = None
+):
+    """One routing group. experts [T, k] int, valid [T] bool, order [T] int: each token's index in the
+    sequence (an expert's slots go to its assignments by choice rank, then by this index, so a reordered
+    sequence drops the same tokens; `arange(T)` unless the tokens come reordered) ->
     (slot [k*T] int: buffer slot of each slot-major assignment, E*C if dropped;
      slot_token [E*C] int: the token each buffer slot reads, T (a zero row) if empty;
      counts [E]: assignments per expert before dropping)."""
     t, k = experts.shape
     expert = jnp.where(valid[None, :], experts.T, num_experts).reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(expert, stable=True)
+    order = jnp.arange(t, dtype=jnp.int32) if order is None else order
+    choice = jnp.arange(t * k, dtype=jnp.int32) // t
+    sort_key = (expert * k + choice) * t + jnp.tile(order.astype(jnp.int32), k)
+    order = jnp.argsort(sort_key)  # the keys are distinct
     counts = jnp.zeros(num_experts + 1, jnp.int32).at[expert].add(1)
     starts = jnp.cumsum(counts) - counts
     rank_sorted = jnp.arange(t * k, dtype=jnp.int32) - starts[expert[order]]
@@ -111,8 +119,9 @@ class MoeMlp(nnx.Module):
         logits = jnp.einsum("btd,de->bte", x, self.router[...].astype(dt), preferred_element_type=jnp.float32)
         probs, weights, experts = route(logits, k, self.norm_topk_prob)
         capacity = expert_capacity(t, e, k, self.capacity_factor)
-        slot, slot_token, counts = jax.vmap(_dispatch_plan, in_axes=(0, 0, None, None))(
-            experts, valid, e, capacity
+        order = jnp.asarray(zigzag_order(t, context_shards(shard)))  # the tokens' places in the sequence
+        slot, slot_token, counts = jax.vmap(_dispatch_plan, in_axes=(0, 0, None, None, None))(
+            experts, valid, e, capacity, order
         )
 
         dispatched = jax.vmap(_gather_rows)(x, slot_token).reshape(b, e, capacity, d)

@@ -64,6 +64,7 @@ from trainer.model.layers import (
 )
 from trainer.model.moe import MoeMlp
 from trainer.parallel.activations import UNSHARDED, ActivationSharding
+from trainer.parallel.context import context_shards
 
 Params = dict[str, Any]
 logger = logging.getLogger(__name__)
@@ -154,7 +155,12 @@ def _attention_kernel(cfg: ModelConfig, seq_len: int, shard: ActivationSharding)
     a CPU host and must still pick the TPU kernel."""
     backend = shard.mesh.devices.flat[0].platform if shard.mesh is not None else jax.default_backend()
     name = attention.resolve(
-        cfg.attention, backend=backend, seq_len=seq_len, head_dim=cfg.head_dim, dtype=cfg.dtype
+        cfg.attention,
+        backend=backend,
+        seq_len=seq_len,
+        head_dim=cfg.head_dim,
+        dtype=cfg.dtype,
+        context=context_shards(shard),
     )
     if cfg.attention == "autoselected":
         logger.info("attention=autoselected -> %s (backend %s, sequence %d)", name, backend, seq_len)
@@ -275,7 +281,9 @@ def forward(
     float32 aux loss: load_balance_loss_weight * mean over layers of the MoE balance loss; 0 if dense).
 
     Attention is causal and restricted to tokens with the same segment id (0 = padding). `shard` pins the
-    activations to a mesh (the train step passes the attempt's; the default leaves them unconstrained)."""
+    activations to a mesh (the train step passes the attempt's; the default leaves them unconstrained).
+    Where its mesh has a context axis over several devices, the tokens come in the zigzag order over it
+    (trainer/parallel/context.py: the train step reorders the batch) and `hidden` is in that order."""
     return bind(cfg, params)(inputs, positions, segment_ids, shard=shard)
 
 

@@ -5,8 +5,8 @@ explicitly down the model: `shard(x, names)` pins an activation to the mesh axes
 logical names. `UNSHARDED` (no mesh: single device, tests of pure math, decoding) is the identity.
 
 It is a static pytree (no leaves), so it can ride inside pytrees that go through jax.checkpoint, scan or
-jit (the model's per-forward `Context`) and is compared by value there: the mesh, the rules and the
-manual axes.
+jit (the model's per-forward `Context`) and is compared by value there: the mesh, the rules, the
+manual axes and the context-parallel strategy.
 
 Inside the train step's per-replica region (`jax.shard_map` over the data axis, see
 trainer/program/step.py) the data axis is manual: `within(("data",))` gives the sharding to use there,
@@ -47,6 +47,8 @@ class ActivationSharding:
     mesh: Mesh | None = None
     rules: tuple = ()
     manual: tuple[str, ...] = ()  # mesh axes that are manual where this sharding is used
+    # How attention crosses the context axis (trainer/model/context_attention.py): all_gather | ring.
+    context_strategy: str = "all_gather"
 
     def __post_init__(self):
         object.__setattr__(self, "rules", _frozen_rules(self.rules))

@@ -1,9 +1,11 @@
 """Devices grouped into slices, and the mesh over the active slices.
 
-Mesh axes are ("data", "fsdp", "tensor", "expert"). Slices are data-parallel replicas: the data axis
+Mesh axes are ("data", "fsdp", "context", "tensor", "expert"). Slices are data-parallel replicas: the data axis
 is (active slices) x ici_data_parallelism, slice-major, so dropping a slice shrinks only the data axis.
 Under Pathways a device's slice is its `slice_index`; on CPU/GPU `num_slices` groups the local devices
 into equal virtual slices so that slice failures can be emulated and tested.
+The context axis (sequence sharding, trainer/parallel/context.py) lives inside a slice only, so the
+slices stay data-parallel replicas whatever it is.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from jax.sharding import Mesh
 from trainer.config.errors import ConfigError
 from trainer.config.schema import MeshConfig
 
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
 
 
 @dataclass(frozen=True)
@@ -29,10 +31,11 @@ class IciShape:
     fsdp: int
     tensor: int
     expert: int
+    context: int = 1
 
     @property
     def size(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.expert
+        return self.data * self.fsdp * self.context * self.tensor * self.expert
 
 
 def group_into_slices(devices: Sequence, num_slices: int) -> list[list]:
@@ -64,6 +67,7 @@ def resolve_ici(cfg: MeshConfig, devices_per_slice: int) -> IciShape:
         "fsdp": cfg.ici_fsdp_parallelism,
         "tensor": cfg.ici_tensor_parallelism,
         "expert": cfg.ici_expert_parallelism,
+        "context": cfg.ici_context_parallelism,
     }
     fixed = math.prod(v for v in dims.values() if v != -1)
     fill = [k for k, v in dims.items() if v == -1]
@@ -77,8 +81,8 @@ def resolve_ici(cfg: MeshConfig, devices_per_slice: int) -> IciShape:
     shape = IciShape(**dims)
     if shape.size != devices_per_slice:
         raise ConfigError(
-            f"ici parallelism data={shape.data} fsdp={shape.fsdp} tensor={shape.tensor} "
-            f"expert={shape.expert} multiplies to {shape.size}, but each slice has "
+            f"ici parallelism data={shape.data} fsdp={shape.fsdp} context={shape.context} "
+            f"tensor={shape.tensor} expert={shape.expert} multiplies to {shape.size}, but each slice has "
             f"{devices_per_slice} devices; make them multiply to {devices_per_slice} "
             f"(or set one to -1)"
         )
@@ -91,8 +95,9 @@ def build_mesh(cfg: MeshConfig, slices: Sequence[Sequence]) -> Mesh:
     if len(sizes) != 1:
         raise ConfigError(f"slices have unequal device counts {sorted(sizes)}")
     ici = resolve_ici(cfg, sizes.pop())
-    per_slice = [np.array(s, dtype=object).reshape(ici.data, ici.fsdp, ici.tensor, ici.expert) for s in slices]
-    grid = np.stack(per_slice).reshape(len(slices) * ici.data, ici.fsdp, ici.tensor, ici.expert)
+    inner = (ici.fsdp, ici.context, ici.tensor, ici.expert)
+    per_slice = [np.array(s, dtype=object).reshape(ici.data, *inner) for s in slices]
+    grid = np.stack(per_slice).reshape(len(slices) * ici.data, *inner)
     return Mesh(grid, MESH_AXES)
 
 

@@ -268,7 +268,9 @@ def _program(spec: TrainSpec, layout: SliceLayout, step: Step) -> _Program:
     """The train step takes the whole state and donates it, returning (state, metrics); the eval step
     takes only the params (with the train state's shardings) and returns its loss sums, replicated."""
     mesh = layout.mesh
-    shard = ActivationSharding(mesh, spec.mesh.logical_axis_rules)
+    shard = ActivationSharding(
+        mesh, spec.mesh.logical_axis_rules, context_strategy=spec.mesh.context_parallel_strategy
+    )
     replicated = NamedSharding(mesh, PartitionSpec())
     if step == "train":
         fn = make_train_step(

@@ -26,8 +26,10 @@ from trainer.config.schema import LoraConfig, ModelConfig
 from trainer.model import lora as lora_math
 from trainer.model.layers import BTD
 from trainer.parallel.activations import UNSHARDED, ActivationSharding, axes_of
+from trainer.parallel.context import context_shards, reorder, zigzag_order
 
 BATCH = ("activation_batch",)
+LENGTH = ("activation_length",)
 DATA = "data"  # the mesh axis of data-parallel replicas (slices x ici_data_parallelism)
 VOCAB = ("activation_vocab",)
 
@@ -37,8 +39,11 @@ VOCAB = ("activation_vocab",)
 LOSS_CHUNK_TOKENS = 256
 
 
-def _logits_layout(shard: ActivationSharding, rows: int, vocab: int) -> tuple[PartitionSpec, PartitionSpec]:
-    """(hidden [B, c, D] spec, logits [B, c, V] spec) of the vocabulary-parallel loss.
+def _logits_layout(
+    shard: ActivationSharding, rows: int, vocab: int, length: int = 1
+) -> tuple[PartitionSpec, PartitionSpec]:
+    """(hidden [B, c, D] spec, logits [B, c, V] spec) of the vocabulary-parallel loss; a chunk of
+    `length` tokens stays split over the context axis (`activation_length`) as the model left it.
 
     The vocabulary is split over the mesh axes `activation_vocab` gives (tensor and fsdp by default),
     the batch rows over the batch axes left: each device computes the logits of every row of its group
@@ -48,7 +53,8 @@ def _logits_layout(shard: ActivationSharding, rows: int, vocab: int) -> tuple[Pa
     projection's gradient stays on the device that holds its rows."""
     v = shard.spec(VOCAB, (vocab,))[0]
     b = shard.spec(BATCH, (rows,), skip=axes_of(v))[0]
-    return PartitionSpec(b, None, None), PartitionSpec(b, None, v)
+    t = shard.spec(LENGTH, (length,), skip=(*axes_of(v), *axes_of(b)))[0]
+    return PartitionSpec(b, t, None), PartitionSpec(b, t, v)
 
 
 def _chunk_loss_and_grads(
@@ -64,7 +70,7 @@ def _chunk_loss_and_grads(
     if shard.mesh is None:
         hidden_spec = logits_spec = None
     else:
-        hidden_spec, logits_spec = _logits_layout(shard, hidden.shape[0], cfg.vocab_size)
+        hidden_spec, logits_spec = _logits_layout(shard, hidden.shape[0], cfg.vocab_size, hidden.shape[1])
 
     h = hidden.astype(dt)  # gathered in the compute dtype
     h = h if hidden_spec is None else shard.pin(h, hidden_spec)
@@ -153,10 +159,21 @@ def token_losses(
     the hidden states, so the logits are neither kept nor computed a second time (three
     [tokens, V, D] matmuls per chunk, not four). Only the objective is differentiable; ce and z are
     reported as they are.
+
+    Under context parallelism (the sequence split N ways) chunk i takes the i-th piece of every
+    device's shard of the sequence, so a chunk stays split like the sequence and nothing is gathered.
     """
     b, t = targets.shape
-    chunks = _sequence_chunks(_rows_per_device(shard, b, cfg.vocab_size), t)
-    c = t // chunks
+    ways = context_shards(shard)
+    chunks = _sequence_chunks(_rows_per_device(shard, b, cfg.vocab_size), t // ways)
+    piece = t // (ways * chunks)
+
+    def cut(x, i):  # [B, T, ...] -> chunk i [B, ways * piece, ...]
+        split = x.reshape(b, ways, chunks, piece, *x.shape[2:])
+        return jax.lax.dynamic_index_in_dim(split, i, axis=2, keepdims=False).reshape(
+            b, ways * piece, *x.shape[2:]
+        )
+
     one = partial(_chunk_loss_and_grads, cfg=cfg, shard=shard, z_loss_multiplier=z_loss_multiplier)
 
     def forward(proj, hidden, targets, m):
@@ -166,14 +183,16 @@ def token_losses(
         else:
 
             def body(acc, i):
-                cut = partial(jax.lax.dynamic_slice_in_dim, start_index=i * c, slice_size=c, axis=1)
-                ce, z, dp, dh = one(proj, hidden=shard(cut(hidden), BTD), targets=cut(targets), mask=cut(m))
+                ce, z, dp, dh = one(
+                    proj, hidden=shard(cut(hidden, i), BTD), targets=cut(targets, i), mask=cut(m, i)
+                )
                 return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, (ce, z, dp)), shard(dh, BTD)
 
             zero = jnp.zeros((), jnp.float32)
             init = (zero, zero, jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), proj))
             (ce, z, d_proj), d_hidden = jax.lax.scan(body, init, jnp.arange(chunks))
-            d_hidden = shard(jnp.moveaxis(d_hidden, 0, 1).reshape(hidden.shape), BTD)
+            d_hidden = d_hidden.reshape(chunks, b, ways, piece, hidden.shape[2])  # back to cut's inverse
+            d_hidden = shard(d_hidden.transpose(1, 2, 0, 3, 4).reshape(hidden.shape), BTD)
             d_proj = jax.tree.map(lambda d, p: d.astype(p.dtype), d_proj, proj)
         return (ce + z_loss_multiplier * z, ce, z), (d_proj, d_hidden.astype(hidden.dtype))
 
@@ -195,7 +214,11 @@ def loss_sums(
     params, cfg: ModelConfig, z_loss_multiplier: float, batch: dict, *, shard: ActivationSharding = UNSHARDED
 ) -> tuple[jax.Array, dict]:
     """Objective summed over the batch's tokens (not averaged), so micro-steps add up exactly; `shard` pins
-    the model's activations to the mesh."""
+    the model's activations to the mesh. Under context parallelism the tokens are first put in the
+    zigzag order over the context axis (trainer/parallel/context.py); the sums do not depend on it."""
+    shards = context_shards(shard)
+    if shards > 1:
+        batch = reorder(batch, zigzag_order(batch["inputs"].shape[1], shards))
     hidden, aux_loss = model.forward(
         params, cfg, batch["inputs"], batch["positions"], batch["segment_ids"], shard=shard
     )

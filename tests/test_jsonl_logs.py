@@ -36,7 +36,8 @@ def test_every_cut_of_the_last_line_is_skipped_by_readers_and_removed_before_the
 
 def test_a_corrupt_line_in_the_middle_is_skipped_and_counted(caplog):
     assert parse_lines('{"a": 1}\n{"b": \n[1, 2]\n{"c": 3}\n', source="x") == [{"a": 1}, {"c": 3}]
-    assert "lines=2" in caplog.text
+    (record,) = [r for r in caplog.records if getattr(r, "trainer_event", None) == "jsonl_skipped"]
+    assert record.trainer_fields == {"file": "x", "lines": 2} and "skipped 2 torn or corrupt lines" in caplog.text
 
 
 def test_repair_leaves_a_clean_file_alone(tmp_path):

@@ -21,6 +21,26 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     skip_policy.install(config)
+    _use_compilation_cache()
+
+
+# JAX's persistent compilation cache for the tests that compile in this process: many build the same
+# micro-model programs (a fresh state, a step on one device), and the xdist workers and later runs share
+# what one compiled. The cache key is the program without debug info plus the compile options, XLA flags,
+# backend and JAX version, so a changed program always compiles. The CLI's runs keep their own
+# (`jax_cache_dir`). TRAINER_TEST_JAX_CACHE names another directory; empty turns it off.
+_CACHE_DIR = os.environ.get("TRAINER_TEST_JAX_CACHE", os.path.expanduser("~/.cache/elastic-trainer/jax-tests"))
+_CACHE_BYTES = 2 << 30  # least recently used entries go beyond this
+
+
+def _use_compilation_cache():
+    if not _CACHE_DIR:
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_compilation_cache_max_size", _CACHE_BYTES)
 
 
 @pytest.fixture(scope="session")

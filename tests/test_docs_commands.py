@@ -22,7 +22,11 @@ import pytest
 from cli_harness import cli_env
 from doc_commands import REPO, all_commands, commands, docs, without_assignments
 
+from trainer.config.schema import TrainConfig
+
 MAX_STEPS = 20
+# The CLI's default persistent compilation cache (`jax_cache_dir`), under HOME.
+JAX_CACHE = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "jax_cache_dir")
 STATUS_OK = re.compile(r"^STATUS: (finished|preempted)\b", re.M)
 TRAINED = re.compile(r"^STATUS: finished step=\d+ trained=(\d+)", re.M)
 
@@ -80,6 +84,12 @@ def _scratch_home(tmp: Path) -> Path:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(model / "tokenizer.json"))
+    # The compiled programs are the machine's, as on a user's machine that ran the commands before: the
+    # default `jax_cache_dir` is this user's, shared by every document; the rest of HOME is scratch.
+    cache = Path(os.path.expanduser(JAX_CACHE))
+    cache.mkdir(parents=True, exist_ok=True)
+    (home / JAX_CACHE.removeprefix("~/")).parent.mkdir(parents=True)
+    (home / JAX_CACHE.removeprefix("~/")).symlink_to(cache, target_is_directory=True)
     return home
 
 

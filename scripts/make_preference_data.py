@@ -164,6 +164,7 @@ def main(argv=None) -> int:
     if args.output == "-":
         sys.stdout.writelines(lines)
     else:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         with open(args.output, "w", encoding="utf-8") as f:
             f.writelines(lines)
         print(f"wrote {args.num_examples} preference pairs to {args.output}", file=sys.stderr)

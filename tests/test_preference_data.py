@@ -212,3 +212,17 @@ def test_bundled_sample_is_small_and_fits_the_bundled_tokenizer():
     assert len(records) == 320 and all(reply(r, "chosen") != reply(r, "rejected") for r in records)
     unknown = tok.token_id("<unk>")
     assert not [r for r in records[:20] if unknown in tok.encode(reply(r, "chosen") + reply(r, "rejected"))]
+
+
+def test_a_tokenizer_trains_on_preference_pairs(tmp_path):
+    pref = load_script("make_preference_data")
+    pairs = write_jsonl(
+        tmp_path / "pairs.jsonl", [*pref.generate(60, seed=2), {"prompt": "a", "chosen": "b", "rejected": "c"}]
+    )
+    model = tmp_path / "tok.model"
+    assert (
+        load_script("train_tokenizer").main(["--input", str(pairs), "--output", str(model), "--vocab-size", "400"])
+        == 0
+    )
+    tok = Tokenizer(model)
+    assert tok.vocab_size == 400 and tok.im_start_id is not None

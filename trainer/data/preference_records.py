@@ -13,7 +13,7 @@ as JSON (the trainer renders and tokenizes each pair), and refuses an input hold
 
 from __future__ import annotations
 
-from trainer.data.formatting import RecordError, check_messages, encode_chat
+from trainer.data.formatting import RecordError, chat_text, check_messages, encode_chat
 from trainer.data.tokenizer import Tokenizer
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -80,3 +80,10 @@ def preference_tokens(record: dict, tok: Tokenizer) -> int:
         replies = len(tok.encode(record["chosen"])) + len(tok.encode(record["rejected"]))
         return 2 * len(tok.encode(prompt)) + replies
     return sum(len(encode_chat(prompt + record[f], tok)[0]) for f in ("chosen", "rejected"))
+
+
+def preference_text(record: dict) -> str:
+    """All of a pair's text once (for tokenizer training): a conversational pair templated like a chat."""
+    if isinstance(record["prompt"], str):
+        return "\n".join(record[f] for f in FIELDS)
+    return chat_text(record["prompt"] + record["chosen"] + record["rejected"])

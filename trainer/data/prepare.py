@@ -48,16 +48,16 @@ A JSON record or Parquet row needs a string field named by --text-field (default
 chat in the field named by --messages-field (default "messages": a list of {"role", "content"}),
 or is a preference pair (for objective=dpo; TRL's formats): "prompt", "chosen" and "rejected",
 all three strings, or all three lists of {"role", "content"} with chosen and rejected holding only
-assistant messages. Preference pairs are written as they are, even with --tokenizer (tokens counts
-both sequences of each pair); a bad one, or pairs mixed with other records, is an error (exit 2).
-Binary files are refused. Unusable records (invalid JSON, bytes that are not UTF-8, a missing or
-empty field) are skipped, counted by reason and reported with file:line."""
+assistant messages. Binary files are refused. Unusable records (invalid JSON, bytes that are not
+UTF-8, a missing or empty field) are skipped, counted by reason and reported with file:line."""
 
 EPILOG = f"""\
 {INPUT_HELP}
 
 outputs:
   <--output-dir>/<prefix>-NNNNN-of-MMMMM{SHARD_SUFFIX}  the records as JSON, round-robin over the shards
+                   (preference pairs as they are, even with --tokenizer: "tokens" counts both
+                   sequences of each pair; a bad pair, or pairs mixed with other records, exit 2)
   <--output-dir>/{INFO_FILE}                    records, tokens, bad records by reason, shards,
                                                       inputs; the run's units, workers, seconds, tokens/s
   Train on them with dataset_type=arrayrecord grain_train_files='<--output-dir>/*{SHARD_SUFFIX}'.

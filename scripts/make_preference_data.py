@@ -117,18 +117,20 @@ def preference_pair(r: random.Random, messages: list[dict]) -> dict:
     turn = r.choice([i for i, m in enumerate(messages) if m["role"] == "assistant"])
     content = messages[turn]["content"]
     call = parse_call(content)
-    earlier = [c for m in messages[:turn] if m["role"] == "assistant" and (c := parse_call(m["content"]))]
+    calls = [
+        (i, c) for i, m in enumerate(messages) if m["role"] == "assistant" and (c := parse_call(m["content"]))
+    ]
+    later = [c for i, c in calls if i > turn]
     if call is not None:
         rejected = corrupt_call(r, call, names)
     elif messages[turn - 1]["role"] == "tool":
-        rejected = corrupt_answer(r, content, earlier[-1])
-    elif any(m["role"] == "tool" for m in messages) and turn + 1 < len(messages):
+        rejected = corrupt_answer(r, content, [c for i, c in calls if i < turn][-1])
+    elif later:
         # a clarifying question: the call the chat makes once the user answered, with made-up values
-        later = next(c for m in messages[turn:] if (c := parse_call(m["content"])))
-        tool = TOOLS[later["name"]]
+        tool = TOOLS[later[0]["name"]]
         sample = tool.sample(r)
         guessed = {k: sample[k] for k in tool.required}
-        if guessed == later["arguments"]:
+        if guessed == later[0]["arguments"]:
             guessed = {k: _other_value(r, tool, k, v) or v for k, v in guessed.items()}
         rejected = render_call(tool.name, guessed)
     else:

@@ -226,3 +226,16 @@ def test_a_tokenizer_trains_on_preference_pairs(tmp_path):
     )
     tok = Tokenizer(model)
     assert tok.vocab_size == 400 and tok.im_start_id is not None
+
+
+def test_parquet_preference_pairs_round_trip(tmp_path):
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:  # optional: without it Parquet is refused (test_prepare_data.py checks how)
+        return
+
+    pairs = [{"prompt": PROMPT, "chosen": [GOOD], "rejected": [BAD]}] * 2
+    pq.write_table(pa.Table.from_pylist(pairs), tmp_path / "p.parquet")
+    summary = prepare([str(tmp_path / "p.parquet")], tmp_path / "out", 1, progress_stream=io.StringIO())
+    assert summary.records == 2 and shard_records(tmp_path / "out") == pairs

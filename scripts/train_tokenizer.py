@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.data.errors import DataError  # noqa: E402
 from trainer.data.formatting import RecordError, chat_text  # noqa: E402
+from trainer.data.preference_records import is_preference, preference_text  # noqa: E402
 from trainer.data.prepare import INPUT_HELP, add_record_arguments  # noqa: E402
 from trainer.data.readers import check_inputs, expand_inputs, read_records  # noqa: E402
 from trainer.data.shards import Summary, no_usable_record, output_path  # noqa: E402
@@ -82,7 +83,10 @@ class TrainingTexts:
                 if self.summary.records >= self.limit:
                     return
                 self.summary.records += 1
-                text = chat_text(record["messages"]) if "messages" in record else record["text"]
+                if is_preference(record):
+                    text = preference_text(record)
+                else:
+                    text = chat_text(record["messages"]) if "messages" in record else record["text"]
                 self.chars += len(text)
                 yield text
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from array_record.python import array_record_module
+from helpers import shard_records
 
 from trainer.data import shards
 from trainer.data.errors import DataError
@@ -152,6 +153,40 @@ def test_one_and_four_workers_write_the_bytes_one_process_writes(tmp_path, text_
     last = examples[-1].removeprefix(f"{files[0]}:")
     assert int(last.split(":")[0]) > 10  # the first five bad records reach past the first ranges of big.jsonl
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no work directory left
+
+
+def test_preference_pairs_are_written_through_byte_identically_whatever_the_workers(tmp_path):
+    """Preference records (conversational JSONL cut into many units, standard pairs in a JSON array) pass
+    through untokenized even with a tokenizer; the shards are one process's bytes for 1 and 4 workers, and
+    lines that are not JSON are still counted, not fatal."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import make_preference_data
+
+    lines = [json.dumps(r, ensure_ascii=False) for r in make_preference_data.generate(80, seed=5)]
+    lines[33], lines[61] = '{"prompt": "cut sh', ""
+    (tmp_path / "in").mkdir()
+    conversational = tmp_path / "in" / "pairs.jsonl"
+    conversational.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    standard = tmp_path / "in" / "standard.json"
+    standard.write_text(
+        json.dumps([{"prompt": f"{i} + {i} =", "chosen": f" {2 * i}", "rejected": " 7"} for i in range(9)])
+    )
+    files = [str(conversational), str(standard)]
+    tok = Tokenizer(TOKENIZER)
+    bad, examples = one_process(files, tmp_path / "reference", 2, tok, "paragraph")
+    reference = shard_bytes(tmp_path / "reference")
+    one = prepare(files, tmp_path / "w1", 2, tokenizer=tok, **quiet(workers=1, unit_bytes=4096))
+    four = prepare(files, tmp_path / "w4", 2, tokenizer=tok, **quiet(workers=4, unit_bytes=4096))
+    assert one.units >= 8 and four.workers == 4
+    for out, summary in ((tmp_path / "w1", one), (tmp_path / "w4", four)):
+        assert shard_bytes(out) == reference
+        assert summary.records == 78 + 9 and summary.bad == bad == {"invalid JSON": 1}
+        assert summary.bad_examples == examples and examples[0].startswith(f"{conversational}:34: invalid JSON")
+    assert one.tokens == four.tokens > 87 * 100
+    records = [json.loads(line) for line in lines if line.startswith('{"prompt": [')]
+    assert sorted(map(json.dumps, shard_records(tmp_path / "w4"))) == sorted(
+        map(json.dumps, records + json.loads(standard.read_text()))
+    )
 
 
 def test_ranges_at_line_starts_read_like_the_whole_file(tmp_path):

@@ -4,7 +4,8 @@
       [--tokenizer data/tokenizer/fc_sp8k.model]
 
 Every input record becomes {"text": ...} or {"messages": [...]}, or with a tokenizer
-{"input_ids": [...]} (+ "assistant_mask" for chats, see trainer/data/formatting.py). Records that
+{"input_ids": [...]} (+ "assistant_mask" for chats, see trainer/data/formatting.py); a preference
+record stays {"prompt", "chosen", "rejected"} (trainer/data/preference_records.py). Records that
 cannot be used (invalid JSON, not UTF-8, a missing field) are counted by reason and reported with
 their file and line, never dropped silently. Shards get records round-robin, so they hold equal
 shares; `dataset_info.json` records the summary. The shards are written aside and moved into place
@@ -44,15 +45,19 @@ inputs (--input, repeatable; comma-separated globs; local, ~ or gs:// paths):
                    one record per paragraph, line or file (--text-unit)
   + .gz            gzip-compressed JSONL, JSON or text
 A JSON record or Parquet row needs a string field named by --text-field (default "text") or a
-chat in the field named by --messages-field (default "messages": a list of {"role", "content"}).
-Binary files are refused. Unusable records (invalid JSON, bytes that are not UTF-8, a missing or
-empty field) are skipped, counted by reason and reported with file:line."""
+chat in the field named by --messages-field (default "messages": a list of {"role", "content"}),
+or is a preference pair (for objective=dpo; TRL's formats): "prompt", "chosen" and "rejected",
+all three strings, or all three lists of {"role", "content"} with chosen and rejected holding only
+assistant messages. Binary files are refused. Unusable records (invalid JSON, bytes that are not
+UTF-8, a missing or empty field) are skipped, counted by reason and reported with file:line."""
 
 EPILOG = f"""\
 {INPUT_HELP}
 
 outputs:
   <--output-dir>/<prefix>-NNNNN-of-MMMMM{SHARD_SUFFIX}  the records as JSON, round-robin over the shards
+                   (preference pairs as they are, even with --tokenizer: "tokens" counts both
+                   sequences of each pair; a bad pair, or pairs mixed with other records, exit 2)
   <--output-dir>/{INFO_FILE}                    records, tokens, bad records by reason, shards,
                                                       inputs; the run's units, workers, seconds, tokens/s
   Train on them with dataset_type=arrayrecord grain_train_files='<--output-dir>/*{SHARD_SUFFIX}'.
@@ -80,8 +85,9 @@ parallel and resumable:
 
 exit codes:
   0  success (the summary is printed on stdout)
-  2  bad input or arguments: a glob matching no file, a binary file, no usable record, an existing
-     output without --overwrite; one line on stderr: "prepare_data.py: error: ..."
+  2  bad input or arguments: a glob matching no file, a binary file, no usable record, a bad
+     preference record (named by file:line), preference pairs mixed with other records, an
+     existing output without --overwrite; one line on stderr: "prepare_data.py: error: ..."
   1  a bug (with its traceback)
 """
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.data.formatting import RecordError, encode_chat
+from trainer.data.preference_records import PreferenceRecordError, is_preference, preference_tokens
 from trainer.data.readers import LineRange, line_starts, read_records, splittable
 from trainer.data.tokenizer import Tokenizer
 from trainer.io import paths
@@ -75,7 +76,20 @@ def available_cpus() -> int:
 
 
 def tokenize_record(record: dict, tok: Tokenizer) -> dict:
-    """The pre-tokenized form of a normalized record."""
+    """The pre-tokenized form of a normalized record; a preference record stays as it is (the trainer
+    renders and tokenizes each pair)."""
+    if is_preference(record):
+        return record
+    return _encode(record, tok)
+
+
+def record_tokens(record: dict, tok: Tokenizer) -> int:
+    """The tokens of a record `tokenize_record` returned: a preference pair's are those of both sequences
+    it becomes (preference_records.preference_tokens)."""
+    return preference_tokens(record, tok) if is_preference(record) else len(record["input_ids"])
+
+
+def _encode(record: dict, tok: Tokenizer) -> dict:
     if "messages" in record:
         ids, mask = encode_chat(record["messages"], tok)
         return {"input_ids": ids, "assistant_mask": mask}
@@ -138,20 +152,25 @@ def run_unit(unit: Unit, units_dir: Path, job: Job) -> dict:
         time.sleep(delay)
     found, line_range = _records(unit, job)
     records, tokens, bad, examples = 0, 0, collections.Counter(), []
+    refused = None  # the first bad preference record: [where, message]
+    first = {}  # "preference" / "other": where the unit's first such record is
     tmp = units_dir / f".{unit.name}.records.{os.getpid()}.tmp"
     with open(tmp, "wb") as out:
         for where, record in found:
             if isinstance(record, dict) and job.tokenizer is not None:
                 try:
                     record = tokenize_record(record, job.tokenizer)
-                    tokens += len(record["input_ids"])
+                    tokens += record_tokens(record, job.tokenizer)
                 except RecordError as e:
                     record = e
             if isinstance(record, RecordError):
                 bad[reason_key(record)] += 1
                 if len(examples) < MAX_EXAMPLES:
                     examples.append([where, str(record)])
+                if refused is None and isinstance(record, PreferenceRecordError):
+                    refused = [where, str(record)]
                 continue
+            first.setdefault("preference" if is_preference(record) else "other", where)
             out.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
             records += 1
         out.flush()
@@ -164,6 +183,8 @@ def run_unit(unit: Unit, units_dir: Path, job: Job) -> dict:
         "tokens": tokens if job.tokenizer is not None else None,
         "bad": dict(bad),  # in order of first occurrence, as the merged summary counts them
         "examples": examples,  # [file:line, or line within the range, message]
+        "refused": refused,  # the first bad preference record, located as the examples are
+        "first": first,  # where its first preference record and its first other record are
         "lines": None if line_range is None else line_range.lines,
         "bytes": size,
     }

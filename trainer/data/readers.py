@@ -1,7 +1,8 @@
 """Input files read as records: JSONL, JSON, Parquet, ArrayRecord shards and plain text (+ .gz).
 
 `read_records(path)` yields (where, record or RecordError) for every record of one file, `where` being
-file:line (or file#row), and a record {"text": ...} or {"messages": [...]}; a record that cannot be
+file:line (or file#row), and a record {"text": ...}, {"messages": [...]} or a preference record
+{"prompt", "chosen", "rejected"}; a record that cannot be
 used (invalid JSON, not UTF-8, a missing field) is a RecordError with its reason, never dropped
 silently. The format is told by the extension (before .gz); any other file is plain text, one record
 per paragraph, line or file. `check_inputs` refuses, from the first few KiB, a file that cannot be read
@@ -29,6 +30,8 @@ from typing import IO
 
 from trainer.data.errors import DataError
 from trainer.data.formatting import RecordError, check_messages
+from trainer.data.preference_records import FIELDS as PREFERENCE_FIELDS
+from trainer.data.preference_records import check_preference, is_preference
 from trainer.io import paths
 
 SHARD_SUFFIX = ".arrayrecord"  # the shards trainer/data/shards.py writes, read back as an input format
@@ -142,9 +145,12 @@ def _decode(raw: bytes, line_no: int, bom: bool = True) -> str:
 
 
 def normalize(obj, *, text_field: str, messages_field: str) -> dict:
-    """A raw JSON value -> {"messages": [...]} or {"text": "..."}, or RecordError with the reason."""
+    """A raw JSON value -> {"messages": [...]}, {"text": "..."} or a preference record {"prompt",
+    "chosen", "rejected"} (trainer/data/preference_records.py), or RecordError with the reason."""
     if not isinstance(obj, dict):
         raise RecordError(f"not a JSON object ({type(obj).__name__})")
+    if is_preference(obj):
+        return check_preference(obj)
     if obj.get(messages_field) is not None:
         return {"messages": check_messages(obj[messages_field], messages_field)}
     if obj.get(text_field) is not None:
@@ -409,11 +415,13 @@ def _parquet_records(path: str, text_field: str, messages_field: str):
         table = pq.ParquetFile(paths.local_copy(paths.resolve(path)))
     except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid/OSError for a file that is not Parquet
         raise DataError(f"input {path}: not a readable Parquet file ({e})") from None
-    columns = [c for c in (text_field, messages_field) if c in table.schema_arrow.names]
+    names = table.schema_arrow.names
+    preference = [c for c in PREFERENCE_FIELDS if c in names] if {"chosen", "rejected"} & set(names) else []
+    columns = [c for c in (text_field, messages_field) if c in names] + preference
     if not columns:
         raise DataError(
-            f"input {path}: no column {text_field!r} or {messages_field!r} (columns: "
-            f"{table.schema_arrow.names}); pass --text-field/--messages-field"
+            f"input {path}: no column {text_field!r} or {messages_field!r}, nor 'chosen'/'rejected' for "
+            f"preference pairs (columns: {names}); pass --text-field/--messages-field"
         )
     row = 0
     for batch in table.iter_batches(columns=columns):

@@ -256,7 +256,7 @@ def prepare(
     job = Job(tokenizer, text_field, messages_field, text_unit)
     identities = [input_identity(f) for f in files]
     description = {
-        "format": 1,
+        "format": 2,
         "inputs": [[f, *ident] for f, ident in zip(files, identities, strict=True)],
         "output": str(out),
         "num_shards": num_shards,
@@ -327,6 +327,7 @@ class _Merge:
         self.merged = 0  # units merged: units[:merged]
         self.written = 0  # records written
         self.lines: dict[str, int] = {}  # lines of each split file's ranges merged so far
+        self.first: dict[str, str] = {}  # "preference" / "other": where the first such record is
 
     def ready(self, done: dict[int, dict]) -> None:
         """Merge every unit from the next one on whose summary is in `done`."""
@@ -348,14 +349,34 @@ class _Merge:
         for reason, count in unit_summary["bad"].items():
             s.bad[reason] += count
         before = self.lines.get(unit.path, 0)
+
+        def located(where: str | int) -> str:
+            return where if unit.end is None else f"{unit.path}:{before + where}"
+
         for where, message in unit_summary["examples"]:
             if len(s.bad_examples) < MAX_EXAMPLES:
-                located = where if unit.end is None else f"{unit.path}:{before + where}"
-                s.bad_examples.append(f"{located}: {message}")
+                s.bad_examples.append(f"{located(where)}: {message}")
+        self._check_preference(unit_summary, located)
         if unit.end is not None:
             self.lines[unit.path] = before + unit_summary["lines"]
         if self.written != s.records:
             raise RuntimeError(f"work unit {unit.name}: its records file and its summary disagree")
+
+    def _check_preference(self, unit_summary: dict, located) -> None:
+        """Refuse a bad preference record, and inputs mixing preference pairs with other records: a
+        preference data set must hold pairs only, every one of them usable."""
+        refused = unit_summary.get("refused")
+        if refused:
+            where, message = refused
+            raise DataError(f"{located(where)}: {message}; fix that record or remove it from the input")
+        for kind, where in unit_summary.get("first", {}).items():
+            self.first.setdefault(kind, located(where))
+        if len(self.first) > 1:
+            raise DataError(
+                f"the inputs mix preference records (the first at {self.first['preference']}) with text or "
+                f"chat records (the first at {self.first['other']}); a data set holds one or the other: "
+                "prepare them into separate --output-dir directories"
+            )
 
     def close(self) -> None:
         for w in self.writers:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 from cli_harness import assert_same_data_order, assert_same_params, events, final_by_step, metrics, run_cli
 
-pytestmark = pytest.mark.slow
+# The module's fixture runs two 8192-token CLI runs (each bounded at 900 s) before the first test's body.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * 900 + 300)]
 
 STEPS = 6
 LONG = [

@@ -128,10 +128,11 @@ def test_a_spike_is_rolled_back_and_its_batches_never_return_also_after_a_restar
 
     # The same run, stopped by a hang after the rollback (before the checkpoint of step 20), restarts from
     # step 10's checkpoint, older than the rollback: it must skip the same batches.
+    # The hang bound leaves room for a slow step on a loaded machine (the injected hang lasts 600 s).
     faults = "fault_schedule=step=14,spike=50;step=18,hang_s=600"
-    first = run_cli(tmp_path, "restarted", *SPIKE, faults, "hang_timeout_seconds=5", devices=1)
+    first = run_cli(tmp_path, "restarted", *SPIKE, faults, "hang_timeout_seconds=20", devices=1)
     assert first.returncode == 75, first.stderr[-3000:]
-    second = run_cli(tmp_path, "restarted", *SPIKE, faults, "hang_timeout_seconds=5", devices=1)
+    second = run_cli(tmp_path, "restarted", *SPIKE, faults, "hang_timeout_seconds=20", devices=1)
     assert second.returncode == 0, second.stderr[-3000:]
     restarted = tmp_path / "restarted"
     assert [e["source"] for e in events(restarted) if e["event"] == "restore_end"][-1] == "checkpoint:10"

@@ -33,6 +33,21 @@ _CACHE_DIR = os.environ.get("TRAINER_TEST_JAX_CACHE", os.path.expanduser("~/.cac
 _CACHE_BYTES = 2 << 30  # least recently used entries go beyond this
 
 
+@pytest.fixture
+def without_compilation_cache():
+    """JAX's persistent compilation cache off for one test (on again after it): for tests of what a
+    process compiles itself, such as one other than process 0 keeping its own executables."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+    compilation_cache.reset_cache()
+
+
 def _use_compilation_cache():
     if not _CACHE_DIR:
         return

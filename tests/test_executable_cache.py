@@ -16,6 +16,10 @@ import pytest
 from trainer.program import executable_cache
 from trainer.program.executable_cache import DIGEST_SUFFIX, compile_lowered
 
+# A process other than 0 compiles what it keeps: JAX's persistent cache (which the tests share) would hand
+# this process-0 test process executables loaded from it.
+pytestmark = pytest.mark.usefixtures("without_compilation_cache")
+
 
 def _lowered(scale: float = 2.0):
     def step(state, batch):

@@ -20,6 +20,7 @@ import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 CITIES = [
     "Paris",
@@ -887,20 +888,29 @@ def generate(num_examples: int, seed: int):
         yield {"messages": make_example(r)}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def generator_main(argv, description: str, generate, noun: str) -> int:
+    """The generators' command line: --num-examples records of `generate(num_examples, seed)` as JSONL to
+    --output (its directory made if missing; '-' for stdout)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--num-examples", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", required=True, help="JSONL file to write ('-' for stdout)")
     args = parser.parse_args(argv)
+    if args.num_examples < 1:
+        parser.error(f"--num-examples={args.num_examples} must be >= 1")
     lines = (json.dumps(r, ensure_ascii=False) + "\n" for r in generate(args.num_examples, args.seed))
     if args.output == "-":
         sys.stdout.writelines(lines)
     else:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         with open(args.output, "w", encoding="utf-8") as f:
             f.writelines(lines)
-        print(f"wrote {args.num_examples} chats to {args.output}", file=sys.stderr)
+        print(f"wrote {args.num_examples} {noun} to {args.output}", file=sys.stderr)
     return 0
+
+
+def main(argv=None) -> int:
+    return generator_main(argv, __doc__.splitlines()[0], generate, "chats")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ one never does, so a model can learn the preference from the data. The output is
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import re
@@ -155,22 +154,7 @@ def generate(num_examples: int, seed: int):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-examples", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", required=True, help="JSONL file to write ('-' for stdout)")
-    args = parser.parse_args(argv)
-    if args.num_examples < 1:
-        parser.error(f"--num-examples={args.num_examples} must be >= 1")
-    lines = (json.dumps(r, ensure_ascii=False) + "\n" for r in generate(args.num_examples, args.seed))
-    if args.output == "-":
-        sys.stdout.writelines(lines)
-    else:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.writelines(lines)
-        print(f"wrote {args.num_examples} preference pairs to {args.output}", file=sys.stderr)
-    return 0
+    return fc.generator_main(argv, __doc__.splitlines()[0], generate, "preference pairs")
 
 
 if __name__ == "__main__":

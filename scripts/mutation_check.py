@@ -465,6 +465,16 @@ BREAKAGES: tuple[Breakage, ...] = (
         tests=("tests/test_evaluate.py::test_scores_equal_one_unpadded_forward_per_request_on_a_two_device_mesh",),
         why="lm-eval log-likelihoods leave out an answer's last token: accuracies no longer match the HF backend",
     ),
+    Breakage(
+        name="prepare-passes-a-bad-preference-pair",
+        file="trainer/data/readers.py",
+        old="        return check_preference(obj)\n",
+        new="        return obj\n",
+        tests=(
+            "tests/test_preference_data.py::test_preparation_writes_pairs_through_and_refuses_a_bad_one_at_its_line",
+        ),
+        why="a malformed preference pair reaches the shards, and a DPO run that reads them fails or trains on it",
+    ),
 )
 
 

@@ -185,6 +185,16 @@ BREAKAGES: tuple[Breakage, ...] = (
         why="a corruption rollback restores the newest saved state, which may hold the corruption",
     ),
     Breakage(
+        name="sdc-rollbacks-unbounded",
+        file="trainer/attempt/sdc.py",
+        old="        if not persists(last, new):\n            return",
+        new="        if not persists(last, new) or True:\n            return",
+        tests=(
+            "tests/test_sdc.py::test_the_guard_ends_the_run_with_exit_3_and_one_event_naming_the_devices_and_their_hosts",
+        ),
+        why="corruption that persists on the same devices rolls back forever instead of ending the run (exit 3)",
+    ),
+    Breakage(
         name="replay-checksums-all-zero",
         file="trainer/program/step.py",
         old='row = jnp.stack([parts["ce_sum"], parts["z_sum"], parts["tokens"], *sums])',

@@ -8,7 +8,9 @@ does change the step's update. End to end on 3 virtual slices with `sdc_check_pe
 slice 2's copy of the parameters after step 10 lands in the loss, the check of step 12 names slice 2, the
 run rolls back to the state verified clean (step 8) and ends bitwise equal to an uninterrupted run; a
 bad chip on slice 2 from step 10 on is found by the replay at step 12 and, with `sdc_quarantine=true`,
-its slice taken out, the run ending with the clean run's parameters within the resize's tolerance.
+its slice taken out, the run ending with the clean run's parameters within the resize's tolerance;
+without quarantine that bad chip is found again by the replay after the rollback and the run ends with
+exit 3 and `sdc_persists` instead of rolling back forever (the guard's rule is tested on its own too).
 """
 
 from __future__ import annotations
@@ -23,16 +25,22 @@ from helpers import NANO_MODEL
 from trainer.attempt.sdc import (
     AUTO,
     WARMUP_STEPS,
+    Incident,
+    RollbackGuard,
     SdcCheck,
+    SdcPersists,
     Verdict,
     compare,
     odd_replicas,
+    persists,
     replica_digests,
     rotate,
+    slice_devices,
 )
 from trainer.config import ConfigError, load_config
 from trainer.data.pipeline import make_train_iterator
 from trainer.elastic.faults import FaultInjector
+from trainer.errors import EXIT_GAVE_UP, exit_code_for
 from trainer.failures.corruption import Corruption, flip_bits, wrong_inputs
 from trainer.failures.plan import parse_plan
 from trainer.failures.slice_loss import Outages
@@ -88,6 +96,34 @@ def test_a_nan_result_is_compared_by_its_bits():
     results = _results(3)
     results[1, 2] = np.nan
     assert compare(results, np.roll(results, -1, axis=0), 3).slices == ()
+
+
+def test_a_detection_on_the_last_rollbacks_devices_before_getting_past_its_step_persists():
+    last = Incident(12, ((4, 1), (5, 1)))
+    assert not persists(None, last)  # the first detection rolls back
+    assert persists(last, Incident(12, ((5, 1),)))  # the replay met it again at the same step
+    assert persists(last, Incident(9, ((4, 1), (6, 2))))  # or before it, on one of the same devices
+    assert not persists(last, Incident(15, ((4, 1),)))  # the run got past the rollback's step
+    assert not persists(last, Incident(12, ((6, 2),)))  # other devices: a fresh incident
+
+
+def test_the_guard_ends_the_run_with_exit_3_and_one_event_naming_the_devices_and_their_hosts(tmp_path):
+    log = EventLog(tmp_path / "events.jsonl")
+    guard = RollbackGuard(log)
+    guard.detected(Incident(12, ((4, 1), (5, 1))), (2,))
+    guard.detected(Incident(15, ((4, 1), (5, 1))), (2,))  # past step 12: rolls back again
+    with pytest.raises(SdcPersists, match=r"step 15 on devices \[4, 5\].*process\(es\) \[1\]") as e:
+        guard.detected(Incident(15, ((4, 1), (5, 1))), (2,))
+    assert exit_code_for(e.value) == EXIT_GAVE_UP
+    (ev,) = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "sdc_persists"]
+    assert (ev["step"], ev["last_rollback_step"], ev["slices"]) == (15, 15, [2])
+    assert (ev["devices"], ev["processes"]) == ([4, 5], [1]) and "replace or drain the hosts" in ev["fix"]
+
+
+def test_a_suspect_slice_is_named_by_its_own_devices():
+    _, layout, _, _, slices = _on_three_slices()
+    assert slice_devices(layout.mesh, 3, (2,)) == tuple((d.id, d.process_index) for d in slices[2])
+    assert [d for d, _ in slice_devices(layout.mesh, 3, (0, 1))] == sorted(d.id for s in slices[:2] for d in s)
 
 
 def test_settings_and_entries_are_checked():
@@ -260,6 +296,18 @@ def test_a_bad_chip_is_found_by_the_replay_its_slice_quarantined_and_the_run_end
     assert _losses_at(run_dir, 11)[0] != clean  # steps 10 and 11 trained on slice 2's wrong numbers
     assert "STATUS: finished step=15" in quarantined.stdout
     assert_same_params(run_dir, clean_run, rtol=1e-4, atol=1e-5)  # on 2 slices: the resize's tolerance
+
+
+def test_a_bad_chip_that_stays_bad_ends_the_run_with_exit_3_instead_of_rolling_back_forever(tmp_path):
+    out = run_cli(tmp_path, "persists", *CHECKED, "fault_schedule=step=10,slice=2,corrupt=persistent", timeout=150)
+    assert out.returncode == EXIT_GAVE_UP, out.stderr[-3000:]
+    evs = events(tmp_path / "persists")
+    assert [e["step"] for e in evs if e["event"] == "sdc_detected"] == [12, 12]  # once, then the replay's
+    assert [e["step"] for e in evs if e["event"] == "rollback"] == [12]  # one rollback, not a loop
+    (persisted,) = [e for e in evs if e["event"] == "sdc_persists"]
+    assert (persisted["step"], persisted["last_rollback_step"], persisted["slices"]) == (12, 12, [2])
+    assert persisted["devices"] == [2] and persisted["processes"] == [0]  # slice 2: the third CPU device
+    assert "elastic_gave_up: silent data corruption at step 12" in out.stdout
 
 
 def test_with_no_sdc_keys_three_slices_check_at_a_planned_period_and_a_flip_is_undone(tmp_path, clean_run):

@@ -25,6 +25,14 @@ stay identical and no later replay finds it; only a fault that persists until a 
 one that makes the replicas differ, is found. The check costs about two steps' forward and backward
 passes and one pass over the parameters per `period` steps; each checked step's record carries it as
 `sdc_check_s`, which goodput counts as its own cause.
+
+A rollback is bounded (`RollbackGuard`): a detection that blames devices the last rollback blamed, at or
+before that rollback's step (the replay from the verified state met the same fault again, with no
+progress past it), means the corruption persists on those devices, a broken chip, and rolling back again
+would loop. The run stops with `SdcPersists` (exit 3, `gave_up`) and the event `sdc_persists` naming the
+step, the devices, their processes and the fix: replace or drain the hosts of those processes. A
+detection after the run got past the last rollback's step, or one on other devices (with
+`sdc_quarantine` the blamed slice is out of service after a rollback), is a fresh incident and rolls back.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from trainer.errors import GaveUp
 from trainer.observe import catalogue
 
 log = logging.getLogger(__name__)
@@ -125,6 +134,74 @@ def odd_replicas(digests: np.ndarray, slices: int) -> Verdict:
     return Verdict(tuple(bad), tuple(bad))
 
 
+def slice_devices(mesh: Mesh, slices: int, suspects: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(device id, process index) of every device of the `suspects` slices of `mesh`, whose data axis (the
+    first) lays the `slices` out slice by slice, sorted by device id."""
+    per_slice = mesh.devices.reshape(slices, -1)
+    return tuple(sorted((d.id, d.process_index) for s in suspects for d in per_slice[s]))
+
+
+class SdcPersists(GaveUp):
+    """The check found corruption again on the devices the last rollback blamed, before the run got past
+    that rollback's step: rolling back again would loop (exit 3)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Incident:
+    """A detection that rolled the run back: the step checked and the (device id, process index) blamed."""
+
+    step: int
+    devices: tuple[tuple[int, int], ...]
+
+
+def persists(last: Incident | None, new: Incident) -> bool:
+    """Whether `new` is `last` again: it blames one of the same devices at or before `last`'s step (the
+    replay from the verified state hit it again without getting past it). Progress past that step, or a
+    detection on other devices only, is a fresh incident."""
+    if last is None:
+        return False
+    same = {d for d, _ in last.devices} & {d for d, _ in new.devices}
+    return bool(same) and new.step <= last.step
+
+
+class RollbackGuard:
+    """Remembers the last rollback an SDC detection caused and ends the run (`SdcPersists`, event
+    `sdc_persists`) when a detection repeats it (`persists`)."""
+
+    def __init__(self, events):
+        self.events = events
+        self.last: Incident | None = None
+
+    def detected(self, new: Incident, slices: tuple[int, ...]) -> None:
+        """A detection at `new.step` blaming `slices` (their devices `new.devices`): remembered as the last
+        rollback, or SdcPersists when it repeats the last one."""
+        last, self.last = self.last, new
+        if not persists(last, new):
+            return
+        devices = sorted(d for d, _ in new.devices)
+        processes = sorted({p for _, p in new.devices})
+        fix = (
+            f"replace or drain the hosts of process(es) {processes} (the JAX process ids whose devices these "
+            "are: JAX_PROCESS_ID, SLURM_PROCID or the JobSet's slice x nodes per slice + pod index), or set "
+            "sdc_quarantine=true to train on without their slice; then rerun the same command to resume from "
+            "the newest checkpoint"
+        )
+        self.events.emit(
+            catalogue.SDC_PERSISTS,
+            step=new.step,
+            last_rollback_step=last.step,
+            slices=list(slices),
+            devices=devices,
+            processes=processes,
+            fix=fix,
+        )
+        raise SdcPersists(
+            f"silent data corruption at step {new.step} on devices {devices} (slice(s) {list(slices)}) again "
+            f"after the rollback from step {last.step} blamed them: the corruption persists on those devices; "
+            f"{fix}"
+        )
+
+
 AUTO = -1  # sdc_check_period auto: planned from measured step and check times
 WARMUP_STEPS = 5  # step times measured before an auto period is planned
 PLANNED_CHECK_STEPS = 2.0  # a check's cost, in steps, until one was measured (two forward and backward passes)
@@ -155,6 +232,7 @@ class SdcCheck:
         self.plan = plan
         self.clock = clock
         self.verified_step: int | None = None
+        self.guard = RollbackGuard(events)
         self._digests: dict[Mesh, Callable] = {}
         self._planned = 0  # AUTO: the period in use (0: not planned yet)
         self._since = 0  # AUTO: the step of the last check, or of the attempt's start
@@ -243,4 +321,6 @@ class SdcCheck:
             list(verdict.suspects),
             self.verified_step,
         )
+        blamed = Incident(step, slice_devices(attempt.mesh, slices, verdict.suspects))
+        self.guard.detected(blamed, verdict.suspects)  # SdcPersists: the last rollback's fault again
         return verdict, seconds

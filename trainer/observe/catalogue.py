@@ -311,6 +311,14 @@ SDC_INJECTED = Event(
     "corrupt=persistent: from `step` on, `persistent` true), seen by `where`: the replay check or the step "
     "itself; or changed `slice`'s copy of the parameters after `step` (flip=1, `where` memory)",
 )
+SDC_PERSISTS = Event(
+    "sdc_persists",
+    "step last_rollback_step slices devices processes fix",
+    "the check of `step` found corruption again on devices the rollback from `last_rollback_step` blamed, "
+    "with no progress past that step: a broken chip; the run stops (exit 3, gave_up) instead of rolling "
+    "back again. `devices`: the suspect slices' device ids; `processes`: the JAX process ids that hold them; "
+    "`fix`: replace or drain those hosts (or sdc_quarantine=true), then rerun",
+)
 SDC_PERIOD_PLANNED = Event(
     "sdc_period_planned",
     "step period step_s check_s measured",

@@ -63,7 +63,7 @@ WARNINGS = frozenset(
         ev.CHECKPOINT_FOREIGN_STEP,
     }
 )
-ERRORS = frozenset({ev.FATAL_ERROR, ev.HANG_DETECTED, ev.WAIT_TIMEOUT})
+ERRORS = frozenset({ev.FATAL_ERROR, ev.HANG_DETECTED, ev.WAIT_TIMEOUT, ev.SDC_PERSISTS})
 
 
 def severity(event: str) -> int:

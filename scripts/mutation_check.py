@@ -195,6 +195,16 @@ BREAKAGES: tuple[Breakage, ...] = (
         why="corruption that persists on the same devices rolls back forever instead of ending the run (exit 3)",
     ),
     Breakage(
+        name="context-attention-gathers-every-row",
+        file="trainer/model/context_attention.py",
+        old="    rows = batch_axes(shard, q.shape[0])",
+        new="    rows = None",
+        tests=(
+            "tests/test_context_parallel.py::test_each_device_moves_the_keys_and_values_of_its_own_batch_rows_only",
+        ),
+        why="context parallelism gathers every row of the global batch's keys and values, not the device's own",
+    ),
+    Breakage(
         name="replay-checksums-all-zero",
         file="trainer/program/step.py",
         old='row = jnp.stack([parts["ce_sum"], parts["z_sum"], parts["tokens"], *sums])',

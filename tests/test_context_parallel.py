@@ -1,9 +1,11 @@
 """Context parallelism (trainer/parallel/context.py, trainer/model/context_attention.py): a step with the
-sequence split over the context axis equals the step without it."""
+sequence split over the context axis equals the step without it, and each device exchanges the keys and
+values of its own batch rows only."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from functools import partial
 
 import jax
@@ -76,6 +78,7 @@ def _step(cfg, batch, *, context: int, strategy: str = "all_gather", data: int =
     return new["params"], metrics, compiled.as_text()
 
 
+KV_MOVES = ("all-gather", "collective-permute")
 _MOE = ("num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "load_balance_loss_weight=0.01")
 
 
@@ -114,6 +117,22 @@ def test_a_step_with_the_sequence_split_equals_the_step_without(attention, conte
     for a, b, p in zip(jax.tree.leaves(got), jax.tree.leaves(ref), jax.tree.leaves(start)):
         mine, theirs = np.asarray(a) - np.asarray(p), np.asarray(b) - np.asarray(p)  # the updates
         assert np.linalg.norm(mine - theirs) <= 1e-5 * np.linalg.norm(theirs)
+
+
+@pytest.mark.parametrize("strategy, moves", [("all_gather", "all-gather"), ("ring", "collective-permute")])
+def test_each_device_moves_the_keys_and_values_of_its_own_batch_rows_only(strategy, moves):
+    """fsdp 2 x context 2, 8 rows: each device holds 4 rows, and the compiled step's all-gathers (ring:
+    collective-permutes) of keys and values [B, T, kv_heads, head_dim] carry those 4 rows, never all 8."""
+    from trainer.aot.hlo import collectives
+
+    cfg = micro_config("max_target_length=40", "attention=dot_product")  # T 40, 20 per shard: no model dim
+    batch = _packed(synthetic_batch(cfg, rows=8))
+    *_, text = _step(cfg, batch, context=2, strategy=strategy, data=1, micro_steps=1)
+    found = collectives(text, devices_per_slice=4, num_slices=1)
+    kv = re.compile(r"\[(\d+),(?:20|40),2,16\]")  # keys or values: 2 kv heads of 16
+    rows = [(c.kind, int(m.group(1))) for c in found if c.kind in KV_MOVES for m in kv.finditer(c.shape)]
+    assert moves in {kind for kind, _ in rows}, [c.shape for c in found]
+    assert {n for _, n in rows} == {4}, rows
 
 
 def test_autoselected_picks_a_kernel_that_runs_on_a_split_sequence():

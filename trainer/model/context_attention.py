@@ -12,8 +12,9 @@ original indices mask causality, so the result is the attention of the unsplit s
   next device around the context axis (`ppermute`), so the exchange overlaps the compute and no device
   ever holds more than two shards of keys and values.
 
-Both run in a `shard_map` manual over the context axis only; the compiler partitions the other axes
-(batch, heads) inside it.
+Both run in a `shard_map` manual over the context axis and the mesh axes the batch rows are split over
+(those `activation_batch` takes under the rules, less any already manual), so each device gathers and
+passes around the keys and values of its own rows only; the heads are left to the compiler inside.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from trainer.model import attention
-from trainer.parallel.activations import ActivationSharding
+from trainer.parallel.activations import ActivationSharding, axes_of
 from trainer.parallel.context import AXIS, context_shards, unzigzag, zigzag_order
 
 
@@ -50,15 +51,22 @@ def context_attention(
         body = _all_gather(kernel, shards)
     else:
         raise ValueError(f"context_parallel_strategy={shard.context_strategy!r}: use all_gather or ring")
-    seq = P(None, AXIS)
+    rows = batch_axes(shard, q.shape[0])
+    seq = P(rows, AXIS)
     return jax.shard_map(
         body,
         mesh=shard.context_mesh(),
         in_specs=(seq, seq, seq, seq, P(AXIS)),
         out_specs=seq,
-        axis_names={AXIS},
+        axis_names={AXIS, *axes_of(rows)},
         check_vma=False,
     )(q, k, v, segment_ids.astype(jnp.int32), positions)
+
+
+def batch_axes(shard: ActivationSharding, rows: int):
+    """The spec entry of a [B, ...] activation's rows inside the context shard_map: the axes `shard`'s rules
+    split `activation_batch` over for `rows` rows (never the context axis; manual axes left out)."""
+    return shard.spec(("activation_batch",), (rows,), skip=(AXIS,))[0]
 
 
 def _all_gather(kernel: attention.AttentionKernel, shards: int):

@@ -495,6 +495,39 @@ BREAKAGES: tuple[Breakage, ...] = (
         ),
         why="a malformed preference pair reaches the shards, and a DPO run that reads them fails or trains on it",
     ),
+    Breakage(
+        name="dpo-reference-drifts-with-the-policy",
+        file="trainer/program/step.py",
+        old="    reference_logps, _ = row_logps(jax.lax.stop_gradient(reference), cfg, batch, shard=shard)\n",
+        new="    reference_logps, _ = row_logps(policy, cfg, batch, shard=shard)\n",
+        tests=("tests/test_dpo.py::test_the_steps_dpo_loss_and_gradient_equal_an_independent_autodiff",),
+        why="the DPO reference moves with the policy: every log-ratio is 0, the loss log 2 and the gradient 0",
+    ),
+    Breakage(
+        name="dpo-pair-split-across-micro-steps",
+        file="trainer/program/layout.py",
+        old="        if global_batch % micro == 0 and rows % (batch_shards * rows_per_example) == 0:\n",
+        new="        if global_batch % micro == 0 and rows % batch_shards == 0:\n",
+        tests=(
+            "tests/test_dpo.py::test_no_layout_micro_step_or_survivor_mesh_splits_a_pair",
+            "tests/test_dpo.py::test_a_batch_that_cannot_hold_whole_pairs_is_refused",
+        ),
+        why="a mesh whose shards cannot hold whole pairs is run anyway: chosen and rejected land on different "
+        "devices and the loss pairs rows of different records",
+    ),
+    Breakage(
+        name="dpo-pair-rows-not-adjacent",
+        file="trainer/data/grain_pipeline.py",
+        old='            local = ((e["own"] - self.own.start)[:, None] * per + np.arange(per)).reshape(-1)\n',
+        new=(
+            '            local = ((e["own"] - self.own.start)[:, None]'
+            " + len(self.own) * np.arange(per)).reshape(-1)\n"
+        ),
+        tests=(
+            "tests/test_dpo.py::test_a_pair_is_rows_2k_and_2k_plus_1_masked_on_its_replies_and_resumes_exactly",
+        ),
+        why="a pair's two rows are not rows 2k and 2k + 1: the loss pairs a chosen reply with another prompt's",
+    ),
 )
 
 

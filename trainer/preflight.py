@@ -253,7 +253,7 @@ def check_saved_step(cfg: RunConfig, saved: compat.SavedStep) -> None:
 
 def base_mismatch(cfg: RunConfig, saved: compat.SavedStep) -> str | None:
     """None unless `saved` holds LoRA adapters trained over another base than this config's."""
-    if cfg.lora.lora_rank == 0:
+    if not cfg.frozen_base:
         return None
     now = base_identity.base_record(cfg.checkpoint.load_parameters_path, cfg.train.init_weights_seed)
     why = base_identity.difference(saved.lora_base, now)
@@ -312,6 +312,6 @@ def check(cfg: RunConfig, checkpoints: epath.Path, *, local_checkpoints: epath.P
         check_load_path(cfg)
     data_problems(cfg)
     observe_problems(cfg)
-    if cfg.lora.lora_rank > 0:  # a LoRA run's base is loaded on every start, resumed or not
+    if cfg.frozen_base:  # a LoRA base or DPO reference is loaded on every start, resumed or not
         load_paths = [p for p in load_paths if not p.startswith("load_parameters_path=")]
     return Preflight(resume_step=resume, unused_load_paths=tuple(load_paths) if resume is not None else ())

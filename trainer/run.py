@@ -333,7 +333,7 @@ def local_store(
 
 def lora_base_record(cfg: RunConfig) -> dict | None:
     """A LoRA run's base identity, saved with each step (`trainer.checkpoint.base_identity`); None otherwise."""
-    if cfg.lora.lora_rank == 0:
+    if not cfg.frozen_base:
         return None
     from trainer.checkpoint.base_identity import base_record
 

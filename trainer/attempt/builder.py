@@ -289,9 +289,10 @@ class AttemptBuilder:
         return layout
 
     def _with_base(self, layout: SliceLayout) -> SliceLayout:
-        """The layout as this attempt runs it: with LoRA on, its compiled steps bound to the frozen base, read
-        onto this mesh (load_parameters_path, else initialised from init_weights_seed) once per attempt and
-        held by the bound steps only (never saved: the state holds the adapters). Full training: as is."""
+        """The layout as this attempt runs it: with a frozen model (LoRA's base, DPO's reference), its compiled
+        steps bound to it, read onto this mesh (load_parameters_path, else initialised from init_weights_seed)
+        once per attempt and held by the bound steps only (never saved, never taken from the trained state).
+        Otherwise: as is."""
         if layout.abstract_base is None:
             return layout
         spec = self.spec

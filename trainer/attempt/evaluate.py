@@ -103,16 +103,26 @@ class Evaluator:
         if tokens == 0:
             log.warning("eval at step %d: the eval set gave no loss tokens; eval_loss is null", step)
         loss = ce / tokens if tokens else None
+        preference = {}
+        if sums and "pairs" in sums[0]:  # objective=dpo: the loss and TRL's metrics are means over pairs
+            pairs = math.fsum(float(s["pairs"]) for s in sums)
+            loss = ce / pairs if pairs else None
+            names = [k for k in sums[0] if "/" in k]
+            preference = {
+                f"eval_{k}": math.fsum(float(s[k]) for s in sums) / pairs if pairs else None for k in names
+            }
+            preference["eval_pairs"] = int(pairs)
         return {
             "kind": EVAL_KIND,
             "step": step,
             "eval_loss": loss,
-            "eval_perplexity": None if loss is None else _perplexity(loss),
+            "eval_perplexity": None if loss is None or preference else _perplexity(loss),
             "eval_tokens": tokens,
             "eval_batches": len(sums),
             "eval_time_s": seconds,
             "pid": os.getpid(),
             "time": time.time(),
+            **preference,
         }
 
 

@@ -141,6 +141,7 @@ class StepRecords:
             "finite": bool(m["finite"]),
             "skipped_steps": skipped_steps,
             **({} if pending.sdc_check_s is None else {"sdc_check_s": pending.sdc_check_s}),
+            **{k: float(v) for k, v in m.items() if "/" in k},  # objective=dpo: TRL's rewards/*, logps/*
         }
 
 

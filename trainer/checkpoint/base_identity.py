@@ -1,4 +1,5 @@
-"""The identity of a LoRA run's frozen base: what its checkpoints record and a resume must find again.
+"""The identity of a run's frozen model (a LoRA run's base, a DPO run's reference): what its checkpoints
+record and a resume must find again.
 
 A base loaded from `load_parameters_path` is named by that path and the SHA-256 of its content (every
 file of the committed checkpoint directory but the commit marker, by relative path, in path order); a

@@ -230,7 +230,17 @@ class DataConfig:
         choices=("sentencepiece", "huggingface"),
     )
     packing: bool = key(True, "arrayrecord: pack several whole documents per row (else one per row, padded).")
-    use_sft: bool = key(False, "arrayrecord: chat records, Qwen chat template, loss on assistant tokens only.")
+    use_sft: bool = key(
+        False, "arrayrecord: chat records, Qwen chat template, loss on assistant tokens only (= objective=sft)."
+    )
+    objective: str = key(
+        "pretrain",
+        "What trains: pretrain (every token) | sft (arrayrecord chats, loss on assistant tokens; use_sft=true "
+        "means the same) | dpo (arrayrecord preference pairs, direct preference optimization against the "
+        "frozen initial model: batch sizes count pairs, each pair is two rows, prompt+chosen and "
+        "prompt+rejected, masked on the reply).",
+        choices=("pretrain", "sft", "dpo"),
+    )
     num_epoch: int = key(-1, "arrayrecord: passes over the data; <= 0 repeats forever (steps bounds training).")
     grain_worker_count: int = key(
         1, "arrayrecord: Grain worker processes (0 = load in the training process).", minimum=0
@@ -242,6 +252,16 @@ class DataConfig:
     messages_field: str = key(
         "messages", "arrayrecord: JSON field of a record holding a chat (role/content list)."
     )
+
+    @property
+    def sft(self) -> bool:
+        """Whether the loss is on assistant tokens only: objective=sft, or use_sft=true (the same)."""
+        return self.use_sft or self.objective == "sft"
+
+    @property
+    def dpo(self) -> bool:
+        """Whether batches are preference pairs (objective=dpo)."""
+        return self.objective == "dpo"
 
 
 @dataclass(frozen=True)
@@ -298,6 +318,30 @@ class LoraConfig:
         list(LORA_MODULES),
         "Projections that get adapters, by their PEFT names: q_proj k_proj v_proj o_proj (attention), gate_proj "
         "up_proj down_proj (dense MLP); or [all-linear] for all of them.",
+    )
+
+
+@dataclass(frozen=True)
+class PreferenceConfig:
+    """Direct preference optimization (objective=dpo): the loss over each pair's policy/reference log-ratio.
+
+    The reference is the frozen initial model (load_parameters_path, else init_weights_seed; under LoRA the
+    base without adapters), identified in checkpoints like a LoRA base."""
+
+    dpo_beta: float = key(
+        0.1, "objective=dpo: beta, the strength of the implicit KL penalty towards the reference.", minimum=0.0
+    )
+    dpo_loss_type: str = key(
+        "sigmoid",
+        "objective=dpo: sigmoid (DPO) | ipo (squared, on per-token average log-probs) | hinge (SLiC), as TRL "
+        "defines them.",
+        choices=("sigmoid", "ipo", "hinge"),
+    )
+    dpo_label_smoothing: float = key(
+        0.0,
+        "objective=dpo, dpo_loss_type=sigmoid: probability that a pair's labels are flipped (conservative DPO).",
+        minimum=0.0,
+        maximum=0.5,
     )
 
 
@@ -713,12 +757,19 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    @property
+    def frozen_base(self) -> bool:
+        """Whether a frozen copy of the initial model runs beside the trainable params: LoRA's base, or
+        DPO's reference (`frozen_model`)."""
+        return frozen_model(self.lora, self.data)
 
     @functools.cached_property
     def faults(self) -> FaultPlan:
@@ -727,6 +778,13 @@ class RunConfig:
         from trainer.failures.plan import parse_plan
 
         return parse_plan(self.elastic.fault_schedule, self.mesh.num_slices)
+
+
+def frozen_model(lora: LoraConfig, data: DataConfig) -> bool:
+    """Whether the run holds a frozen model outside its train state (load_parameters_path, else initialised
+    from init_weights_seed, loaded on every start and identified in every checkpoint by
+    `trainer.checkpoint.base_identity`): LoRA's base (lora_rank > 0) or DPO's reference (objective=dpo)."""
+    return lora.lora_rank > 0 or data.dpo
 
 
 def section_classes() -> dict[str, type]:
@@ -738,6 +796,7 @@ def section_classes() -> dict[str, type]:
         "data": DataConfig,
         "optim": OptimConfig,
         "lora": LoraConfig,
+        "preference": PreferenceConfig,
         "checkpoint": CheckpointConfig,
         "eval": EvalConfig,
         "elastic": ElasticConfig,

@@ -254,9 +254,31 @@ def _lora_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def _objective_problems(cfg: RunConfig) -> list[str]:
+    data, pref, problems = cfg.data, cfg.preference, []
+    if data.use_sft and data.objective == "dpo":
+        problems.append(
+            "use_sft=true means objective=sft, but objective=dpo: set use_sft=false for DPO (preference pairs "
+            "are masked on their replies), or objective=sft"
+        )
+    if data.objective != "pretrain" and data.dataset_type != "arrayrecord":
+        problems.append(
+            f"objective={data.objective} trains on records (chats or preference pairs) but dataset_type="
+            f"{data.dataset_type}: set dataset_type=arrayrecord and grain_train_files=..."
+        )
+    if data.objective == "dpo" and pref.dpo_beta <= 0:
+        problems.append(f"dpo_beta={pref.dpo_beta} must be > 0 (e.g. dpo_beta=0.1)")
+    if pref.dpo_label_smoothing > 0 and pref.dpo_loss_type != "sigmoid":
+        problems.append(
+            f"dpo_label_smoothing={pref.dpo_label_smoothing} applies to dpo_loss_type=sigmoid only, not "
+            f"{pref.dpo_loss_type}: set dpo_label_smoothing=0 or dpo_loss_type=sigmoid"
+        )
+    return problems
+
+
 def validate(cfg: RunConfig) -> None:
     """Raise one ConfigError listing every problem found."""
     problems = _field_constraints(cfg) + _model_problems(cfg) + _run_problems(cfg) + _eval_problems(cfg)
-    problems += _cluster_problems(cfg) + _lora_problems(cfg)
+    problems += _cluster_problems(cfg) + _lora_problems(cfg) + _objective_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

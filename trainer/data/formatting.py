@@ -123,20 +123,44 @@ class DocumentFormat:
 
     def document(self, raw: bytes, tok: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
         """(ids, mask) int32 arrays of one stored record, with BOS/EOS and truncation applied."""
-        try:
-            record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RecordError(
-                f"record is not JSON ({e}); ArrayRecord shards must come from "
-                "scripts/prepare_data.py (one JSON object per record)"
-            ) from None
-        if not isinstance(record, dict):
-            raise RecordError(f"record is a JSON {type(record).__name__}, expected an object")
-        ids, mask = self.tokens(record, tok)
+        ids, mask = self.tokens(parse_record(raw), tok)
+        return self.finish(ids, mask, tok)
+
+    def pair(
+        self, raw: bytes, tok: Tokenizer
+    ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        """The (chosen, rejected) documents of one stored preference record (objective=dpo): prompt + reply
+        each, trained on the reply only (`trainer.data.preference_records.preference_documents`), with
+        BOS/EOS (untrained, as in SFT) and truncation applied."""
+        from trainer.data.preference_records import preference_documents
+
+        chosen, rejected = preference_documents(parse_record(raw), tok)
+        return self.finish(*chosen, tok, trained_eos=False), self.finish(*rejected, tok, trained_eos=False)
+
+    def finish(
+        self, ids: list[int], mask: list[int], tok: Tokenizer, *, trained_eos: bool | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """BOS/EOS as configured and truncation to max_len + 1 tokens; the EOS is trained unless SFT
+        (`trained_eos` overrides)."""
         if self.add_bos:
             ids, mask = [tok.bos_id, *ids], [0, *mask]
         if self.add_eos:
             # The EOS is a target the model should learn, except in SFT where only assistant tokens count.
-            ids, mask = [*ids, tok.eos_id], [*mask, 0 if self.use_sft else 1]
+            eos_mask = (not self.use_sft) if trained_eos is None else trained_eos
+            ids, mask = [*ids, tok.eos_id], [*mask, int(eos_mask)]
         keep = self.max_len + 1
         return np.asarray(ids[:keep], np.int32), np.asarray(mask[:keep], np.int32)
+
+
+def parse_record(raw: bytes) -> dict:
+    """One stored record as a JSON object, or RecordError."""
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RecordError(
+            f"record is not JSON ({e}); ArrayRecord shards must come from "
+            "scripts/prepare_data.py (one JSON object per record)"
+        ) from None
+    if not isinstance(record, dict):
+        raise RecordError(f"record is a JSON {type(record).__name__}, expected an object")
+    return record

@@ -19,6 +19,12 @@ batches. Pre-tokenized shards (scripts/prepare_data.py --tokenizer) make the ext
 Grain worker processes (`grain_worker_count`) each own the row streams w, w + W, ... and produce one
 element per step; Grain interleaves them round-robin, so worker count never changes a batch.
 
+Preference pairs (objective=dpo): each row stream is a pair stream, one example (a preference record)
+per step and no packing; pair stream j fills rows 2j (prompt + chosen) and 2j + 1 (prompt + rejected) of
+the global batch, so a pair is never split across processes, devices or micro-steps that split the batch
+into blocks of whole pairs (trainer.program.layout.batch_layout keeps them whole). The state is the pair
+streams' cursors, as above.
+
 Running out: with num_epoch >= 1 a row stream ends after the last example of the last epoch; its
 rows are then padding, and the iterator stops when every row stream has ended (every process sees
 that at the same step). num_epoch <= 0 repeats forever: `steps` bounds training.
@@ -156,13 +162,26 @@ class DocumentLoader:
             ids, mask = self.fmt.document(self.source[index], self.tok)
         except RecordError as e:
             raise DataError(f"{self.where(index)}: {e}") from None
+        self._check_ids(index, ids)
+        return ids, mask
+
+    def pair(self, index: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """[chosen, rejected] documents of preference record `index` (objective=dpo)."""
+        try:
+            docs = list(self.fmt.pair(self.source[index], self.tok))
+        except RecordError as e:
+            raise DataError(f"{self.where(index)}: {e}; objective=dpo reads preference records") from None
+        for ids, _ in docs:
+            self._check_ids(index, ids)
+        return docs
+
+    def _check_ids(self, index: int, ids: np.ndarray) -> None:
         if len(ids) and (ids.max() >= self.vocab_size or ids.min() < 0):
             raise DataError(
                 f"{self.where(index)}: token id {int(ids.max())} is outside the model's "
                 f"vocab_size={self.vocab_size}; the record was pre-tokenized with another "
                 "tokenizer: re-run scripts/prepare_data.py with this tokenizer_path"
             )
-        return ids, mask
 
 
 # ---- row streams: the Grain dataset the workers run ----------------------------------------------
@@ -170,12 +189,18 @@ class DocumentLoader:
 
 @dataclass(frozen=True)
 class StreamGeometry:
-    """The static shape of the row streams: one per global-batch row, row length, packing, end of data."""
+    """The static shape of the row streams: one per global-batch row (per pair of rows with `pairs`), row
+    length, packing, end of data."""
 
-    global_rows: int
+    global_rows: int  # row streams (pair streams with `pairs`)
     length: int
     packing: bool
     limit: int | None  # examples in all epochs; None = repeat forever
+    pairs: bool = False  # objective=dpo: each stream fills two rows from one preference record a step
+
+    @property
+    def rows_per_stream(self) -> int:
+        return 2 if self.pairs else 1
 
 
 class RowStreams(grain.IterDataset):
@@ -230,6 +255,12 @@ class RowStreamsIterator(grain.DatasetIterator):
         geometry, ds = self.ds.geometry, self.ds
         docs, used, skipped = [], 0, 0
         t = self.cursors[row]
+        if geometry.pairs:  # one preference record: its two documents, one per row, never packed
+            k = ds.base + row + t * geometry.global_rows
+            if geometry.limit is not None and k >= geometry.limit:
+                return docs, True
+            self.cursors[row] = t + 1
+            return ds.load.pair(int(ds.order[k])), False
         while True:
             k = ds.base + row + t * geometry.global_rows
             if geometry.limit is not None and k >= geometry.limit:
@@ -266,7 +297,10 @@ class RowStreamsIterator(grain.DatasetIterator):
             ended.append(done)
             if row in self.ds.own:
                 own.append(row)
-                packed.append(pack_row(docs, length) if docs else empty_row(length))
+                if self.ds.geometry.pairs:
+                    packed += [pack_row([d], length) for d in docs] if docs else [empty_row(length)] * 2
+                else:
+                    packed.append(pack_row(docs, length) if docs else empty_row(length))
         element = {
             "rows": np.asarray(out_rows, np.int64),
             "cursors": np.asarray(cursors, np.int64),
@@ -305,7 +339,7 @@ class ArrayRecordIterator:
         worker_count: int,
         worker_buffer_size: int,
     ):
-        rows = geometry.global_rows // process_count
+        rows = geometry.global_rows // process_count  # row (pair) streams of this process
         self.load = load
         self.geometry = geometry
         self.seed = seed
@@ -353,10 +387,11 @@ class ArrayRecordIterator:
         if all(e["ended"].all() and not e["placed"].any() for e in elements):
             self._exhausted = True  # every row stream ran out: the state stays at the last real batch
             raise StopIteration
-        batch = {k: np.zeros((len(self.own), self.geometry.length), np.int32) for k in BATCH_KEYS}
+        per = self.geometry.rows_per_stream
+        batch = {k: np.zeros((len(self.own) * per, self.geometry.length), np.int32) for k in BATCH_KEYS}
         for e in elements:
             self.cursors[e["rows"]] = e["cursors"]
-            local = e["own"] - self.own.start
+            local = ((e["own"] - self.own.start)[:, None] * per + np.arange(per)).reshape(-1)
             for k in BATCH_KEYS:
                 batch[k][local] = e[k]
         self.step += 1
@@ -469,11 +504,15 @@ def _absl_flags_parsed() -> None:
 def make_arrayrecord_iterator(
     data_cfg, *, vocab_size: int, global_batch_size: int, process_index: int = 0, process_count: int = 1
 ) -> ArrayRecordIterator:
-    """The Grain/ArrayRecord iterator for `data_cfg` (a DataConfig); DataError now if it cannot run."""
-    if global_batch_size % process_count or not 0 <= process_index < process_count:
+    """The Grain/ArrayRecord iterator for `data_cfg` (a DataConfig); DataError now if it cannot run.
+    `global_batch_size` counts rows; under objective=dpo two per pair, and each process's block of rows
+    must hold whole pairs."""
+    per = 2 if data_cfg.dpo else 1
+    if global_batch_size % (process_count * per) or not 0 <= process_index < process_count:
+        whole = " of whole pairs (2 rows each)" if per == 2 else ""
         raise DataError(
             f"global batch of {global_batch_size} rows does not split into {process_count} "
-            f"loader processes (process_index={process_index})"
+            f"loader processes{whole} (process_index={process_index})"
         )
     if not 0 <= data_cfg.data_shuffle_seed < 2**32:
         raise DataError(f"data_shuffle_seed={data_cfg.data_shuffle_seed} must be in [0, 2**32)")
@@ -481,7 +520,7 @@ def make_arrayrecord_iterator(
     fmt = DocumentFormat(
         text_field=data_cfg.text_field,
         messages_field=data_cfg.messages_field,
-        use_sft=data_cfg.use_sft,
+        use_sft=data_cfg.sft,
         add_bos=data_cfg.add_bos,
         add_eos=data_cfg.add_eos,
         max_len=data_cfg.max_target_length,
@@ -502,12 +541,16 @@ def make_arrayrecord_iterator(
     weights = [source.weight for source in mixture]
     epochs = data_cfg.num_epoch
     order = data_order(load.source_records, weights, seed=data_cfg.data_shuffle_seed, num_epoch=epochs)
-    check_documents(load, order)
+    if data_cfg.dpo:
+        load.pair(int(order[0]))  # the first pair must read as one (a chat set is named here, not mid-run)
+    else:
+        check_documents(load, order)
     geometry = StreamGeometry(
-        global_rows=global_batch_size,
+        global_rows=global_batch_size // per,
         length=data_cfg.max_target_length,
-        packing=data_cfg.packing,
+        packing=data_cfg.packing and not data_cfg.dpo,
         limit=len(order) if epochs > 0 else None,
+        pairs=data_cfg.dpo,
     )
     return ArrayRecordIterator(
         load,

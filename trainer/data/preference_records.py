@@ -87,3 +87,24 @@ def preference_text(record: dict) -> str:
     if isinstance(record["prompt"], str):
         return "\n".join(record[f] for f in FIELDS)
     return chat_text(record["prompt"] + record["chosen"] + record["rejected"])
+
+
+def preference_documents(
+    obj: dict, tok: Tokenizer
+) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+    """(chosen, rejected) of a stored record, each (ids, mask) of prompt + reply without BOS/EOS, the mask 1
+    exactly on the reply: a conversational pair templated like a chat (its reply's assistant content and
+    <|im_end|>, as SFT trains them), a standard pair as the prompt's text then the reply's (all of it).
+    PreferenceRecordError if the record is not a valid pair."""
+    record = check_preference(obj)
+    prompt = record["prompt"]
+    out = []
+    for f in ("chosen", "rejected"):
+        if isinstance(prompt, str):
+            context, reply = tok.encode(prompt), tok.encode(record[f])
+            out.append(([*context, *reply], [0] * len(context) + [1] * len(reply)))
+        else:
+            context, _ = encode_chat(prompt, tok)
+            reply, reply_mask = encode_chat(record[f], tok)
+            out.append(([*context, *reply], [0] * len(context) + reply_mask))
+    return out[0], out[1]

@@ -36,10 +36,11 @@ from trainer.config.schema import (
     MeshConfig,
     ModelConfig,
     OptimConfig,
+    PreferenceConfig,
     RunConfig,
+    frozen_model,
 )
 from trainer.data.batch import BATCH_KEYS
-from trainer.model import lora as lora_math
 from trainer.parallel.activations import ActivationSharding
 from trainer.parallel.mesh import build_mesh
 from trainer.parallel.rules import logical_to_spec
@@ -68,6 +69,17 @@ class TrainSpec:
     sdc_check: bool = False  # sdc_check_period > 0: compile the replica checksums too (trainer.attempt.sdc)
     sdc_lazy: bool = False  # sdc_check_period auto on 2+ slices: compile them at the first check
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # lora_rank > 0: adapters over a frozen base
+    preference: PreferenceConfig | None = None  # objective=dpo: the DPO loss against the frozen reference
+
+    @property
+    def frozen_base(self) -> bool:
+        """A frozen model beside the state: LoRA's base or DPO's reference (`frozen_model`)."""
+        return frozen_model(self.lora, self.data)
+
+    @property
+    def rows_per_example(self) -> int:
+        """Batch rows per example: 2 under objective=dpo (a pair), else 1."""
+        return 2 if self.data.dpo else 1
 
 
 def train_spec(cfg: RunConfig) -> TrainSpec:
@@ -86,6 +98,7 @@ def train_spec(cfg: RunConfig) -> TrainSpec:
         sdc_check=cfg.elastic.sdc_check_period > 0,
         sdc_lazy=cfg.elastic.sdc_check_period == AUTO and cfg.mesh.num_slices > 1,
         lora=cfg.lora,
+        preference=cfg.preference if cfg.data.dpo else None,
     )
 
 
@@ -111,15 +124,17 @@ def batch_layout(
     devices_per_slice: int,
     active_slices: int,
     batch_shards: int,
+    rows_per_example: int = 1,
 ) -> BatchLayout:
-    """Global batch and micro-steps for the active slices.
+    """Global batch (in rows) and micro-steps for the active slices.
 
     The nominal global batch is per_device_batch_size x all devices of all `num_slices` configured
-    slices x accumulation_steps. With fewer active slices, policy `keep_global` runs the same global
-    batch with more micro-steps (same math); `scale` shrinks the global batch and the learning rate in
-    proportion to the active slices.
+    slices x accumulation_steps examples, of `rows_per_example` rows each (2 for a DPO pair). With fewer
+    active slices, policy `keep_global` runs the same global batch with more micro-steps (same math);
+    `scale` shrinks the global batch and the learning rate in proportion to the active slices. Every
+    micro-step's rows on every batch shard are whole examples (a pair is never split).
     """
-    per_step = per_device_batch_size * devices_per_slice
+    per_step = per_device_batch_size * devices_per_slice * rows_per_example
     nominal = per_step * num_slices * accumulation_steps
     if policy == "scale" and active_slices != num_slices:
         global_batch = per_step * active_slices * accumulation_steps
@@ -129,10 +144,11 @@ def batch_layout(
     micro = accumulation_steps
     while micro <= global_batch:
         rows = global_batch // micro
-        if global_batch % micro == 0 and rows % batch_shards == 0:
+        if global_batch % micro == 0 and rows % (batch_shards * rows_per_example) == 0:
             return BatchLayout(global_batch, micro, lr_scale)
         micro += 1
-    raise ValueError(f"global batch {global_batch} cannot be split evenly over {batch_shards} batch shards")
+    whole = f" of whole {rows_per_example}-row examples" if rows_per_example > 1 else ""
+    raise ValueError(f"global batch {global_batch} cannot be split evenly over {batch_shards} batch shards{whole}")
 
 
 def _batch_axes_size(mesh: Mesh, rules) -> tuple[PartitionSpec, int]:
@@ -212,6 +228,7 @@ def slice_layout(spec: TrainSpec, slices: list[list]) -> SliceLayout:
         devices_per_slice=len(slices[0]),
         active_slices=len(slices),
         batch_shards=shards,
+        rows_per_example=spec.rows_per_example,
     )
     loader_index, loader_count = loader_shard(batch_sharding, batch.global_batch_size)
     schedule = learning_rate_schedule(spec.optim, steps=spec.steps, lr_scale=batch.lr_scale)
@@ -220,7 +237,7 @@ def slice_layout(spec: TrainSpec, slices: list[list]) -> SliceLayout:
         spec.model, spec.mesh.logical_axis_rules, mesh, optimizer, spec.lora
     )
     base_sh = abstract_base = None
-    if lora_math.enabled(spec.lora):
+    if spec.frozen_base:
         base_sh, abstract_base = base_shardings(spec.model, spec.mesh.logical_axis_rules, mesh)
     eval_batch, eval_loader = None, (0, 1)
     if spec.eval.eval_interval > 0:
@@ -233,6 +250,7 @@ def slice_layout(spec: TrainSpec, slices: list[list]) -> SliceLayout:
             devices_per_slice=len(slices[0]),
             active_slices=len(slices),
             batch_shards=shards,
+            rows_per_example=spec.rows_per_example,
         )
         eval_loader = loader_shard(batch_sharding, eval_batch.global_batch_size)
     return SliceLayout(
@@ -283,6 +301,7 @@ def _program(spec: TrainSpec, layout: SliceLayout, step: Step) -> _Program:
             learning_rate=layout.lr_schedule,
             shard=shard,
             lora=spec.lora,
+            preference=spec.preference,
         )
         return _Program(
             fn, layout.batch, layout.abstract_state, layout.shardings, (layout.shardings, replicated), (0,)
@@ -296,6 +315,7 @@ def _program(spec: TrainSpec, layout: SliceLayout, step: Step) -> _Program:
             batch_spec=layout.batch_sharding.spec,
             shard=shard,
             lora=spec.lora,
+            preference=spec.preference,
         )
         params = layout.abstract_state["params"]
         return _Program(fn, layout.eval_batch, params, layout.shardings["params"], replicated, ())
@@ -307,6 +327,7 @@ def _program(spec: TrainSpec, layout: SliceLayout, step: Step) -> _Program:
             batch_spec=layout.batch_sharding.spec,
             shard=shard,
             lora=spec.lora,
+            preference=spec.preference,
         )
         params = layout.abstract_state["params"]
         return _Program(fn, layout.batch, params, layout.shardings["params"], replicated, ())

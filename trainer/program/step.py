@@ -7,6 +7,11 @@ With LoRA on (`lora` given, lora_rank > 0) the state's params are the adapters a
 takes the frozen base as one more argument, `train_step(state, batch, base)`: the model runs with
 `trainer.model.lora.merge(base, adapters)`, gradients and optimizer updates reach the adapters only, and
 the base is neither donated nor returned.
+
+With `objective=dpo` (`preference` given) the batch's rows 2k and 2k + 1 are a preference pair, the
+objective is the DPO loss over pairs (`trainer.program.preference`) of per-row reply log-probabilities
+(`sequence_logps`), and the frozen model the step takes is the reference: `train_step(state, batch,
+reference)` (under LoRA the base, whose unadapted log-probabilities are the reference's).
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ import optax
 from jax.sharding import PartitionSpec
 
 from trainer import model
-from trainer.config.schema import LoraConfig, ModelConfig
+from trainer.config.schema import LoraConfig, ModelConfig, PreferenceConfig
 from trainer.model import lora as lora_math
 from trainer.model.layers import BTD
 from trainer.parallel.activations import UNSHARDED, ActivationSharding, axes_of
 from trainer.parallel.context import context_shards, reorder, zigzag_order
+from trainer.program import preference as preference_math
 
 BATCH = ("activation_batch",)
 LENGTH = ("activation_length",)
@@ -210,6 +216,91 @@ def token_losses(
     return objective, jax.lax.stop_gradient(ce), jax.lax.stop_gradient(z)
 
 
+def _chunk_logps(proj, cfg: ModelConfig, shard: ActivationSharding, hidden, targets, mask):
+    """Per-row sum [B] of the masked targets' log-probabilities of a [B, c, D] chunk, vocabulary-parallel
+    (`_logits_layout`) like `_chunk_loss_and_grads`."""
+    dt = jnp.dtype(cfg.dtype)
+    if shard.mesh is None:
+        hidden_spec = logits_spec = None
+    else:
+        hidden_spec, logits_spec = _logits_layout(shard, hidden.shape[0], cfg.vocab_size, hidden.shape[1])
+    h = hidden.astype(dt)
+    h = h if hidden_spec is None else shard.pin(h, hidden_spec)
+    logits = model.logits_from_hidden(proj, cfg, h)  # float32 [B, c, V]
+    logits = logits if logits_spec is None else shard.pin(logits, logits_spec)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    if logits_spec is not None and logits_spec[2] is not None:  # split vocabulary: a masked sum over it
+        vocab = jax.lax.broadcasted_iota(jnp.float32, logits.shape, 2)
+        hit = jnp.maximum(0.0, 1.0 - jnp.abs(vocab - targets[..., None].astype(jnp.float32)))
+        target_logit = jnp.sum(logits * hit, axis=-1)
+    else:
+        target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum((target_logit - lse) * mask, axis=1)
+
+
+def sequence_logps(
+    params, cfg: ModelConfig, hidden, targets, mask, *, shard: ActivationSharding = UNSHARDED
+) -> jax.Array:
+    """Per-row sum [B] (float32) of the log-probabilities of the masked targets: a preference pair's reply
+    log-probability under the model (objective=dpo). `params` holds the output projection
+    (`output_params`).
+
+    The same chunked, vocabulary-parallel logits as `token_losses` (at most LOSS_CHUNK_TOKENS tokens'
+    logits per device at once, split like the sequence under context parallelism), differentiated by JAX:
+    each chunk is rematerialised in the backward pass, so no chunk's logits outlive its iteration."""
+    b, t = targets.shape
+    ways = context_shards(shard)
+    chunks = _sequence_chunks(_rows_per_device(shard, b, cfg.vocab_size), t // ways)
+    piece = t // (ways * chunks)
+    mask = mask.astype(jnp.float32)
+    one = jax.checkpoint(partial(_chunk_logps, cfg=cfg, shard=shard))
+    if chunks == 1:
+        return one(params, hidden=hidden, targets=targets, mask=mask)
+
+    def cut(x, i):
+        split = x.reshape(b, ways, chunks, piece, *x.shape[2:])
+        return jax.lax.dynamic_index_in_dim(split, i, axis=2, keepdims=False).reshape(
+            b, ways * piece, *x.shape[2:]
+        )
+
+    def body(acc, i):
+        part = one(params, hidden=shard(cut(hidden, i), BTD), targets=cut(targets, i), mask=cut(mask, i))
+        return acc + part, None
+
+    out, _ = jax.lax.scan(body, jnp.zeros((b,), jnp.float32), jnp.arange(chunks))
+    return out
+
+
+def row_logps(params, cfg: ModelConfig, batch: dict, *, shard: ActivationSharding = UNSHARDED):
+    """(per-row reply log-probability sums [B], MoE aux loss) of `params` on a batch (`sequence_logps`);
+    under context parallelism the tokens are put in the zigzag order first, which the sums do not see."""
+    shards = context_shards(shard)
+    if shards > 1:
+        batch = reorder(batch, zigzag_order(batch["inputs"].shape[1], shards))
+    hidden, aux_loss = model.forward(
+        params, cfg, batch["inputs"], batch["positions"], batch["segment_ids"], shard=shard
+    )
+    logps = sequence_logps(
+        output_params(params, cfg, shard), cfg, hidden, batch["targets"], batch["loss_mask"], shard=shard
+    )
+    return logps, aux_loss
+
+
+def preference_loss_sums(
+    policy, reference, cfg: ModelConfig, pref: PreferenceConfig, batch: dict, *, shard=UNSHARDED
+) -> tuple[jax.Array, dict]:
+    """DPO loss summed over the batch's pairs (rows 2k, 2k + 1: `trainer.program.preference`) of the
+    `policy` params against the frozen `reference` params (no gradient through them), and its parts:
+    ce_sum = the loss sum (what the loop reports as loss, divided by `pairs`), z_sum = 0, tokens (the
+    reply tokens), aux_loss, pairs and the TRL metrics' sums."""
+    policy_logps, aux_loss = row_logps(policy, cfg, batch, shard=shard)
+    reference_logps, _ = row_logps(jax.lax.stop_gradient(reference), cfg, batch, shard=shard)
+    tokens_per_row = jnp.sum(batch["loss_mask"].astype(jnp.float32), axis=1)
+    loss, metrics = preference_math.preference_sums(policy_logps, reference_logps, tokens_per_row, pref)
+    parts = {"ce_sum": loss, "z_sum": jnp.zeros((), jnp.float32), "tokens": jnp.sum(tokens_per_row)}
+    return loss, {**parts, "aux_loss": aux_loss, **metrics}
+
+
 def loss_sums(
     params, cfg: ModelConfig, z_loss_multiplier: float, batch: dict, *, shard: ActivationSharding = UNSHARDED
 ) -> tuple[jax.Array, dict]:
@@ -271,12 +362,46 @@ def per_replica(fn: Callable, shard: ActivationSharding, combine: Callable) -> C
     )
 
 
-def _summed_grads(cfg: ModelConfig, z_loss_multiplier: float, micro_steps: int, batch_spec, weights: Callable):
+def _objective_sums(cfg: ModelConfig, z_loss_multiplier: float, weights: Callable, pref: PreferenceConfig | None):
+    """`(trainable, frozen, batch, shard) -> (objective sum, parts)`: the token-summed language-model loss
+    (`loss_sums`), or with `pref` (objective=dpo) the pair-summed DPO loss of the policy
+    `weights(trainable, frozen)` against the reference `frozen` (`preference_loss_sums`); the MoE aux loss
+    is added once per token (per pair under DPO), so the division by that count averages it."""
+    if pref is None:
+
+        def lm(trainable, frozen, batch, shard):
+            total, parts = loss_sums(weights(trainable, frozen), cfg, z_loss_multiplier, batch, shard=shard)
+            return total + parts["aux_loss"] * parts["tokens"], parts
+
+        return lm
+
+    def dpo(trainable, frozen, batch, shard):
+        total, parts = preference_loss_sums(weights(trainable, frozen), frozen, cfg, pref, batch, shard=shard)
+        return total + parts["aux_loss"] * parts["pairs"], parts
+
+    return dpo
+
+
+def _zero_parts(pref: PreferenceConfig | None) -> dict:
+    scalar = jnp.zeros((), jnp.float32)
+    keys = ("ce_sum", "z_sum", "tokens", "aux_loss", *((*preference_math.METRICS, "pairs") if pref else ()))
+    return dict.fromkeys(keys, scalar)
+
+
+def _summed_grads(
+    cfg: ModelConfig,
+    z_loss_multiplier: float,
+    micro_steps: int,
+    batch_spec,
+    weights: Callable,
+    pref: PreferenceConfig | None = None,
+):
     """`((trainable, frozen), batch, shard) -> (grads, parts)`: gradients, with respect to the trainable
-    params only, of the token-summed objective over the batch's micro-steps (not yet divided by the token
-    count) and its summed parts; `weights(trainable, frozen)` gives the params the model runs with
-    (`model_weights`). The train step and the silent-data-corruption check (`make_replica_checksums`)
-    compute exactly this."""
+    params only, of the summed objective (`_objective_sums`) over the batch's micro-steps (not yet divided
+    by the token or pair count) and its summed parts; `weights(trainable, frozen)` gives the params the
+    model runs with (`model_weights`). The train step and the silent-data-corruption check
+    (`make_replica_checksums`) compute exactly this."""
+    objective_sums = _objective_sums(cfg, z_loss_multiplier, weights, pref)
 
     def micro_grads(params, micro, shard):
         trainable, frozen = params
@@ -284,8 +409,7 @@ def _summed_grads(cfg: ModelConfig, z_loss_multiplier: float, micro_steps: int, 
             micro = {k: shard.pin(v, batch_spec) for k, v in micro.items()}
 
         def objective(p):
-            total, parts = loss_sums(weights(p, frozen), cfg, z_loss_multiplier, micro, shard=shard)
-            return total + parts["aux_loss"] * parts["tokens"], parts
+            return objective_sums(p, frozen, micro, shard)
 
         (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
         return grads, parts
@@ -299,8 +423,7 @@ def _summed_grads(cfg: ModelConfig, z_loss_multiplier: float, micro_steps: int, 
             return jax.tree.map(jnp.add, acc, (g, p)), None
 
         zeros = jax.tree.map(jnp.zeros_like, params[0])
-        scalar = jnp.zeros((), jnp.float32)
-        init = (zeros, {"ce_sum": scalar, "z_sum": scalar, "tokens": scalar, "aux_loss": scalar})
+        init = (zeros, _zero_parts(pref))
         (grads, parts), _ = jax.lax.scan(body, init, _split_micro(batch, micro_steps))
         return grads, dict(parts, aux_loss=parts["aux_loss"] / micro_steps)
 
@@ -318,6 +441,7 @@ def make_train_step(
     shard: ActivationSharding = UNSHARDED,
     data_reduce_dtype: str = "float32",
     lora: LoraConfig | None = None,
+    preference: PreferenceConfig | None = None,
 ):
     """Build `train_step(state, batch)`.
 
@@ -335,9 +459,14 @@ def make_train_step(
     inside the compiled step, since evaluating an optax schedule eagerly on the host compiles each of
     its ~12 jnp ops on first use (~1 s in every new process).
     `lora` (lora_rank > 0): the state's params are adapters over the `base` the step takes (module doc).
+    `preference` (objective=dpo): the objective is the DPO loss averaged over the batch's pairs, against
+    the frozen reference the step takes as `base` (under LoRA the base itself, without adapters), and
+    the metrics add TRL's rewards/* and logps/* (pair means).
     """
 
-    summed_grads = _summed_grads(cfg, z_loss_multiplier, micro_steps, batch_spec, model_weights(cfg, lora))
+    summed_grads = _summed_grads(
+        cfg, z_loss_multiplier, micro_steps, batch_spec, model_weights(cfg, lora), preference
+    )
     replicas = _replicas(shard)
     # XLA:CPU aborts on a bfloat16 all-reduce in a shard_map; CPU slices are emulated (no DCN).
     cpu = shard.mesh is not None and shard.mesh.devices.flat[0].platform == "cpu"
@@ -353,7 +482,7 @@ def make_train_step(
     def train_step(state: dict[str, Any], batch: dict, base=None) -> tuple[dict[str, Any], dict]:
         params = state["params"]
         grads, parts = gradients((params, base), batch)
-        denom = jnp.maximum(parts["tokens"], 1.0)
+        denom = jnp.maximum(parts["pairs" if preference else "tokens"], 1.0)
         grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
         loss, grad_norm = parts["ce_sum"] / denom, optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
@@ -372,6 +501,7 @@ def make_train_step(
             "grad_norm": grad_norm,
             "tokens": parts["tokens"],
             "finite": finite,
+            **{k: parts[k] / denom for k in (preference_math.METRICS if preference else ())},
         }
         if learning_rate is not None:
             metrics["learning_rate"] = learning_rate(state["step"])
@@ -391,6 +521,7 @@ def make_eval_step(
     batch_spec: PartitionSpec | None = None,
     shard: ActivationSharding = UNSHARDED,
     lora: LoraConfig | None = None,
+    preference: PreferenceConfig | None = None,
 ):
     """Build `eval_step(params, batch) -> {"ce_sum", "tokens"}` (with LoRA on, `eval_step(adapters, batch,
     base)`): the forward pass only (no gradient, no
@@ -399,15 +530,24 @@ def make_eval_step(
 
     `micro_steps` splits the batch into equal parts run in a scan: the eval batch is the same size on
     every mesh (the same tokens at every evaluation), so a smaller mesh runs it in more parts.
+    `preference` (objective=dpo): ce_sum is the DPO loss summed over pairs, with "pairs" and the sums of
+    TRL's metrics (`trainer.program.preference.METRICS`) beside it, against the frozen reference `base`.
     """
 
     weights = model_weights(cfg, lora)
+    keep = ("ce_sum", "tokens", *((*preference_math.METRICS, "pairs") if preference else ()))
 
     def sums(params, batch, shard):
         if batch_spec is not None:
             batch = {k: shard.pin(v, batch_spec) for k, v in batch.items()}
-        _, parts = loss_sums(weights(*params), cfg, 0.0, batch, shard=shard)
-        return {"ce_sum": parts["ce_sum"], "tokens": parts["tokens"]}
+        trainable, frozen = params
+        if preference is None:
+            _, parts = loss_sums(weights(trainable, frozen), cfg, 0.0, batch, shard=shard)
+        else:
+            _, parts = preference_loss_sums(
+                weights(trainable, frozen), frozen, cfg, preference, batch, shard=shard
+            )
+        return {k: parts[k] for k in keep}
 
     def summed(params, batch, shard):
         if micro_steps == 1:
@@ -417,7 +557,7 @@ def make_eval_step(
             return jax.tree.map(jnp.add, acc, sums(params, micro, shard)), None
 
         zero = jnp.zeros((), jnp.float32)
-        out, _ = jax.lax.scan(body, {"ce_sum": zero, "tokens": zero}, _split_micro(batch, micro_steps))
+        out, _ = jax.lax.scan(body, dict.fromkeys(keep, zero), _split_micro(batch, micro_steps))
         return out
 
     replicated = per_replica(summed, shard, lambda out: jax.lax.psum(out, DATA))
@@ -436,6 +576,7 @@ def make_replica_checksums(
     batch_spec: PartitionSpec | None = None,
     shard: ActivationSharding = UNSHARDED,
     lora: LoraConfig | None = None,
+    preference: PreferenceConfig | None = None,
 ):
     """Build `checksums(params, batch) -> float32 [replicas, 3 + leaves]` (with LoRA on,
     `checksums(adapters, batch, base)`, the leaves the adapters'): what each data-parallel replica
@@ -444,8 +585,11 @@ def make_replica_checksums(
 
     The same computation (`_summed_grads`) as the train step, per replica and without the reduction, so
     two runs of it on the same rows are bitwise equal on healthy devices wherever they run: the
-    silent-data-corruption check (trainer.attempt.sdc) compares them with the rows moved to other slices."""
-    summed_grads = _summed_grads(cfg, z_loss_multiplier, micro_steps, batch_spec, model_weights(cfg, lora))
+    silent-data-corruption check (trainer.attempt.sdc) compares them with the rows moved to other slices.
+    `preference`: the DPO objective, as in `make_train_step`."""
+    summed_grads = _summed_grads(
+        cfg, z_loss_multiplier, micro_steps, batch_spec, model_weights(cfg, lora), preference
+    )
 
     def checksums(out):
         grads, parts = out

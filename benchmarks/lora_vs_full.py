@@ -18,8 +18,8 @@ resumed for one more step. Per run it reports:
 Then, unless `--no-compile`, `python -m trainer.compile` compiles `--compile-model` for
 `--compile-topology` with `per_device_batch_size=--compile-batch`, once for full training and once with
 LoRA, and prints per chip the params, optimizer state, temporaries and the compiler's total against the
-chip's HBM: the default point (qwen3-8b, one v5e-16, 8 sequences of 2048 tokens per chip) is one where
-full training does not fit and LoRA does. Extra `key=value` arguments go to the training runs.
+chip's HBM, and whether each fits (a program the compiler refuses for HBM fits not, at the size it said it
+needed). Extra `key=value` arguments go to the training runs.
 It writes the record benchmarks/records/lora_vs_full.json (tables `training` and `compile`).
 TRAINER_SMOKE=1 runs the same path at minimal sizes (a few steps of a 2-layer model, for the first
 `--model` only; qwen3-tiny compiled for a v5e-4 instead of qwen3-8b) and records nothing.
@@ -171,6 +171,7 @@ def compile_case(mode: str, args) -> dict:
         "temporaries_bytes": memory["temporaries"],
         "total_bytes": memory["total"] if memory["total"] is not None else memory["required"],
         "fits": bool(memory["fits"]),
+        "compiler_error": memory["compiler_error"],
     }
 
 
@@ -255,6 +256,8 @@ def main() -> None:
         print(tables["compile"])
         for c in cases:
             print(f"{c['mode']}: {_gib(c['total_bytes'])} per chip of {_gib(c['hbm_bytes'])}, fits={c['fits']}")
+            if c["compiler_error"]:
+                print(f"  the compiler refused it: {c['compiler_error']}")
     write_record("lora_vs_full", "lora_vs_full", argv, tables=tables, figures={"training": cols, "compile": cases})
 
 

@@ -182,6 +182,18 @@ MEASURES = {
         "benchmarks/curves_through_failures.py",
         "benchmarks/corpus.py",
     ],
+    # LoRA against full fine-tuning: the step (model, LoRA, optimizer), the SFT data pipeline, the saves and
+    # restores, the CLI runs around them, and the ahead-of-time compile for a TPU topology.
+    "lora_vs_full": [
+        *_SAVES,
+        "trainer/model",
+        "trainer/config/rope_scaling.py",
+        "trainer/parallel",
+        "trainer/data",
+        "trainer/aot",
+        "trainer/compile.py",
+        "benchmarks/lora_vs_full.py",
+    ],
     # Data preparation's tokens/s with 1 and N worker processes on the real-text corpus: the readers, the
     # tokenizer, the work units and the merge (trainer/data), the paths and outputs (trainer/io).
     "prepare_throughput": [

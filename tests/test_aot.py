@@ -205,3 +205,22 @@ def test_the_roofline_never_takes_less_than_the_model_plus_its_recompute_nor_les
     assert est["hbm_s"] == pytest.approx(2e9 / chip.hbm_bandwidth, rel=1e-3)  # rounded to microseconds
     none = load_config("base.yml", ["model=qwen3-8b", "remat_policy=none"]).model
     assert recompute_flops_per_token(none, 2048) == 0.0
+
+
+@pytest.mark.parametrize(
+    "message, required_gib",
+    [
+        ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (27.11G) "
+         "exceeds available HBM (15.75G)", 27.11),
+        ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran out of memory in "
+         "memory space hbm. Used 15.75G of 15.75G hbm. Exceeded hbm capacity by 2.5G.\n"
+         "Total hbm usage >= 18.25G: reserved 2.00M program 7.39G arguments 10.86G", 18.25),
+    ],
+)  # fmt: skip
+def test_a_refused_program_requires_what_the_compiler_says_it_needed(message, required_gib):
+    from trainer.aot.analysis import out_of_memory
+
+    chip = SimpleNamespace(hbm_bytes=16 << 30)
+    memory = out_of_memory(message, {"params": {}, "opt_state": {}}, chip)
+    assert memory.required == pytest.approx(required_gib * (1 << 30), rel=1e-3)
+    assert not memory.fits and memory.total == memory.required

@@ -313,3 +313,29 @@ def test_the_corpus_fingerprint_tells_apart_any_change_of_text(tmp_path):
     assert corpus.fingerprint([str(b), str(a)]) != first  # the order is part of the text
     b.write_text("two.\n")
     assert corpus.fingerprint([str(a), str(b)]) != first
+
+
+def test_lora_vs_full_has_a_column_per_model_and_mode_and_the_compile_table_says_what_fits():
+    lvf = _benchmark("lora_vs_full")
+    run = {"steps": 30, "extra": [], "step_s": 0.5, "peak_rss_bytes": 900e6, "restore_s": 0.25}
+    cols = [
+        {"model": "qwen3-tiny", "mode": "full", "rank": 0, "trainable_bytes": 46e6, "optimizer_bytes": 92e6,
+         "checkpoint_bytes": 120e6, **run},
+        {"model": "qwen3-tiny", "mode": "lora", "rank": 8, "trainable_bytes": 0.6e6, "optimizer_bytes": 1.2e6,
+         "checkpoint_bytes": 1.9e6, **run},
+    ]  # fmt: skip
+    lines = lvf.training_table(cols).splitlines()
+    header = "| SFT on data/fc_sample, 30 steps, one CPU device | qwen3-tiny, full | qwen3-tiny, LoRA r=8 |"
+    assert lines[0] == header
+    assert "| optimizer state (AdamW) | 92.0 MB | 1.2 MB |" in lines
+    gib = 1 << 30
+    cases = [
+        {"mode": mode, "model": "qwen3-8b", "target": "v5e-16", "hbm_bytes": 16 * gib, "params_bytes": p * gib,
+         "optimizer_bytes": 2 * p * gib, "arguments_bytes": a * gib, "temporaries_bytes": t * gib,
+         "total_bytes": (a + t) * gib, "fits": a + t < 16}
+        for mode, p, a, t in (("full", 1.91, 5.8, 14.0), ("lora", 0.02, 2.0, 9.0))
+    ]  # fmt: skip
+    table = lvf.compile_table(cases).splitlines()
+    assert table[0] == "| qwen3-8b on one v5e-16, per chip (HBM 16.00 GiB) | full | LoRA |"
+    assert "| **compiler's total** | **19.80 GiB** | **11.00 GiB** |" in table
+    assert table[-1] == "| fits | **no** | yes |"

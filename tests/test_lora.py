@@ -229,3 +229,52 @@ def test_the_eval_step_and_the_replica_checksums_take_the_adapters_over_the_base
         adapters, batch, base
     )
     assert rows.shape == (1, 3 + 2)  # ce, z, tokens, then one sum per adapter leaf (v_proj's A and B)
+
+
+def _step_temp_bytes(cfg, lora_cfg) -> int:
+    """Temporary bytes of the compiled train step: LoRA's (the base an argument) or full training's."""
+    mesh = build_mesh(cfg.mesh, [jax.devices()[:1]])
+    opt = make_optimizer(
+        cfg.optim, trainable_logical_axes(cfg.model, lora_cfg), schedule=learning_rate_schedule(cfg.optim, steps=4)
+    )
+    _, abstract = state_shardings(cfg.model, cfg.mesh.logical_axis_rules, mesh, opt, lora_cfg)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), synthetic_batch(cfg, rows=1))
+    step = make_train_step(cfg.model, opt, z_loss_multiplier=0.0, micro_steps=1, lora=lora_cfg)
+    base = (abstract_params(cfg.model),) if lora_cfg is not None else ()
+    return jax.jit(step).lower(abstract, batch, *base).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_the_step_applies_the_adapters_in_the_layers_and_holds_no_weight_sized_temporaries():
+    """x W + scale (x A) B in each layer: the LoRA step's temporaries are activation-sized, well under a full
+    training step's (which holds the weights' gradients); forming W + scale A B per projection, and its
+    gradient, would put them at twice the targeted weights' size."""
+    cfg = _cfg(
+        "lora_target_modules=[all-linear]",
+        "base_num_decoder_layers=4",
+        "base_emb_dim=256",
+        "base_num_query_heads=8",
+        "base_num_kv_heads=4",
+        "head_dim=32",
+        "base_mlp_dim=1024",
+    )
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_params(cfg.model)))
+    with_lora, full = _step_temp_bytes(cfg, cfg.lora), _step_temp_bytes(cfg, None)
+    assert with_lora < full / 2 and with_lora < weights / 2, (with_lora, full, weights)
+
+
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_the_layers_compute_what_the_merged_weights_compute(scan):
+    """`attach` (adapters applied in the layers) and `merge` (W + scale A B, the merged export) are the same
+    function: equal losses and adapter gradients at float32 tolerance, stacked layers or not."""
+    cfg = _cfg(f"scan_layers={scan}")
+    base = init_params(cfg.model, jax.random.key(0))
+    adapters = jax.tree.map(lambda a: a + 0.03, lora.init_adapters(cfg.model, cfg.lora, jax.random.key(1)))
+    batch = {k: jnp.asarray(v) for k, v in synthetic_batch(cfg, rows=2).items()}
+
+    def loss(ad, combine):
+        return loss_sums(combine(base, ad, cfg.model, cfg.lora), cfg.model, 0.0, batch)[0]
+
+    applied, merged = (jax.value_and_grad(loss)(adapters, f) for f in (lora.attach, lora.merge))
+    assert float(applied[0]) == pytest.approx(float(merged[0]), rel=1e-6)
+    for got, want in zip(jax.tree.leaves(applied[1]), jax.tree.leaves(merged[1])):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=3e-5 * float(jnp.abs(want).max()))

@@ -129,14 +129,21 @@ def memory(compiled, abstract_state, chip: ChipSpec) -> Memory:
 
 
 _SIZE = re.compile(r"\(([0-9.]+)([KMGT])i?B?\)")
+_EXCEEDED = re.compile(r"Used [0-9.]+[KMGT] of ([0-9.]+)([KMGT]) hbm\. Exceeded hbm capacity by ([0-9.]+)([KMGT])")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def out_of_memory(message: str, abstract_state, chip: ChipSpec) -> Memory:
     """Memory of a program the compiler refused for HBM, from its message: 'Ran out of memory on HBM,
     the total memory required for HLO temporaries (27.11G) exceeds available HBM (15.75G)' gives a
-    requirement of 27.11 GiB (the first size the message names)."""
-    sizes = [float(v) * _UNITS[u] for v, u in _SIZE.findall(message)]
+    requirement of 27.11 GiB (the first size the message names); 'Used 15.75G of 15.75G hbm. Exceeded
+    hbm capacity by 5.29M.' gives the capacity plus the excess."""
+    exceeded = _EXCEEDED.search(message)
+    if exceeded:
+        cap, cap_unit, over, over_unit = exceeded.groups()
+        sizes = [float(cap) * _UNITS[cap_unit] + float(over) * _UNITS[over_unit]]
+    else:
+        sizes = [float(v) * _UNITS[u] for v, u in _SIZE.findall(message)]
     return Memory(
         params=shard_bytes(abstract_state["params"]),
         optimizer=shard_bytes(abstract_state["opt_state"]),

@@ -125,11 +125,11 @@ def run(args) -> tuple[int, dict]:
         "alternatives": [],
     }
     failing = next((r for r in layouts if not r.fits), None)
-    survivors_of = failing or layouts[0]
-    survivors = survivor_slices(target, survivors_of.active_slices)
+    survivors_of = failing or layouts[0]  # the layout the alternatives change: the first that does not fit
 
     def try_knob(knob):
         changed = load_config(args.config, [*overrides, *knob.overrides])
+        survivors = survivor_slices(target, survivors_of.active_slices)
         return compile_layout(train_spec(changed), survivors, target, label=" ".join(knob.overrides))
 
     if failing is not None and args.alternatives != "none":

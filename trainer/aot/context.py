@@ -18,7 +18,7 @@ RING_KERNEL = "ring online-softmax tiles"
 
 
 def kernel_under_context(cfg, *, backend: str) -> str:
-    """The attention computation that runs with the sequence split (`cfg`: a RunConfig or TrainSpec,
+    """The attention computation that runs with the sequence split (`cfg`: the run config or a TrainSpec,
     its model, data and mesh sections): all_gather runs the `attention`
     kernel as resolved for `backend` under context parallelism (autoselected: flash, since splash and
     cudnn_flash do not run on a split sequence); ring runs its own online-softmax tiles."""

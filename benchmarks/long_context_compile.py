@@ -154,6 +154,7 @@ def maxtext(python: str, spec: dict, length: int, strategy: str, work: Path) -> 
         "compile_topology_num_slices=1",
         f"model_name={spec['model']}",
         "allow_split_physical_axes=true",
+        "attention=flash",  # MaxText's ring needs it; this trainer's autoselected runs flash under the split
         *spec.get("maxtext_extra", []),
         *_overrides(spec, length, strategy),
     ]

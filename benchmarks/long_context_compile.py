@@ -5,17 +5,20 @@
         [--context 8]
 
 The job: qwen3-8b, max_target_length 32768 and 131072, per_device_batch_size 1, the sequence split
-`--context` ways (ici_context_parallelism, the rest of the slice fsdp), strategy all_gather and ring, each
-trainer's defaults otherwise. Both trainers compile ahead of time on this machine (libtpu, no TPU): this
-one with `trainer.compile --json` (its report's collectives come from `trainer/aot/hlo.py`), MaxText with
-`train_compile` (its key names are the same; it needs allow_split_physical_axes=true for a context axis
-on a v5p slice) with its optimized HLO dumped and read by `trainer/aot/hlo.py`. Each row gives per-chip
-memory (arguments + temporaries; for a program the compiler refused, the bytes it said it needed) and
-the ICI collective buffers of one step. The record is benchmarks/records/long_context_compile.json.
+`--context` ways (ici_context_parallelism, the rest of the slice fsdp), strategy all_gather and ring,
+attention flash on both sides (MaxText's ring requires it; this trainer's autoselected picks it under
+the split), each trainer's defaults otherwise. Both trainers compile ahead of time on this machine
+(libtpu, no TPU): this one with `trainer.compile --json` (its report's collectives come from
+`trainer/aot/hlo.py`), MaxText with `train_compile` (its key names are the same; it needs
+allow_split_physical_axes=true for a context axis on a v5p slice) with its optimized HLO dumped and read
+by `trainer/aot/hlo.py`. Each row gives per-chip memory (arguments + temporaries; for a program the
+compiler refused, the bytes it said it needed) and the ICI collective buffers of one step. The record is
+benchmarks/records/long_context_compile.json.
 
-per_device_batch_size counts every chip, the context axis included, in both trainers: a context group
-of N chips holds N sequences, so a chip's tokens per step are per_device_batch_size x max_target_length
-whatever N is (`trainer.compile` prints them as tokens per chip).
+per_device_batch_size counts every chip, the context axis included, in both trainers: a context group of
+N chips holds N sequences, so a chip's tokens per step are per_device_batch_size x max_target_length
+whatever N is (`trainer.compile` prints them as tokens per chip). MaxText also takes a fraction (1/N: one
+sequence per context group); this trainer's is a whole number.
 
 TRAINER_SMOKE=1 runs the same path on a v5p-8 with 2-layer models, 1024 tokens and a context axis of 2,
 and records nothing.

@@ -159,6 +159,7 @@ def maxtext(python: str, spec: dict, length: int, strategy: str, work: Path) -> 
         "allow_split_physical_axes=true",
         "attention=flash",  # MaxText's ring needs it; this trainer's autoselected runs flash under the split
         *spec.get("maxtext_extra", []),
+        *(["use_tokamax_splash=true"] if strategy == "ring" else []),  # MaxText's TPU ring requires it
         *_overrides(spec, length, strategy),
     ]
     proc = subprocess.run(argv, env=env, cwd=work, capture_output=True, text=True)

@@ -100,6 +100,12 @@ MEASURES = {
     ],
     "compile_presets": [*_PROGRAM, "trainer/aot", "trainer/compile.py", "benchmarks/compile_presets.py"],
     "compile_vs_maxtext": [*_PROGRAM, "trainer/aot", "trainer/compile.py", "benchmarks/compile_vs_maxtext.py"],
+    "long_context_compile": [
+        *_PROGRAM,
+        "trainer/aot",
+        "trainer/compile.py",
+        "benchmarks/long_context_compile.py",
+    ],
     "elastic_recovery": [
         "trainer/elastic",
         "trainer/failures",

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.aot import alternatives, hlo
+from trainer.aot import alternatives, context, hlo
 from trainer.aot.layouts import layout_slice_counts
 from trainer.aot.topology import parse_topology
 from trainer.backends import tpu_attached
@@ -135,6 +135,63 @@ def test_knob_search_keeps_the_math_first_and_stops_at_the_first_fit():
     tried = alternatives.search(cfg, lambda knob: SimpleNamespace(fits=knob.overrides[0] in fits))
     assert [k.overrides for k, _ in tried][-1] == ("per_device_batch_size=2", "gradient_accumulation_steps=4")
     assert len(tried) == 4  # fsdp, remat, micro x2, micro x4; the batch-size family is never compiled
+
+
+@pytest.mark.parametrize(
+    "overrides, chips, expected",
+    [
+        # The fill axis gives up the chips for a context axis twice as wide.
+        (["ici_context_parallelism=2"], 8, [("context_parallel_strategy=ring",), ("ici_context_parallelism=4",)]),
+        (
+            ["ici_context_parallelism=2", "context_parallel_strategy=ring", "ici_fsdp_parallelism=4"],
+            8,
+            [("context_parallel_strategy=all_gather",), ("ici_context_parallelism=4", "ici_fsdp_parallelism=2")],
+        ),
+        # A slice of 4 chips has no room for a context axis of 8... nor a sequence of 16 for 2 x 8 chunks.
+        (["ici_context_parallelism=4"], 4, [("context_parallel_strategy=ring",)]),
+        (["ici_context_parallelism=4", "max_target_length=8"], 8, [("context_parallel_strategy=ring",)]),
+        ([], 8, []),
+    ],
+)
+def test_context_alternatives_are_the_other_strategy_and_a_wider_axis_that_fits_the_slice(
+    overrides, chips, expected
+):
+    cfg = load_config("base.yml", overrides)
+    assert [k.overrides for k in alternatives.context_knobs(cfg, chips)] == expected
+    families = [f[0].family for f in alternatives.knob_families(cfg, chips)]
+    assert families[: len(expected)] == ["context strategy", "wider context"][: len(expected)]
+
+
+def test_context_split_counts_every_chip_sequences_so_tokens_per_chip_do_not_fall_with_the_axis():
+    for n in (2, 4):
+        cfg = load_config("base.yml", [f"ici_context_parallelism={n}", "max_target_length=1024"])
+        split = context.context_split(cfg, chips=8, global_batch_size=16, micro_steps=1, backend="tpu")
+        assert split == {
+            "axis": n,
+            "strategy": "all_gather",
+            "kernel": "flash",  # autoselected on TPU is splash, which does not run on a split sequence
+            "sequence_tokens_per_chip": 1024 // n,
+            "sequences_per_chip": 2 * n,
+            "tokens_per_chip": 2 * 1024,
+        }
+    ring = load_config("base.yml", ["ici_context_parallelism=2", "context_parallel_strategy=ring"])
+    assert context.kernel_under_context(ring, backend="tpu") == context.RING_KERNEL
+    assert (
+        context.context_split(
+            load_config("base.yml", []), chips=8, global_batch_size=16, micro_steps=1, backend="tpu"
+        )
+        == {}
+    )
+
+
+def test_the_context_pick_is_the_fitting_candidate_with_the_least_memory():
+    candidates = [
+        {"overrides": ["a"], "total_bytes": 5, "fits": True},
+        {"overrides": ["b"], "total_bytes": 3, "fits": True},
+        {"overrides": ["c"], "total_bytes": 1, "fits": False},
+    ]
+    assert context.pick(candidates)["overrides"] == ["b"]
+    assert context.pick(candidates[2:]) is None
 
 
 def test_tpu_is_recognised_on_the_pci_bus_by_device_not_vendor(tmp_path):

@@ -171,6 +171,80 @@ def test_text_report_names_the_knob(tmp_path):
     assert proc.stdout.strip().endswith("STATUS: does_not_fit")
 
 
+def test_context_parallel_report_names_the_split_its_strategy_and_kernel(tmp_path):
+    """CP 2 on a v5p-8 (4 chips): the text report states the axis, strategy, the attention that runs under
+    it (flash: splash, autoselected's TPU pick, does not run on a split sequence) and tokens per chip."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.compile",
+            "model=qwen3-tiny",
+            "compile_topology=v5p-8",
+            "max_target_length=256",
+            "ici_context_parallelism=2",
+            "--alternatives=none",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # 4 chips, per_device_batch_size 2: global batch 8 over 2 batch shards, each sequence split 2 ways.
+    assert "mesh data=1 fsdp=2 context=2" in proc.stdout
+    assert (
+        "context split: axis 2, strategy all_gather, attention under it: flash; 128 tokens of each sequence "
+        "per chip, 4 sequence(s) per chip, 512 tokens per chip per micro-step"
+    ) in proc.stdout
+    assert "attention kernel: flash" in proc.stdout
+
+
+def test_context_parallel_job_that_does_not_fit_is_offered_the_other_strategy_and_a_wider_axis(tmp_path):
+    """dot_product attention over 16k tokens, 16 sequences per chip: nothing fits (every compile is a quick
+    refusal), and the context alternatives come first, each with the memory the compiler asked for."""
+    code, report, err = compile_cli(
+        tmp_path,
+        "model=qwen3-tiny",
+        "compile_topology=v5e-4",
+        "max_target_length=16384",
+        "attention=dot_product",
+        "per_device_batch_size=16",
+        "ici_context_parallelism=2",
+    )
+    assert code == EXIT_DOES_NOT_FIT, err[-3000:]
+    (layout,) = report["layouts"]
+    assert layout["context"]["axis"] == 2 and layout["context"]["kernel"] == "dot_product"
+    first, second = report["alternatives"][:2]
+    assert (first["knob"], first["overrides"]) == ("context strategy", ["context_parallel_strategy=ring"])
+    assert (second["knob"], second["overrides"]) == ("wider context", ["ici_context_parallelism=4"])
+    assert first["context"]["kernel"] == "ring online-softmax tiles" and second["context"]["axis"] == 4
+    for alt in (first, second):
+        assert not alt["fits"] and alt["total_bytes"] > layout["memory"]["hbm"]
+    assert report["context_pick"] is None
+
+
+@pytest.mark.soak  # three tiny compiles, ~2 min of CPU
+def test_context_parallel_job_that_fits_picks_the_strategy_with_the_least_memory(tmp_path):
+    code, report, err = compile_cli(
+        tmp_path,
+        "model=qwen3-tiny",
+        "compile_topology=v5p-8",
+        "max_target_length=256",
+        "ici_context_parallelism=2",
+        "--alternatives=all",
+    )
+    assert code == 0, err[-3000:]
+    (layout,) = report["layouts"]
+    compiled = [
+        {"overrides": ["context_parallel_strategy=all_gather"], "total_bytes": layout["memory"]["total"]},
+        *report["alternatives"],
+    ]
+    assert [a["knob"] for a in report["alternatives"]] == ["context strategy", "wider context"]
+    least = min(compiled, key=lambda c: c["total_bytes"])
+    assert report["context_pick"]["overrides"] == least["overrides"]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -5,6 +5,10 @@ the `tpu` extra; no TPU needed) and reports per chip: parameter, optimizer-state
 bytes against the chip's HBM, the collectives of one step (ICI and DCN), and a roofline step time and
 MFU. With replica-resize (1 <= elastic_min_slice_count < num_slices) every survivor layout is compiled
 too. A layout that does not fit is compiled again with single knobs changed until one fits.
+With ici_context_parallelism > 1 each layout reports its context split (axis, strategy, the attention
+that runs under it on TPU, tokens per chip), the other strategy and a wider context axis are the first
+knobs tried, and with --alternatives=all they are compiled even when the job fits; the report then
+names the context setting that fits with the least memory.
 
 Exit codes: 0 every layout fits; 4 a layout does not fit (the report names the knob that makes it
 fit, if one does); 2 bad config or topology; 1 any other failure (e.g. the compiler rejected the step).
@@ -44,7 +48,7 @@ def _parse_args(argv):
         choices=("first", "all", "none"),
         default="first",
         help="when a layout does not fit: compile knob changes until the first fits (default), try every "
-        "knob family, or none",
+        "knob family, or none; all also compiles the context-parallel alternatives of a job that fits",
     )
     args = p.parse_intermixed_args(argv)
     if "=" in args.config:
@@ -121,28 +125,65 @@ def run(args) -> tuple[int, dict]:
         "alternatives": [],
     }
     failing = next((r for r in layouts if not r.fits), None)
+    survivors_of = failing or layouts[0]  # the layout the alternatives change: the first that does not fit
+
+    def try_knob(knob):
+        changed = load_config(args.config, [*overrides, *knob.overrides])
+        survivors = survivor_slices(target, survivors_of.active_slices)
+        return compile_layout(train_spec(changed), survivors, target, label=" ".join(knob.overrides))
+
     if failing is not None and args.alternatives != "none":
-        survivors = survivor_slices(target, failing.active_slices)
-
-        def try_knob(knob):
-            changed = load_config(args.config, [*overrides, *knob.overrides])
-            return compile_layout(train_spec(changed), survivors, target, label=" ".join(knob.overrides))
-
-        tried = alternatives.search(cfg, try_knob, stop_at_first=args.alternatives == "first")
-        report["alternatives"] = [
-            {
-                "knob": knob.family,
-                "overrides": list(knob.overrides),
-                "layout": failing.label,
-                "total_bytes": result.memory.total,
-                "saves_bytes": failing.memory.total - result.memory.total,
-                "fits": result.fits,
-                "global_batch_size": result.global_batch_size,
-                "mfu": result.estimate.get("mfu"),
-            }
-            for knob, result in tried
-        ]
+        tried = alternatives.search(
+            cfg, try_knob, stop_at_first=args.alternatives == "first", chips_per_slice=target.chips_per_slice
+        )
+    elif failing is None and args.alternatives == "all":
+        # A job that fits: the context-parallel alternatives are still compiled, to pick the strategy.
+        tried = [(knob, try_knob(knob)) for knob in alternatives.context_knobs(cfg, target.chips_per_slice)]
+    else:
+        tried = []
+    report["alternatives"] = [
+        {
+            "knob": knob.family,
+            "overrides": list(knob.overrides),
+            "layout": survivors_of.label,
+            "total_bytes": result.memory.total,
+            "saves_bytes": survivors_of.memory.total - result.memory.total,
+            "fits": result.fits,
+            "global_batch_size": result.global_batch_size,
+            "mfu": result.estimate.get("mfu"),
+            "context": result.context,
+        }
+        for knob, result in tried
+    ]
+    report["context_pick"] = _context_pick(cfg, survivors_of, report["alternatives"])
     return (EXIT_OK if report["fits"] else EXIT_DOES_NOT_FIT), report
+
+
+def _context_pick(cfg, layout, tried: list[dict]) -> dict | None:
+    """Among the configured context strategy and the compiled context alternatives, the one that fits
+    with the least memory per chip ({overrides, total_bytes, fits}); None without context parallelism
+    or when none of them fits."""
+    from trainer.aot import context
+
+    if cfg.mesh.ici_context_parallelism == 1:
+        return None
+    own = {
+        "overrides": [f"context_parallel_strategy={cfg.mesh.context_parallel_strategy}"],
+        "total_bytes": layout.memory.total,
+        "fits": layout.fits,
+    }
+    candidates = [own] + [a for a in tried if a["knob"] in ("context strategy", "wider context")]
+    return context.pick(candidates)
+
+
+def _context_lines(ctx: dict) -> list[str]:
+    if not ctx:
+        return []
+    return [
+        f"  context split: axis {ctx['axis']}, strategy {ctx['strategy']}, attention under it: {ctx['kernel']}; "
+        f"{ctx['sequence_tokens_per_chip']:,} tokens of each sequence per chip, {ctx['sequences_per_chip']:g} "
+        f"sequence(s) per chip, {ctx['tokens_per_chip']:,} tokens per chip per micro-step"
+    ]
 
 
 def _gib(n: float) -> str:
@@ -164,6 +205,7 @@ def format_report(report: dict) -> str:
             f"[{r['label']}] {r['chips']} chips, mesh {mesh}; global batch {r['global_batch_size']}, "
             f"{r['micro_steps']} micro-step(s), lr x{r['lr_scale']:g}; compiled in {r['compile_s']:.1f} s"
         )
+        lines += _context_lines(r.get("context", {}))
         if m["compiler_error"]:
             lines += [
                 f"  memory per chip: params {_gib(m['params'])}, optimizer {_gib(m['optimizer'])} (from the "
@@ -224,9 +266,16 @@ def format_report(report: dict) -> str:
     )
     for a in report["alternatives"]:
         verdict = "fits" if a["fits"] else "still does not fit"
+        delta = f"{_gib(abs(a['saves_bytes']))} {'less' if a['saves_bytes'] >= 0 else 'more'} per chip"
         lines.append(
             f"alternative ({a['knob']}): {' '.join(a['overrides'])} -> total {_gib(a['total_bytes'])}, "
-            f"{_gib(a['saves_bytes'])} less per chip, {verdict} (global batch {a['global_batch_size']})"
+            f"{delta}, {verdict} (global batch {a['global_batch_size']})"
+        )
+    pick = report.get("context_pick")
+    if pick is not None:
+        lines.append(
+            f"context parallelism: {' '.join(pick['overrides'])} fits with the least memory of those compiled "
+            f"({_gib(pick['total_bytes'])} per chip)"
         )
     fitting = [a for a in report["alternatives"] if a["fits"]]
     if not report["fits"]:

@@ -1,6 +1,8 @@
 """When a layout does not fit: which single knob makes it fit, and by how much, found by compiling.
 
 Knob families, in the order tried (the ones that keep the training math first):
+0. context (with ici_context_parallelism > 1): the other context_parallel_strategy, then a context
+   axis twice as wide (taken from the fill axis), each compiled and reported on its own;
 1. more fsdp: every chip of a slice on the fsdp axis (parameters, gradients and optimizer state
    sharded instead of replicated over data or tensor);
 2. remat_policy=full: recompute each layer's activations in the backward pass;
@@ -25,10 +27,37 @@ class Knob:
     overrides: tuple[str, ...]  # key=value, as on the command line
 
 
-def knob_families(cfg: RunConfig) -> list[list[Knob]]:
-    """The candidate changes for `cfg`, grouped by family, each family smallest change first."""
+def context_knobs(cfg: RunConfig, chips_per_slice: int) -> list[Knob]:
+    """Context-parallel alternatives of `cfg` (none without context parallelism): the other strategy,
+    and the context axis doubled where a slice and the sequence allow it (max_target_length a multiple
+    of 2 x the new axis; the axis set to -1 gives up the chips, or fsdp halves when none is -1)."""
+    m, length = cfg.mesh, cfg.data.max_target_length
+    n = m.ici_context_parallelism
+    if n == 1:
+        return []
+    other = next(s for s in ("all_gather", "ring") if s != m.context_parallel_strategy)
+    knobs = [Knob("context strategy", (f"context_parallel_strategy={other}",))]
+    wider = 2 * n
+    axes = (m.ici_data_parallelism, m.ici_fsdp_parallelism, m.ici_tensor_parallelism, m.ici_expert_parallelism)
+    fills = -1 in axes
+    if chips_per_slice % wider == 0 and length % (2 * wider) == 0:
+        if fills:
+            knobs.append(Knob("wider context", (f"ici_context_parallelism={wider}",)))
+        elif m.ici_fsdp_parallelism % 2 == 0:
+            knobs.append(
+                Knob(
+                    "wider context",
+                    (f"ici_context_parallelism={wider}", f"ici_fsdp_parallelism={m.ici_fsdp_parallelism // 2}"),
+                )
+            )
+    return knobs
+
+
+def knob_families(cfg: RunConfig, chips_per_slice: int = 0) -> list[list[Knob]]:
+    """The candidate changes for `cfg`, grouped by family, each family smallest change first; the
+    context family (each knob its own family) only when `chips_per_slice` is given."""
     m, b, acc = cfg.mesh, cfg.data.per_device_batch_size, cfg.optim.gradient_accumulation_steps
-    families = []
+    families = [[k] for k in context_knobs(cfg, chips_per_slice)] if chips_per_slice else []
     if m.ici_data_parallelism != 1 or m.ici_tensor_parallelism != 1 or m.ici_expert_parallelism != 1:
         all_fsdp = (
             "ici_fsdp_parallelism=-1",
@@ -51,12 +80,14 @@ def knob_families(cfg: RunConfig) -> list[list[Knob]]:
     return families
 
 
-def search(cfg: RunConfig, try_knob: Callable[[Knob], object], *, stop_at_first: bool = True) -> list[tuple]:
+def search(
+    cfg: RunConfig, try_knob: Callable[[Knob], object], *, stop_at_first: bool = True, chips_per_slice: int = 0
+) -> list[tuple]:
     """[(knob, result)] for the knobs compiled; `try_knob` compiles one and returns a result with
     `.fits`. Stops at the first knob that fits unless `stop_at_first` is false (then every family is
     tried, each up to its first fitting change)."""
     tried = []
-    for family in knob_families(cfg):
+    for family in knob_families(cfg, chips_per_slice):
         for knob in family:
             result = try_knob(knob)
             tried.append((knob, result))

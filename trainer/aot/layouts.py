@@ -18,7 +18,7 @@ import time
 import jax
 
 from trainer import model
-from trainer.aot import analysis, hlo
+from trainer.aot import analysis, context, hlo
 from trainer.aot.topology import Target, topology_devices
 from trainer.config.schema import RunConfig
 from trainer.io.nbytes import tree_nbytes
@@ -51,6 +51,8 @@ class LayoutResult:
     # per-chip bytes while it runs next to the resident train state.
     eval: dict = dataclasses.field(default_factory=dict)
     largest_collectives: list = dataclasses.field(default_factory=list)  # hlo.largest: per step and chip
+    # The sequence split over the context axis (context.context_split), {} without context parallelism.
+    context: dict = dataclasses.field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -79,7 +81,8 @@ def compile_layout(spec: TrainSpec, slices: list[list], target: Target, *, label
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         # The compiler refuses a program that cannot fit HBM: that is the answer, not a failure.
-        return _refused(label, slices, layout, analysis.out_of_memory(str(e), layout.abstract_state, target.chip))
+        refused = analysis.out_of_memory(str(e), layout.abstract_state, target.chip)
+        return _refused(label, slices, layout, refused, spec)
     seconds = time.perf_counter() - t0
     eval_report = _compile_eval(spec, layout, target) if layout.eval_batch is not None else {}
     found = hlo.collectives(compiled.as_text(), devices_per_slice=len(slices[0]), num_slices=len(slices))
@@ -112,6 +115,7 @@ def compile_layout(spec: TrainSpec, slices: list[list], target: Target, *, label
         attention=_attention_kernel(spec, target),
         eval=eval_report,
         largest_collectives=hlo.largest(found),
+        context=_context(spec, layout),
     )
     log.info(
         "compiled %s on %d chips in %.1f s: %d bytes per chip, %s",
@@ -134,16 +138,24 @@ def compile_layout(spec: TrainSpec, slices: list[list], target: Target, *, label
     return result
 
 
+def _context(spec: TrainSpec, layout) -> dict:
+    return context.context_split(
+        spec,
+        chips=layout.mesh.size,
+        global_batch_size=layout.batch.global_batch_size,
+        micro_steps=layout.batch.micro_steps,
+        backend="tpu",
+    )
+
+
 def _attention_kernel(spec: TrainSpec, target: Target) -> str:
-    """The attention implementation the model resolves on the target's chips (as the trace did)."""
+    """The attention computation the model runs on the target's chips (as the trace resolved it): the
+    kernel, or under context parallelism what runs on the split sequence (context.kernel_under_context)."""
+    if spec.mesh.ici_context_parallelism > 1:
+        return context.kernel_under_context(spec, backend="tpu")
     m = spec.model
     return attention.resolve(
-        m.attention,
-        backend="tpu",
-        seq_len=spec.data.max_target_length,
-        head_dim=m.head_dim,
-        dtype=m.dtype,
-        context=spec.mesh.ici_context_parallelism,
+        m.attention, backend="tpu", seq_len=spec.data.max_target_length, head_dim=m.head_dim, dtype=m.dtype
     )
 
 
@@ -176,7 +188,7 @@ def _compile_eval(spec: TrainSpec, layout, target: Target) -> dict:
     }
 
 
-def _refused(label: str, slices: list[list], layout, memory: analysis.Memory) -> LayoutResult:
+def _refused(label: str, slices: list[list], layout, memory: analysis.Memory, spec: TrainSpec) -> LayoutResult:
     log.info(
         "compiled %s on %d chips: refused (%s)",
         label,
@@ -198,6 +210,7 @@ def _refused(label: str, slices: list[list], layout, memory: analysis.Memory) ->
         memory=memory,
         collectives={},
         estimate={},
+        context=_context(spec, layout),
     )
 
 

@@ -528,16 +528,6 @@ BREAKAGES: tuple[Breakage, ...] = (
         ),
         why="a pair's two rows are not rows 2k and 2k + 1: the loss pairs a chosen reply with another prompt's",
     ),
-    Breakage(
-        name="lora-step-merges-the-weights",
-        file="trainer/program/step.py",
-        old="    return lambda trainable, frozen: lora_math.attach(frozen, trainable, cfg, lora)\n",
-        new="    return lambda trainable, frozen: lora_math.merge(frozen, trainable, cfg, lora)\n",
-        tests=(
-            "tests/test_lora.py::test_the_step_applies_the_adapters_in_the_layers_and_holds_no_weight_sized_temporaries",
-        ),
-        why="the LoRA step forms W + scale A B and its gradient per projection: the memory LoRA saves is spent",
-    ),
 )
 
 

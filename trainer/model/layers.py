@@ -14,14 +14,11 @@ Numerics follow Hugging Face `transformers` (Qwen3, Llama) so that imported chec
   tables computed in float32 and cast to the activation dtype.
 - Attention scores and softmax are float32; probabilities are cast back before the value matmul
   (`attention.py` holds the implementations the `attention` key selects between).
-A projection's weight may be a `LowRank` (a frozen weight with LoRA adapters: `low_rank.py`), applied as
-x W + scale (x A) B by `project`.
 Init (HF `initializer_range=0.02`): matrices and the embedding ~ normal(0, 0.02); norm weights = 1.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -33,7 +30,6 @@ from trainer.config.rope_scaling import RopeScaling
 from trainer.model.attention import AttentionKernel
 from trainer.model.attention import grouped_attention as grouped_attention  # dot_product; the KV-cache decoder
 from trainer.model.context_attention import context_attention
-from trainer.model.low_rank import LowRank
 from trainer.model.rope import rope_frequencies
 from trainer.parallel.activations import UNSHARDED, ActivationSharding
 from trainer.parallel.context import context_shards
@@ -148,9 +144,9 @@ class Attention(nnx.Module):
         """x [B,T,D] -> q [B,T,N,hd], k and v [B,T,K,hd]: projected, q/k normed and rotated (the KV cache
         stores k and v exactly as returned here)."""
         dt, b, t = self.dtype, x.shape[0], x.shape[1]
-        q = project(x, self.q_proj[...], 1, dt, shard).reshape(b, t, self.num_heads, self.head_dim)
-        k = project(x, self.k_proj[...], 1, dt, shard).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = project(x, self.v_proj[...], 1, dt, shard).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = token_matmul(x, _flat_in(self.q_proj[...], dt), shard).reshape(b, t, self.num_heads, self.head_dim)
+        k = token_matmul(x, _flat_in(self.k_proj[...], dt), shard).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = token_matmul(x, _flat_in(self.v_proj[...], dt), shard).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)
@@ -161,7 +157,8 @@ class Attention(nnx.Module):
     def project_out(self, out: jax.Array, shard: ActivationSharding = UNSHARDED) -> jax.Array:
         """Attention output [B,T,N,hd] -> [B,T,D] through o_proj."""
         b, t = out.shape[0], out.shape[1]
-        return project(out.reshape(b, t, -1), self.o_proj[...], 2, self.dtype, shard)
+        o = self.o_proj[...].astype(self.dtype)
+        return token_matmul(out.reshape(b, t, -1), o.reshape(-1, o.shape[-1]), shard)
 
 
 def token_matmul(x: jax.Array, w: jax.Array, shard: ActivationSharding = UNSHARDED) -> jax.Array:
@@ -174,25 +171,9 @@ def token_matmul(x: jax.Array, w: jax.Array, shard: ActivationSharding = UNSHARD
     return (x.reshape(b * t, x.shape[2]) @ w).reshape(b, t, w.shape[1])
 
 
-def project(
-    x: jax.Array, kernel: jax.Array | LowRank, in_dims: int, dtype, shard: ActivationSharding = UNSHARDED
-) -> jax.Array:
-    """x [B,T,I] through a projection kernel [*in, *out] (its first `in_dims` dims the input, I = prod(in))
-    -> [B,T,O], O = prod(out), in the matmul dtype `dtype`.
-
-    A `LowRank` kernel (a frozen W with LoRA adapters A [*in, r], B [r, *out]) gives
-    x W + scale ((x A) B): the adapters' path runs through the [B,T,r] product, so W + scale A B is never
-    formed and, in the backward pass, neither is a gradient of W's size."""
-    if isinstance(kernel, LowRank):
-        a, b = kernel.a.astype(dtype), kernel.b.astype(dtype)
-        rank = b.shape[0]
-        low = token_matmul(token_matmul(x, a.reshape(-1, rank), shard), b.reshape(rank, -1), shard)
-        # Rematerialised, so the backward pass keeps W itself (a scan's slice of the stacked base, which the
-        # scan forwards) rather than W cast and reshaped: no layer-stacked copy of the base.
-        base = jax.checkpoint(lambda x, w: project(x, w, in_dims, dtype, shard))(x, kernel.w)
-        return base + (kernel.scale * low).astype(dtype)
-    ins = math.prod(kernel.shape[:in_dims])
-    return token_matmul(x, kernel.astype(dtype).reshape(ins, -1), shard)
+def _flat_in(kernel: jax.Array, dtype) -> jax.Array:
+    """[D, heads, hd] -> [D, heads * hd] in the matmul dtype."""
+    return kernel.astype(dtype).reshape(kernel.shape[0], -1)
 
 
 class Mlp(nnx.Module):
@@ -206,7 +187,7 @@ class Mlp(nnx.Module):
 
     def __call__(self, x: jax.Array, *, shard: ActivationSharding = UNSHARDED) -> jax.Array:
         dt = self.dtype
-        gate = project(x, self.gate_proj[...], 1, dt, shard)
-        up = project(x, self.up_proj[...], 1, dt, shard)
+        gate = token_matmul(x, self.gate_proj[...].astype(dt), shard)
+        up = token_matmul(x, self.up_proj[...].astype(dt), shard)
         hidden = shard(jax.nn.silu(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
-        return project(hidden, self.down_proj[...], 1, dt, shard)
+        return token_matmul(hidden, self.down_proj[...].astype(dt), shard)

@@ -1,8 +1,7 @@
-"""Low-rank adapters (LoRA) over the decoder's projections: their shapes, init, application, merge and PEFT
-names.
+"""Low-rank adapters (LoRA) over the decoder's projections: their shapes, init, merge and PEFT names.
 
 A targeted projection W [*in, *out] (our layout: `trainer/model/transformer.py`) gets A [*in, r] and
-B [r, *out]; the model computes x W + scale * (x A) B, scale = lora_alpha / r, which is PEFT's
+B [r, *out]; the model runs with W + scale * A B, scale = lora_alpha / r, which is PEFT's
 W x + scale * B(A x) for every input x. With stacked layers (scan_layers=true) W, A and B carry the
 leading "layers" dim. The adapters mirror the params' paths, one {"lora_A", "lora_B"} per targeted leaf:
 
@@ -11,10 +10,8 @@ leading "layers" dim. The adapters mirror the params' paths, one {"lora_A", "lor
     layers/self_attn/o_proj/lora_A  [L, N, hd, r]  ("layers", "heads", "head_dim", None)
     layers/mlp/down_proj/lora_B     [L, r, D]      ("layers", None, "embed")
 
-The step runs the model on `attach(base, adapters)`: each targeted W stands there as a
-`low_rank.LowRank(W, A, B, scale)`, which the layer applies as x W + scale (x A) B (`layers.project`), so
-the step never forms W + scale A B nor a gradient of W's size. `merge` forms the merged weights, for the
-merged export only.
+The step merges before the forward (`merge`), so it holds the merged targeted weights and, in the
+backward, their gradient (contracted onto A and B there): the weights' size, sharded like them.
 
 Init as PEFT's: A ~ uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) (kaiming-uniform with a = sqrt(5)),
 fan_in = prod(*in); B = 0, so a fresh adapter leaves the base's function unchanged.
@@ -31,7 +28,6 @@ import jax.numpy as jnp
 
 from trainer.config.schema import LORA_MODULES, LoraConfig, ModelConfig
 from trainer.model import abstract_params, param_logical_axes
-from trainer.model.low_rank import LowRank
 
 # The projections' input dims (the rest are output dims), as stored without the layers dim.
 IN_DIMS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1, "down_proj": 1}
@@ -143,21 +139,9 @@ def delta(a: jax.Array, b: jax.Array, stacked: bool) -> jax.Array:
     return jnp.tensordot(a32, b32, axes=1)
 
 
-def attach(base: dict, adapters: dict, cfg: ModelConfig, lora: LoraConfig) -> dict:
-    """The params the model runs with: each targeted W replaced by `LowRank(W, A, B, scale)` (the layer
-    computes x W + scale (x A) B), every other leaf the base's own. Differentiable in `adapters`; the same
-    function of the input as `merge`'s params, up to float rounding."""
-    s = scale(lora)
-    attached = jax.tree.map(lambda x: x, base)  # a fresh tree: the base's leaves themselves, not copies
-    for path, _ in _targets(cfg, lora):
-        pair = _get(adapters, path)
-        _put(attached, path, LowRank(_get(base, path), pair[A], pair[B], s))
-    return attached
-
-
 def merge(base: dict, adapters: dict, cfg: ModelConfig, lora: LoraConfig) -> dict:
-    """The merged params (the merged export's): each targeted W replaced by W + scale * A B (float32 sum,
-    cast to the promoted dtype of W and the adapters), every other leaf the base's own."""
+    """The params the model runs with: each targeted W replaced by W + scale * A B (float32 sum, cast to the
+    promoted dtype of W and the adapters), every other leaf the base's own. Differentiable in `adapters`."""
     s = scale(lora)
     merged = jax.tree.map(lambda x: x, base)  # a fresh tree: the base's leaves themselves, not copies
     for path, _ in _targets(cfg, lora):

@@ -5,9 +5,8 @@ device arrays that the loop reads one step late. No logging, host syncs or globa
 
 With LoRA on (`lora` given, lora_rank > 0) the state's params are the adapters and every step function
 takes the frozen base as one more argument, `train_step(state, batch, base)`: the model runs with
-`trainer.model.lora.attach(base, adapters)` (each targeted projection computes x W + scale (x A) B in its
-layer), gradients and optimizer updates reach the adapters only, and the base is neither donated nor
-returned.
+`trainer.model.lora.merge(base, adapters)`, gradients and optimizer updates reach the adapters only, and
+the base is neither donated nor returned.
 
 With `objective=dpo` (`preference` given) the batch's rows 2k and 2k + 1 are a preference pair, the
 objective is the DPO loss over pairs (`trainer.program.preference`) of per-row reply log-probabilities
@@ -329,11 +328,10 @@ def loss_sums(
 
 def model_weights(cfg: ModelConfig, lora: LoraConfig | None) -> Callable:
     """`(trainable, frozen) -> params the model runs with`: the trainable params themselves, or with LoRA on
-    the frozen base with the trainable adapters attached (`lora.attach`: applied in the layers, never
-    merged into the base's weights)."""
+    the frozen base merged with the trainable adapters."""
     if not lora_math.enabled(lora):
         return lambda trainable, frozen: trainable
-    return lambda trainable, frozen: lora_math.attach(frozen, trainable, cfg, lora)
+    return lambda trainable, frozen: lora_math.merge(frozen, trainable, cfg, lora)
 
 
 def _split_micro(batch: dict, n: int) -> dict:

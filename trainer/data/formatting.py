@@ -126,17 +126,6 @@ class DocumentFormat:
         ids, mask = self.tokens(parse_record(raw), tok)
         return self.finish(ids, mask, tok)
 
-    def pair(
-        self, raw: bytes, tok: Tokenizer
-    ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
-        """The (chosen, rejected) documents of one stored preference record (objective=dpo): prompt + reply
-        each, trained on the reply only (`trainer.data.preference_records.preference_documents`), with
-        BOS/EOS (untrained, as in SFT) and truncation applied."""
-        from trainer.data.preference_records import preference_documents
-
-        chosen, rejected = preference_documents(parse_record(raw), tok)
-        return self.finish(*chosen, tok, trained_eos=False), self.finish(*rejected, tok, trained_eos=False)
-
     def finish(
         self, ids: list[int], mask: list[int], tok: Tokenizer, *, trained_eos: bool | None = None
     ) -> tuple[np.ndarray, np.ndarray]:

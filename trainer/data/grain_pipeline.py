@@ -60,6 +60,7 @@ from trainer.data.batch import BATCH_KEYS
 from trainer.data.errors import DataError
 from trainer.data.formatting import DocumentFormat, RecordError
 from trainer.data.packing import empty_row, pack_row, pairs
+from trainer.data.preference_records import pair_documents
 from trainer.data.tokenizer import Tokenizer
 from trainer.data.worker_lifetime import exit_with_parent
 from trainer.io.paths import expand_globs, local_copy, looked_at
@@ -168,7 +169,7 @@ class DocumentLoader:
     def pair(self, index: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """[chosen, rejected] documents of preference record `index` (objective=dpo)."""
         try:
-            docs = list(self.fmt.pair(self.source[index], self.tok))
+            docs = list(pair_documents(self.fmt, self.source[index], self.tok))
         except RecordError as e:
             raise DataError(f"{self.where(index)}: {e}; objective=dpo reads preference records") from None
         for ids, _ in docs:

@@ -13,7 +13,16 @@ as JSON (the trainer renders and tokenizes each pair), and refuses an input hold
 
 from __future__ import annotations
 
-from trainer.data.formatting import RecordError, chat_text, check_messages, encode_chat
+import numpy as np
+
+from trainer.data.formatting import (
+    DocumentFormat,
+    RecordError,
+    chat_text,
+    check_messages,
+    encode_chat,
+    parse_record,
+)
 from trainer.data.tokenizer import Tokenizer
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -108,3 +117,13 @@ def preference_documents(
             reply, reply_mask = encode_chat(record[f], tok)
             out.append(([*context, *reply], [0] * len(context) + reply_mask))
     return out[0], out[1]
+
+
+def pair_documents(
+    fmt: DocumentFormat, raw: bytes, tok: Tokenizer
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """The (chosen, rejected) documents of one stored preference record (objective=dpo): prompt + reply
+    each, trained on the reply only (`preference_documents`), with `fmt`'s BOS/EOS (untrained, as in SFT)
+    and truncation applied."""
+    chosen, rejected = preference_documents(parse_record(raw), tok)
+    return fmt.finish(*chosen, tok, trained_eos=False), fmt.finish(*rejected, tok, trained_eos=False)

@@ -4,6 +4,8 @@ one, with the same pairs in the same order."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from cli_harness import assert_same_data_order, assert_same_params, events, metrics, run_cli
 
@@ -93,3 +95,36 @@ def test_a_dpo_replica_resize_keeps_whole_pairs_and_the_data_order(baseline, tmp
     assert_same_data_order(run, baseline, STEPS)
     # Reduced over 2 replicas instead of 3: float32 sums in another order, equal to rounding.
     assert_same_params(run, baseline, rtol=1e-4, atol=1e-5)
+
+
+def test_dpo_under_lora_starts_at_its_reference_the_base_and_saves_adapters_only(tmp_path):
+    """Under LoRA the reference is the base itself: with B = 0 the first step's policy is the reference
+    exactly (log-ratios 0, loss log 2), training moves the rewards apart, and the checkpoint holds the
+    adapters and their optimizer state, no reference copy."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    proc = run_cli(
+        tmp_path,
+        "lora",
+        *DPO,
+        TRAIN,
+        "lora_rank=8",
+        "steps=12",
+        "learning_rate=1e-2",
+        "log_period=1",
+        "checkpoint_period=12",
+        devices=1,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "lora"
+    train = [r for r in metrics(run) if r.get("kind") != "eval"]
+    first, last = train[0], train[-1]
+    assert first["step"] == 1 and last["step"] == 12
+    assert first["rewards/chosen"] == 0 and first["rewards/rejected"] == 0, first
+    assert abs(first["loss"] - math.log(2)) < 1e-6, first
+    assert any(r["rewards/chosen"] != 0 for r in train[1:]), "the adapters never moved the policy"
+    with ocp.PyTreeCheckpointer() as ckptr:
+        tree = ckptr.restore(run / "checkpoints" / "12" / "state")
+    names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(tree["params"])]
+    assert names and all(n.endswith(("['lora_A']", "['lora_B']")) for n in names), names

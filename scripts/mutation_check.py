@@ -528,6 +528,17 @@ BREAKAGES: tuple[Breakage, ...] = (
         ),
         why="a pair's two rows are not rows 2k and 2k + 1: the loss pairs a chosen reply with another prompt's",
     ),
+    Breakage(
+        name="dpo-counts-pairs-without-replies",
+        file="trainer/program/preference.py",
+        old="    counted = ((tc > 0) & (tr > 0)).astype(jnp.float32)  # both replies present (module doc)\n",
+        new="    counted = jnp.ones_like(tc)\n",
+        tests=(
+            "tests/test_dpo.py::test_a_pair_without_both_replies_adds_nothing_to_the_loss_its_gradient_or_the_metrics",
+        ),
+        why="padding pairs and pairs whose reply was cut count: held-out accuracy and loss are diluted by "
+        "pairs that compare nothing, and a half-cut pair trains its one reply alone",
+    ),
 )
 
 

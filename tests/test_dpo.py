@@ -56,6 +56,29 @@ def test_each_loss_type_is_trls_formula_and_the_metrics_are_trls(kind, beta, eps
     assert float(m["pairs"]) == 4
 
 
+@pytest.mark.parametrize("kind", ["sigmoid", "hinge", "ipo"])
+def test_a_pair_without_both_replies_adds_nothing_to_the_loss_its_gradient_or_the_metrics(kind):
+    """Padding pairs (an exhausted held-out stream: both rows empty) and a pair whose rejected reply was cut
+    entirely (its row has no reply token) count as nothing: the sums equal those of the whole pairs alone."""
+    rng = np.random.default_rng(1)
+    policy, reference = rng.normal(-20, 5, 8), rng.normal(-20, 5, 8)
+    tokens = rng.integers(1, 30, 8).astype(np.float32)
+    cfg = PreferenceConfig(dpo_beta=0.2, dpo_loss_type=kind)
+    whole = preference.preference_sums(jnp.asarray(policy[:4]), jnp.asarray(reference[:4]), tokens[:4], cfg)
+    tokens[4:] = [7, 0, 0, 0]  # pair 2: rejected reply cut; pair 3: padding
+    policy[5:], reference[5:] = 0.0, 0.0  # an empty row's reply log-probability sum
+
+    def loss(p):
+        return preference.preference_sums(p, jnp.asarray(reference), jnp.asarray(tokens), cfg)
+
+    (total, metrics), grad = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(policy))
+    np.testing.assert_allclose(float(total), float(whole[0]), rtol=1e-6)
+    assert float(metrics["pairs"]) == 2
+    for name, value in whole[1].items():
+        np.testing.assert_allclose(float(metrics[name]), float(value), rtol=1e-6, atol=1e-6, err_msg=name)
+    assert np.all(np.asarray(grad)[4:] == 0) and np.any(np.asarray(grad)[:4] != 0)
+
+
 def _cfg(*overrides):
     return micro_config(
         "dtype=float32", "objective=dpo", "dataset_type=arrayrecord", f"grain_train_files={PAIRS}", *overrides

@@ -14,7 +14,9 @@ Metrics (TRL's names): rewards/chosen = beta (policy_chosen - ref_chosen), rewar
 rewards/accuracies = [chosen reward > rejected reward], rewards/margins = their difference,
 logps/chosen and logps/rejected = the policy's log-probabilities (ipo: per-token averages, like TRL).
 Everything is returned as sums over pairs, so micro-steps and replicas add up exactly and the caller
-divides once by the pair count.
+divides once by the pair count. A pair counts only when both of its rows have reply tokens: the padding
+pairs of a data stream that has run out (held-out evaluation's last batches) and a pair whose reply
+truncation cut entirely add nothing to the loss, its gradient, the metrics or the count.
 """
 
 from __future__ import annotations
@@ -69,17 +71,18 @@ def preference_sums(
         ratio_logps, ratio_ref = policy_logps, reference_logps
     pc, pr = pair_rows(ratio_logps)
     rc, rr = pair_rows(ratio_ref)
-    losses = pair_losses((pc - pr) - (rc - rr), cfg)
-    logp_c, logp_r, ref_c, ref_r = pc, pr, rc, rr
-    chosen = jax.lax.stop_gradient(cfg.dpo_beta * (logp_c - ref_c))
-    rejected = jax.lax.stop_gradient(cfg.dpo_beta * (logp_r - ref_r))
+    tc, tr = pair_rows(tokens)
+    counted = ((tc > 0) & (tr > 0)).astype(jnp.float32)  # both replies present (module doc)
+    losses = jnp.where(counted > 0, pair_losses((pc - pr) - (rc - rr), cfg), 0.0)
+    chosen = jax.lax.stop_gradient(cfg.dpo_beta * (pc - rc)) * counted
+    rejected = jax.lax.stop_gradient(cfg.dpo_beta * (pr - rr)) * counted
     metrics = {
         "rewards/chosen": jnp.sum(chosen),
         "rewards/rejected": jnp.sum(rejected),
-        "rewards/accuracies": jnp.sum((chosen > rejected).astype(jnp.float32)),
+        "rewards/accuracies": jnp.sum((chosen > rejected).astype(jnp.float32) * counted),
         "rewards/margins": jnp.sum(chosen - rejected),
-        "logps/chosen": jnp.sum(jax.lax.stop_gradient(logp_c)),
-        "logps/rejected": jnp.sum(jax.lax.stop_gradient(logp_r)),
-        "pairs": jnp.asarray(losses.shape[0], jnp.float32),
+        "logps/chosen": jnp.sum(jax.lax.stop_gradient(pc) * counted),
+        "logps/rejected": jnp.sum(jax.lax.stop_gradient(pr) * counted),
+        "pairs": jnp.sum(counted),
     }
     return jnp.sum(losses), metrics

@@ -133,3 +133,23 @@ def killed_during(run_dir: Path, pid: int, start: str, end: str, *, key: str = "
     open_ = [e for e in evs if e["event"] == start and e.get(key) not in ended]
     assert open_, f"pid {pid} has no {start} without its {end}: the kill did not land inside that phase"
     return open_[-1]
+
+
+def elastic_args(steps: int, *, checkpoint_period: int = 4) -> list[str]:
+    """The overrides of an elastic run on 3 virtual slices that recovers quickly (the fault tests' shared base)."""
+    return [
+        f"steps={steps}",
+        "num_slices=3",
+        "elastic_enabled=true",
+        f"checkpoint_period={checkpoint_period}",
+        "elastic_poll_interval_seconds=0.05",
+        "elastic_timeout_seconds=60",
+    ]
+
+
+def checkpoint_state(step_dir: Path) -> dict:
+    """The train state a committed checkpoint step holds, restored to host arrays as saved."""
+    import orbax.checkpoint as ocp
+
+    with ocp.PyTreeCheckpointer() as ckptr:
+        return ckptr.restore(step_dir / "state")

@@ -7,7 +7,15 @@ from __future__ import annotations
 import math
 
 import pytest
-from cli_harness import assert_same_data_order, assert_same_params, events, metrics, run_cli
+from cli_harness import (
+    assert_same_data_order,
+    assert_same_params,
+    checkpoint_state,
+    elastic_args,
+    events,
+    metrics,
+    run_cli,
+)
 
 from trainer.io.jsonl import read_jsonl
 from trainer.program import preference
@@ -52,17 +60,7 @@ def test_reward_accuracy_on_held_out_pairs_rises_above_chance(tmp_path):
 
 
 STEPS = 8
-ELASTIC = [
-    *DPO,
-    TRAIN,
-    f"steps={STEPS}",
-    "num_slices=3",
-    "elastic_enabled=true",
-    "checkpoint_period=4",
-    "elastic_poll_interval_seconds=0.05",
-    "elastic_timeout_seconds=60",
-    "snapshot_period=2",
-]
+ELASTIC = [*DPO, TRAIN, *elastic_args(STEPS), "snapshot_period=2"]
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +100,6 @@ def test_dpo_under_lora_starts_at_its_reference_the_base_and_saves_adapters_only
     exactly (log-ratios 0, loss log 2), training moves the rewards apart, and the checkpoint holds the
     adapters and their optimizer state, no reference copy."""
     import jax
-    import orbax.checkpoint as ocp
 
     proc = run_cli(
         tmp_path,
@@ -124,7 +121,6 @@ def test_dpo_under_lora_starts_at_its_reference_the_base_and_saves_adapters_only
     assert first["rewards/chosen"] == 0 and first["rewards/rejected"] == 0, first
     assert abs(first["loss"] - math.log(2)) < 1e-6, first
     assert any(r["rewards/chosen"] != 0 for r in train[1:]), "the adapters never moved the policy"
-    with ocp.PyTreeCheckpointer() as ckptr:
-        tree = ckptr.restore(run / "checkpoints" / "12" / "state")
+    tree = checkpoint_state(run / "checkpoints" / "12")
     names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(tree["params"])]
     assert names and all(n.endswith(("['lora_A']", "['lora_B']")) for n in names), names

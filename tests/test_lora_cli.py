@@ -11,18 +11,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_harness import assert_same_data_order, cli_env, events, final_params, run_cli
+from cli_harness import (
+    assert_same_data_order,
+    checkpoint_state,
+    cli_env,
+    elastic_args,
+    events,
+    final_params,
+    run_cli,
+)
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _state_tree(step_dir: Path) -> dict:
-    import orbax.checkpoint as ocp
-
-    with ocp.PyTreeCheckpointer() as ckptr:
-        return ckptr.restore(step_dir / "state")
 
 
 def _status(proc) -> str:
@@ -66,7 +67,7 @@ def test_sft_lora_on_qwen3_tiny_saves_adapters_and_their_optimizer_state_only(tm
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     step = tmp_path / "sft" / "checkpoints" / "2"
-    tree = _state_tree(step)
+    tree = checkpoint_state(step)
     assert set(tree) == {"step", "params", "opt_state"}
     names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(tree["params"])]
     assert len(names) == 2 * 7 and all(n.endswith(("['lora_A']", "['lora_B']")) for n in names), names
@@ -81,15 +82,10 @@ def test_sft_lora_on_qwen3_tiny_saves_adapters_and_their_optimizer_state_only(tm
 STEPS = 8
 COMMON = [
     "dtype=float32",
-    f"steps={STEPS}",
     "lora_rank=4",
     "lora_target_modules=[q_proj,v_proj,down_proj]",
     "learning_rate=1e-2",
-    "num_slices=3",
-    "elastic_enabled=true",
-    "checkpoint_period=4",
-    "elastic_poll_interval_seconds=0.05",
-    "elastic_timeout_seconds=60",
+    *elastic_args(STEPS),
 ]
 
 

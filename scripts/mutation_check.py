@@ -539,6 +539,25 @@ BREAKAGES: tuple[Breakage, ...] = (
         why="padding pairs and pairs whose reply was cut count: held-out accuracy and loss are diluted by "
         "pairs that compare nothing, and a half-cut pair trains its one reply alone",
     ),
+    Breakage(
+        name="bitwise-resize-adds-groups-in-replica-order",
+        file="trainer/program/step.py",
+        old="        return groups.swapaxes(0, 1).reshape(x.shape)\n",
+        new="        return x\n",
+        tests=("tests/test_bitwise_resize.py::test_the_step_has_the_same_bits_on_every_replica_count",),
+        why="each replica runs its own contiguous rows, so the groups are added in an order that depends on "
+        "the replica count: a replica-resize changes the update's bits under elastic_resize_bitwise",
+    ),
+    Breakage(
+        name="bitwise-resize-fuses-across-groups",
+        file="trainer/program/step.py",
+        old="            out = jax.lax.optimization_barrier("
+        "group_sums(params, jax.lax.optimization_barrier(group), inner))\n",
+        new="            out = group_sums(params, group, inner)\n",
+        tests=("tests/test_bitwise_resize.py::test_the_step_has_the_same_bits_on_every_replica_count[fsdp]",),
+        why="the compiler fuses a group's gradient with the gathering around it, which differs with the "
+        "replica count: the group's bits, and so the update's, change on a resize to one replica",
+    ),
 )
 
 

@@ -462,6 +462,13 @@ class ElasticConfig:
         "scale (global batch and learning rate scale with the active slices).",
         choices=("keep_global", "scale"),
     )
+    elastic_resize_bitwise: bool = key(
+        False,
+        "Replica-resize keeps the bits: the global batch is summed as fixed groups of rows in one order on any "
+        "number of slices, so a run that shrinks or grows trains the same bits as one that never did. Each "
+        "step all-gathers every replica's group gradients across slices instead of all-reducing one sum "
+        "(more DCN bytes and one gradient copy per replica in memory). Needs keep_global.",
+    )
     elastic_poll_interval_seconds: float = key(
         1.0, "Seconds between slice-health checks while waiting for slices and for scale-up.", minimum=0.0
     )

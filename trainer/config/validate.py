@@ -90,6 +90,11 @@ def _run_problems(cfg: RunConfig) -> list[str]:
             f"elastic_min_slice_count={e.elastic_min_slice_count} must be -1 (all slices) or "
             f"between 1 and num_slices={mesh.num_slices}"
         )
+    if e.elastic_resize_bitwise and e.elastic_resize_batch_policy != "keep_global":
+        problems.append(
+            "elastic_resize_bitwise=true keeps a resized run's bits only with the same global batch: set "
+            "elastic_resize_batch_policy=keep_global (scale changes the batch and the learning rate)"
+        )
     try:
         _ = cfg.faults  # fault_schedule parsed, once: the run reads this plan (RunConfig.faults)
     except ConfigError as err:

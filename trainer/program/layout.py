@@ -16,6 +16,7 @@ so the step the tool measures is the step a run executes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -47,6 +48,7 @@ from trainer.parallel.rules import logical_to_spec
 from trainer.program.executable_cache import compile_lowered
 from trainer.program.optim import learning_rate_schedule, make_optimizer
 from trainer.program.state import base_shardings, state_shardings, trainable_logical_axes
+from trainer.program.step import DATA as DATA_AXIS
 from trainer.program.step import make_eval_step, make_replica_checksums, make_train_step
 
 Step = Literal["train", "eval", "sdc"]
@@ -70,6 +72,8 @@ class TrainSpec:
     sdc_lazy: bool = False  # sdc_check_period auto on 2+ slices: compile them at the first check
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # lora_rank > 0: adapters over a frozen base
     preference: PreferenceConfig | None = None  # objective=dpo: the DPO loss against the frozen reference
+    # elastic_resize_bitwise: the slice counts the step keeps the bits over (`ordered_groups`); () = off
+    bitwise_slice_counts: tuple[int, ...] = ()
 
     @property
     def frozen_base(self) -> bool:
@@ -99,7 +103,15 @@ def train_spec(cfg: RunConfig) -> TrainSpec:
         sdc_lazy=cfg.elastic.sdc_check_period == AUTO and cfg.mesh.num_slices > 1,
         lora=cfg.lora,
         preference=cfg.preference if cfg.data.dpo else None,
+        bitwise_slice_counts=_bitwise_slice_counts(cfg),
     )
+
+
+def _bitwise_slice_counts(cfg: RunConfig) -> tuple[int, ...]:
+    """The active slice counts a run with elastic_resize_bitwise keeps its bits over: every count from 1 to
+    num_slices, whatever elastic_min_slice_count says, so that runs of one job with other recovery settings
+    (an uninterrupted one among them) sum in the same groups; () with the key off."""
+    return tuple(range(1, cfg.mesh.num_slices + 1)) if cfg.elastic.elastic_resize_bitwise else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +121,9 @@ class BatchLayout:
     global_batch_size: int
     micro_steps: int
     lr_scale: float
+    # > 0: the global batch is summed as this many fixed groups of rows in their order (`ordered_groups`),
+    # micro_steps of them per replica; 0: each replica sums its rows and the replicas' sums are all-reduced
+    ordered_groups: int = 0
 
     @property
     def rows_per_micro(self) -> int:
@@ -125,6 +140,8 @@ def batch_layout(
     active_slices: int,
     batch_shards: int,
     rows_per_example: int = 1,
+    replicas_per_slice: int = 1,
+    bitwise_slice_counts: tuple[int, ...] = (),
 ) -> BatchLayout:
     """Global batch (in rows) and micro-steps for the active slices.
 
@@ -133,6 +150,9 @@ def batch_layout(
     active slices, policy `keep_global` runs the same global batch with more micro-steps (same math);
     `scale` shrinks the global batch and the learning rate in proportion to the active slices. Every
     micro-step's rows on every batch shard are whole examples (a pair is never split).
+    `bitwise_slice_counts` (elastic_resize_bitwise, keep_global): the batch is summed as `ordered_groups`
+    fixed groups whatever the active slices (`replicas_per_slice` data-parallel replicas each), a replica
+    running groups / replicas of them as its micro-steps.
     """
     per_step = per_device_batch_size * devices_per_slice * rows_per_example
     nominal = per_step * num_slices * accumulation_steps
@@ -141,7 +161,19 @@ def batch_layout(
         lr_scale = active_slices / num_slices
     else:
         global_batch, lr_scale = nominal, 1.0
-    micro = accumulation_steps
+    if bitwise_slice_counts and global_batch == nominal:
+        replicas = active_slices * replicas_per_slice
+        unit = batch_shards // replicas * rows_per_example
+        groups = ordered_groups(
+            units=global_batch // unit,
+            nominal_groups=num_slices * replicas_per_slice * accumulation_steps,
+            replica_counts=tuple(c * replicas_per_slice for c in bitwise_slice_counts),
+        )
+        if global_batch % unit == 0 and groups % replicas == 0:
+            return BatchLayout(global_batch, groups // replicas, lr_scale, groups)
+        micro = global_batch + 1  # no layout: refused below
+    else:
+        micro = accumulation_steps
     while micro <= global_batch:
         rows = global_batch // micro
         if global_batch % micro == 0 and rows % (batch_shards * rows_per_example) == 0:
@@ -149,6 +181,23 @@ def batch_layout(
         micro += 1
     whole = f" of whole {rows_per_example}-row examples" if rows_per_example > 1 else ""
     raise ValueError(f"global batch {global_batch} cannot be split evenly over {batch_shards} batch shards{whole}")
+
+
+def ordered_groups(*, units: int, nominal_groups: int, replica_counts: tuple[int, ...]) -> int:
+    """How many fixed groups of rows a bitwise-resizable step (elastic_resize_bitwise) sums the global batch
+    in, given `units` (the global batch in whole rows for one replica's batch shards: the finest group) and
+    the data-parallel replica counts the run may train on: the fewest groups (so the largest) that is a
+    multiple of `nominal_groups` (replicas on all slices x accumulation steps: no group is larger than a
+    micro-step there) and of every replica count that divides `units` (one the batch can be split over).
+
+    Each group's gradient is computed by the same program on the same rows whichever replica runs it, and
+    the groups are added in their index order (`trainer.program.step`), so the sum's bits do not depend
+    on how many replicas computed it."""
+    groups = nominal_groups
+    for count in replica_counts:
+        if units % count == 0:
+            groups = math.lcm(groups, count)
+    return groups
 
 
 def _batch_axes_size(mesh: Mesh, rules) -> tuple[PartitionSpec, int]:
@@ -229,6 +278,8 @@ def slice_layout(spec: TrainSpec, slices: list[list]) -> SliceLayout:
         active_slices=len(slices),
         batch_shards=shards,
         rows_per_example=spec.rows_per_example,
+        replicas_per_slice=mesh.shape.get(DATA_AXIS, 1) // len(slices),
+        bitwise_slice_counts=spec.bitwise_slice_counts,
     )
     loader_index, loader_count = loader_shard(batch_sharding, batch.global_batch_size)
     schedule = learning_rate_schedule(spec.optim, steps=spec.steps, lr_scale=batch.lr_scale)
@@ -296,6 +347,7 @@ def _program(spec: TrainSpec, layout: SliceLayout, step: Step) -> _Program:
             layout.optimizer,
             z_loss_multiplier=spec.optim.z_loss_multiplier,
             micro_steps=layout.batch.micro_steps,
+            ordered_groups=layout.batch.ordered_groups,
             batch_spec=layout.batch_sharding.spec,
             data_reduce_dtype=spec.optim.data_reduce_dtype,
             learning_rate=layout.lr_schedule,

@@ -362,6 +362,63 @@ def per_replica(fn: Callable, shard: ActivationSharding, combine: Callable) -> C
     )
 
 
+def _interleave(batch: dict, micro_steps: int, replicas: int) -> dict:
+    """The global batch's rows reordered so that replica r's m-th micro-step (its m-th block of its
+    contiguous share) holds the batch's group m * replicas + r, the groups being equal runs of rows."""
+
+    def one(x):
+        groups = x.reshape(micro_steps, replicas, x.shape[0] // (micro_steps * replicas), *x.shape[1:])
+        return groups.swapaxes(0, 1).reshape(x.shape)
+
+    return jax.tree.map(one, batch)
+
+
+def _add_row(r: int, total, every):
+    return total + every[r].astype(total.dtype)
+
+
+def ordered_sums(group_sums: Callable, zeros: Callable, shard: ActivationSharding, micro_steps: int) -> Callable:
+    """`(params, batch) -> the sum over the batch's groups of group_sums(params, group, shard), added in the
+    groups' order`: the batch is micro_steps x replicas equal groups of rows (`_interleave` hands group
+    m * replicas + r to replica r's m-th micro-step), and after each micro-step every replica all-gathers
+    the replicas' results and adds them, in replica order, to its running total, which starts at
+    `zeros(params)`.
+
+    A group's result is computed by the same program on the same rows whichever replica runs it, and the
+    additions happen in the same order, so the total has the same bits on any number of replicas (each
+    holding the same total). What crosses the data axis is every replica's result, not one reduced sum."""
+    replicas = _replicas(shard)
+
+    def body(params, rows, inner):
+        def add(total, group):
+            # Barriers keep the compiler from fusing the group's computation with the gathering and adding
+            # around it, which differ with the replica count: the group's program is then the same on all.
+            out = jax.lax.optimization_barrier(group_sums(params, jax.lax.optimization_barrier(group), inner))
+            if inner.mesh is None or replicas == 1:
+                every = jax.tree.map(lambda x: x[None], out)
+            else:
+                every = jax.lax.all_gather(out, DATA)
+            for r in range(replicas):
+                total = jax.tree.map(partial(_add_row, r), total, every)
+            return total, None
+
+        total, _ = jax.lax.scan(add, zeros(params), _split_micro(rows, micro_steps))
+        return total
+
+    if shard.mesh is None:
+        return lambda params, batch: body(params, batch, shard)
+    # Manual over the data axis even with one replica: the program around a group is the same on every count.
+    mapped = jax.shard_map(
+        partial(body, inner=shard.within((DATA,))),
+        mesh=shard.mesh,
+        in_specs=(PartitionSpec(), PartitionSpec(DATA)),
+        out_specs=PartitionSpec(),
+        axis_names={DATA},
+        check_vma=False,
+    )
+    return lambda params, batch: mapped(params, _interleave(batch, micro_steps, replicas))
+
+
 def _objective_sums(cfg: ModelConfig, z_loss_multiplier: float, weights: Callable, pref: PreferenceConfig | None):
     """`(trainable, frozen, batch, shard) -> (objective sum, parts)`: the token-summed language-model loss
     (`loss_sums`), or with `pref` (objective=dpo) the pair-summed DPO loss of the policy
@@ -430,12 +487,41 @@ def _summed_grads(
     return summed_grads
 
 
+def _replica_gradients(
+    cfg: ModelConfig,
+    z_loss_multiplier: float,
+    micro_steps: int,
+    batch_spec,
+    shard: ActivationSharding,
+    data_reduce_dtype: str,
+    lora: LoraConfig | None,
+    preference: PreferenceConfig | None,
+) -> Callable:
+    """`(params, batch) -> (grads, parts)` summed over the batch: each replica sums its own rows'
+    (`per_replica`), then the replicas' sums are all-reduced in `data_reduce_dtype`."""
+    summed_grads = _summed_grads(
+        cfg, z_loss_multiplier, micro_steps, batch_spec, model_weights(cfg, lora), preference
+    )
+    replicas = _replicas(shard)
+    # XLA:CPU aborts on a bfloat16 all-reduce in a shard_map; CPU slices are emulated (no DCN).
+    cpu = shard.mesh is not None and shard.mesh.devices.flat[0].platform == "cpu"
+    reduce_dtype = jnp.dtype("float32" if cpu else data_reduce_dtype)
+
+    def sum_replicas(out):
+        grads, parts = out
+        grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(reduce_dtype), DATA).astype(g.dtype), grads)
+        return grads, jax.lax.psum(dict(parts, aux_loss=parts["aux_loss"] / replicas), DATA)
+
+    return per_replica(summed_grads, shard, sum_replicas)
+
+
 def make_train_step(
     cfg: ModelConfig,
     optimizer: optax.GradientTransformation,
     *,
     z_loss_multiplier: float,
     micro_steps: int,
+    ordered_groups: int = 0,
     batch_spec: PartitionSpec | None = None,
     learning_rate: optax.Schedule | None = None,
     shard: ActivationSharding = UNSHARDED,
@@ -462,24 +548,31 @@ def make_train_step(
     `preference` (objective=dpo): the objective is the DPO loss averaged over the batch's pairs, against
     the frozen reference the step takes as `base` (under LoRA the base itself, without adapters), and
     the metrics add TRL's rewards/* and logps/* (pair means).
+    `ordered_groups` > 0 (elastic_resize_bitwise): the global batch is that many groups of rows, each
+    replica running `micro_steps` of them, and their gradients and sums are added in the groups' order
+    (`ordered_sums`) instead of per replica and then all-reduced: the update has the same bits on any
+    number of replicas.
     """
 
-    summed_grads = _summed_grads(
-        cfg, z_loss_multiplier, micro_steps, batch_spec, model_weights(cfg, lora), preference
-    )
-    replicas = _replicas(shard)
-    # XLA:CPU aborts on a bfloat16 all-reduce in a shard_map; CPU slices are emulated (no DCN).
-    cpu = shard.mesh is not None and shard.mesh.devices.flat[0].platform == "cpu"
-    reduce_dtype = jnp.dtype("float32" if cpu else data_reduce_dtype)
+    if ordered_groups:
+        group_grads = _summed_grads(cfg, z_loss_multiplier, 1, batch_spec, model_weights(cfg, lora), preference)
 
-    def sum_replicas(out):
-        grads, parts = out
-        grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(reduce_dtype), DATA).astype(g.dtype), grads)
-        return grads, jax.lax.psum(dict(parts, aux_loss=parts["aux_loss"] / replicas), DATA)
+        def zeros(params):
+            return jax.tree.map(jnp.zeros_like, params[0]), _zero_parts(preference)
 
-    gradients = per_replica(summed_grads, shard, sum_replicas)
+        ordered = ordered_sums(group_grads, zeros, shard, micro_steps)
+
+        def gradients(params, batch):
+            grads, parts = ordered(params, batch)
+            return grads, dict(parts, aux_loss=parts["aux_loss"] / ordered_groups)
+
+    else:
+        gradients = _replica_gradients(
+            cfg, z_loss_multiplier, micro_steps, batch_spec, shard, data_reduce_dtype, lora, preference
+        )
 
     def train_step(state: dict[str, Any], batch: dict, base=None) -> tuple[dict[str, Any], dict]:
+
         params = state["params"]
         grads, parts = gradients((params, base), batch)
         denom = jnp.maximum(parts["pairs" if preference else "tokens"], 1.0)

@@ -12,12 +12,9 @@ superseded too, compared as the bits of the float each record holds (`float.hex`
 proves from its own events.jsonl that the failure happened as intended, so that none of them can pass by
 not failing.
 
-Replica-resize (2 of 3 slices, `elastic_resize_batch_policy=keep_global`) keeps the global batch and the
-data order, but not the bits: on 2 slices each replica sums its 3 rows' token losses and gradients and the
-2 replicas' sums are added (`trainer/program/step.py`, `make_train_step`: `_summed_grads` then `psum` over
-`data`), where 3 slices add 3 sums of 2 rows. Float addition is not associative, so the resized steps'
-losses and updates differ in their last bits, and every later step inherits the difference. That
-comparison is kept at bit for bit and marked as a known failure (strict: it fails once it holds).
+Replica-resize (2 of 3 slices, `elastic_resize_batch_policy=keep_global`) keeps the global batch, the data
+order and the bits: every run sets `elastic_resize_bitwise=true`, so the step sums the batch as fixed groups
+of rows in one order on 3 slices and on 2 (`trainer/program/step.py`, `ordered_sums`).
 """
 
 from __future__ import annotations
@@ -56,6 +53,7 @@ COMMON = [
     "max_target_length=64",
     f"num_slices={SLICES}",
     "elastic_enabled=true",
+    "elastic_resize_bitwise=true",
     "checkpoint_period=4",
     "snapshot_period=2",
     "elastic_poll_interval_seconds=0.05",
@@ -153,15 +151,8 @@ def test_a_slice_lost_resizes_onto_two_slices_with_the_global_batch_and_data_ord
     assert on_two and on_two[0] < FAILURE_STEP + 2, on_two
     fingerprints = {(r["step"], r["batch_fingerprint"]) for r in _steps(resized)}
     assert fingerprints == {(r["step"], r["batch_fingerprint"]) for r in _steps(clean)}
-    assert_same_losses(resized, clean, steps=range(1, on_two[0]))  # before the first step on 2 slices
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="replica-resize sums the global batch's losses and gradients in another order on 2 slices "
-    "(trainer/program/step.py: per-replica sums, then psum over data): equal to rounding, not bit for bit",
-)
 def test_a_slice_lost_resizes_and_keeps_every_loss_bit_for_bit(resized, clean):
     assert_same_losses(resized, clean)
 

@@ -8,7 +8,8 @@ Real text that every machine has (benchmarks/corpus.py: the standard library's m
 library reference and its licence, one record per paragraph, tokenized with the bundled sentencepiece
 tokenizer by `python -m trainer.data.prepare`). The model is qwen3-tiny with the tokenizer's vocabulary
 (8192) on rows of 128 tokens, on 3 virtual slices of one CPU device each (global batch 6 rows), elastic
-with `elastic_resize_bitwise=true`, a checkpoint every steps/4 and a snapshot every steps/16. Four runs of the same command:
+with `elastic_resize_bitwise=true`, a checkpoint every steps/4 and a snapshot every steps/16. Four runs of
+the same command:
 
 - uninterrupted;
 - pause-and-resume: slice 1 is lost at step steps/5 and back 2 s later; the run waits for it;

@@ -190,6 +190,26 @@ def test_per_device_activation_memory_falls_with_the_context_axis():
     assert temp[4] < 0.5 * temp[1], temp
 
 
+def test_the_train_state_is_split_over_the_context_axis_as_over_fsdp():
+    """Params and optimizer state are sharded over the context axis too (the `embed` rule), so a chip's
+    share of the state falls with the context axis as activations do, rather than every context chip
+    holding the whole fsdp shard."""
+    from trainer.parallel.mesh import build_mesh
+    from trainer.program.state import state_shardings
+
+    cfg = micro_config("max_target_length=2048")
+    per_device = {}
+    for context in (1, 4):
+        mesh_cfg = dataclasses.replace(cfg.mesh, ici_fsdp_parallelism=1, ici_context_parallelism=context)
+        mesh = build_mesh(mesh_cfg, [jax.devices()[:context]])
+        shardings, abstract = state_shardings(cfg.model, mesh_cfg.logical_axis_rules, mesh, optax.adamw(1e-3))
+        per_device[context] = sum(
+            int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
+            for s, a in zip(jax.tree.leaves(shardings), jax.tree.leaves(abstract), strict=True)
+        )
+    assert per_device[4] < 0.3 * per_device[1], per_device
+
+
 @pytest.mark.slow
 def test_the_cli_trains_with_context_parallelism_and_its_losses_equal_the_run_without(tmp_path):
     """The issue's command at a CI-sized length: a tiny model, 512 tokens split 4 ways with flash."""

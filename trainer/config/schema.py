@@ -61,7 +61,7 @@ DEFAULT_LOGICAL_AXIS_RULES = [
     ["activation_vocab", ["tensor", "fsdp"]],
     ["activation_exp", ["expert"]],
     ["vocab", ["tensor", "fsdp"]],
-    ["embed", ["fsdp"]],
+    ["embed", ["fsdp", "context"]],
     ["heads", ["tensor"]],
     ["kv_heads", ["tensor"]],
     ["head_dim", []],

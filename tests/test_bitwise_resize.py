@@ -16,7 +16,7 @@ from trainer.config import ConfigError, load_config
 from trainer.data.pipeline import make_train_iterator
 from trainer.parallel.mesh import group_into_slices
 from trainer.program.layout import batch_layout, lower_step, ordered_groups, slice_layout, train_spec
-from trainer.program.state import init_state
+from trainer.program.state import init_base, init_state
 
 STEPS = 3
 
@@ -34,7 +34,8 @@ def _run(overrides: list[str], active: int, devices_per_slice: int = 1) -> tuple
     slices = group_into_slices(devices, cfg.mesh.num_slices)[:active]
     layout = slice_layout(spec, slices)
     step = lower_step(spec, layout, "train").compile()
-    state = init_state(spec.model, layout.optimizer, layout.shardings, seed=0)
+    state = init_state(spec.model, layout.optimizer, layout.shardings, seed=0, lora=spec.lora)
+    base = () if layout.base_shardings is None else (init_base(spec.model, layout.base_shardings, seed=1),)
     iterator = make_train_iterator(
         spec.data, vocab_size=spec.model.vocab_size, global_batch_size=layout.batch.global_batch_size
     )
@@ -42,7 +43,7 @@ def _run(overrides: list[str], active: int, devices_per_slice: int = 1) -> tuple
     for _ in range(STEPS):
         host = next(iterator)
         batch = {k: jax.make_array_from_process_local_data(layout.batch_sharding, v) for k, v in host.items()}
-        state, m = step(state, batch)
+        state, m = step(state, batch, *base)
         metrics.append(m)
     iterator.close()
     return _bits(state), _bits(metrics)
@@ -59,8 +60,14 @@ THREE_SLICES = ["num_slices=3", "elastic_enabled=true", "elastic_min_slice_count
         ([], 1, (2,)),
         (["gradient_accumulation_steps=2"], 1, (2,)),
         (["ici_fsdp_parallelism=2"], 2, (2, 1)),
+        (
+            ["num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "load_balance_loss_weight=0.01"],
+            1,
+            (2,),
+        ),
+        (["lora_rank=4"], 1, (2,)),
     ],
-    ids=["plain", "accumulation", "fsdp"],
+    ids=["plain", "accumulation", "fsdp", "moe", "lora"],
 )
 def test_the_step_has_the_same_bits_on_every_replica_count(extra, devices_per_slice, survivors):
     overrides = [*THREE_SLICES, "elastic_resize_bitwise=true", *extra]

@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning: the same model and SFT data trained both ways, and qwen3-8b compiled both ways.
 
     python benchmarks/lora_vs_full.py [--model qwen3-tiny qwen3-mini] [--steps 30] [--rank 8]
-        [--compile-model qwen3-8b] [--compile-topology v5e-16] [--compile-batch 8] [--no-compile] [key=value ...]
+        [--compile-model qwen3-8b] [--compile-topology v5e-16] [--compile-batch 9] [--no-compile] [key=value ...]
 
 Per `--model`, two CLI runs of `--steps` steps of SFT on the bundled function-calling sample
 (data/fc_sample, use_sft=true), one training the full model and one `lora_rank=--rank` adapters on all
@@ -17,8 +17,9 @@ resumed for one more step. Per run it reports:
   is not part of the state).
 Then, unless `--no-compile`, `python -m trainer.compile` compiles `--compile-model` for
 `--compile-topology` with `per_device_batch_size=--compile-batch`, once for full training and once with
-LoRA, and prints per chip the params, optimizer state, temporaries and the compiler's total against the
-chip's HBM, and whether each fits (a program the compiler refuses for HBM fits not, at the size it said it
+LoRA (the default point is one where full training does not fit a chip's HBM and LoRA does), and prints
+per chip the params, optimizer state, temporaries and the compiler's total against the chip's HBM, and
+whether each fits (a program the compiler refuses for HBM fits not, at the size it said it
 needed). Extra `key=value` arguments go to the training runs.
 It writes the record benchmarks/records/lora_vs_full.json (tables `training` and `compile`).
 TRAINER_SMOKE=1 runs the same path at minimal sizes (a few steps of a 2-layer model, for the first
@@ -232,7 +233,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8, help="the LoRA runs' lora_rank")
     p.add_argument("--compile-model", default="qwen3-8b")
     p.add_argument("--compile-topology", default="v5e-16")
-    p.add_argument("--compile-batch", type=int, default=8, help="per_device_batch_size of the compile point")
+    p.add_argument("--compile-batch", type=int, default=9, help="per_device_batch_size of the compile point")
     p.add_argument("--no-compile", action="store_true", help="skip the AOT compile comparison")
     p.add_argument("extra", nargs="*", help="more key=value for the training runs")
     argv = sys.argv[1:]

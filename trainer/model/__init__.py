@@ -6,8 +6,9 @@ Every function takes the ModelConfig and calls the decoder or FLOPs of its `mode
 init_params(cfg, rng)            -> params (nested dict of arrays, dtype weight_dtype; jittable, cfg static)
 param_logical_axes(cfg)          -> same structure, tuples of logical axis names (no allocation)
 abstract_params(cfg)             -> same structure, jax.ShapeDtypeStruct (no allocation)
-forward(params, cfg, inputs, positions, segment_ids, *, shard=UNSHARDED)
-                                 -> (hidden [B,T,D] in cfg.dtype, f32 aux loss)
+forward(params, cfg, inputs, positions, segment_ids, *, shard=UNSHARDED, layers=None)
+                                 -> (hidden [B,T,D] in cfg.dtype, f32 aux loss); `layers` transforms
+                                    each block's params inside it (transformer.LayerAdapter)
 logits_from_hidden(params, cfg, hidden)              -> float32 logits [..., vocab]
 logits_pullback(params, cfg, hidden, d_logits)      -> (d params, d hidden) of logits_from_hidden
 output_rows(params, cfg, ids)    -> [..., D] the projection's rows of vocabulary ids (one logit each)
@@ -49,8 +50,9 @@ def forward(
     segment_ids: jax.Array,
     *,
     shard: ActivationSharding = UNSHARDED,
+    layers=None,
 ) -> tuple[jax.Array, jax.Array]:
-    return family_of(cfg).decoder.forward(params, cfg, inputs, positions, segment_ids, shard=shard)
+    return family_of(cfg).decoder.forward(params, cfg, inputs, positions, segment_ids, shard=shard, layers=layers)
 
 
 def logits_from_hidden(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -42,6 +42,7 @@ class Decoder(Protocol):
         segment_ids: jax.Array,
         *,
         shard: ActivationSharding = ...,
+        layers: Any = ...,
     ) -> tuple[jax.Array, jax.Array]: ...
 
     def logits_from_hidden(self, params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array: ...

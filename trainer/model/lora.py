@@ -10,8 +10,9 @@ leading "layers" dim. The adapters mirror the params' paths, one {"lora_A", "lor
     layers/self_attn/o_proj/lora_A  [L, N, hd, r]  ("layers", "heads", "head_dim", None)
     layers/mlp/down_proj/lora_B     [L, r, D]      ("layers", None, "embed")
 
-The step merges before the forward (`merge`), so it holds the merged targeted weights and, in the
-backward, their gradient (contracted onto A and B there): the weights' size, sharded like them.
+The step merges inside each decoder block (`layer_adapter`: the block's rematerialised function merges
+its own layer), so it holds one layer's merged weights and, in the backward, their gradient (contracted
+onto that layer's A and B there) at a time. `merge` merges the whole model at once (export, tests).
 
 Init as PEFT's: A ~ uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) (kaiming-uniform with a = sqrt(5)),
 fan_in = prod(*in); B = 0, so a fresh adapter leaves the base's function unchanged.
@@ -149,6 +150,27 @@ def merge(base: dict, adapters: dict, cfg: ModelConfig, lora: LoraConfig) -> dic
         dtype = jnp.promote_types(w.dtype, pair[A].dtype)
         _put(merged, path, (w.astype(jnp.float32) + s * delta(pair[A], pair[B], cfg.scan_layers)).astype(dtype))
     return merged
+
+
+def merge_layer(weights: dict, adapters: dict, lora: LoraConfig) -> dict:
+    """One block's params the model runs with: `merge` for one layer (no layers dim), its params `weights`
+    and its adapters `adapters` as they sit under "layers" (one layer's slice)."""
+    s, merged = scale(lora), dict(weights)
+    for parent, projections in adapters.items():
+        merged[parent] = dict(weights[parent])
+        for name, pair in projections.items():
+            w = weights[parent][name]
+            dtype = jnp.promote_types(w.dtype, pair[A].dtype)
+            merged[parent][name] = (w.astype(jnp.float32) + s * delta(pair[A], pair[B], False)).astype(dtype)
+    return merged
+
+
+def layer_adapter(adapters: dict, lora: LoraConfig):
+    """The adapters as the decoder's `layers` argument (`trainer.model.transformer.LayerAdapter`): each block
+    merges its own layer (`merge_layer`) inside its rematerialised function, so the merged weights and
+    their gradients exist for one layer at a time, never for the whole stack. The model run with the base
+    and this computes what it computes with `merge(base, adapters)`, which targets only the layers."""
+    return (lambda weights, layer: merge_layer(weights, layer, lora)), adapters["layers"]
 
 
 def peft_tensors(adapters: dict, cfg: ModelConfig, lora: LoraConfig) -> dict[str, Any]:

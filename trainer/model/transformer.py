@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -136,10 +137,26 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
     return create(rngs)
 
 
-def _block_fn(graphdef, remat_policy: str, scanned: bool):
-    """(block state, x, ctx) -> (x, aux), rematerialised per the policy. The same for scan and loop."""
+# `(fn, inputs)`: each block runs with `fn(its params, its inputs)` in place of its params, computed inside
+# the block's rematerialised function (so per layer, never for all layers at once). `inputs` is per layer:
+# stacked with a leading layers dim (scan_layers=true) or a dict keyed by the layer index "0", "1", ...
+LayerAdapter = tuple[Callable[[Params, Any], Params], Any]
 
-    def run(state, x, ctx):
+
+def _adapted(state, adapt: Callable[[Params, Any], Params], inputs):
+    """A block's nnx State with its params replaced by `adapt(params, inputs)` (plain dicts, str keys)."""
+    new = jax.tree.map(lambda x: x, state)  # a fresh State: the scanned one stays as it is
+    nnx.replace_by_pure_dict(new, adapt(_stringify_keys(nnx.to_pure_dict(state)), inputs))
+    return new
+
+
+def _block_fn(graphdef, remat_policy: str, scanned: bool, adapt: Callable[[Params, Any], Params] | None = None):
+    """(block state, x, ctx, adapter inputs) -> (x, aux), rematerialised per the policy. The same for scan
+    and loop. With `adapt`, the block runs with `adapt(its params, adapter inputs)` (`LayerAdapter`)."""
+
+    def run(state, x, ctx, inputs):
+        if adapt is not None:
+            state = _adapted(state, adapt, inputs)
         return nnx.merge(graphdef, state)(x, ctx)
 
     if remat_policy == "none":
@@ -188,8 +205,10 @@ class Transformer(nnx.Module):
         segment_ids: jax.Array,
         *,
         shard: ActivationSharding = UNSHARDED,
+        layers: LayerAdapter | None = None,
     ):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        adapt, adapter_inputs = layers if layers is not None else (None, None)
         x = shard(jnp.take(self.embed_tokens[...], inputs, axis=0).astype(dt), BTD)
         scaling = parse_rope_scaling(cfg.rope_scaling)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_max_timescale, dt, scaling)
@@ -203,18 +222,20 @@ class Transformer(nnx.Module):
         )
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
-            block = _block_fn(graphdef, cfg.remat_policy, scanned=True)
+            block = _block_fn(graphdef, cfg.remat_policy, scanned=True, adapt=adapt)
 
-            def body(carry, layer_state):
-                y, a = block(layer_state, carry[0], ctx)
+            def body(carry, xs):
+                layer_state, layer_inputs = xs
+                y, a = block(layer_state, carry[0], ctx, layer_inputs)
                 return (y, carry[1] + a), None
 
-            (x, aux), _ = jax.lax.scan(body, (x, jnp.zeros((), jnp.float32)), state)
+            (x, aux), _ = jax.lax.scan(body, (x, jnp.zeros((), jnp.float32)), (state, adapter_inputs))
         else:
             aux = jnp.zeros((), jnp.float32)
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 graphdef, state = nnx.split(layer)
-                x, a = _block_fn(graphdef, cfg.remat_policy, scanned=False)(state, x, ctx)
+                block = _block_fn(graphdef, cfg.remat_policy, scanned=False, adapt=adapt)
+                x, a = block(state, x, ctx, None if adapter_inputs is None else adapter_inputs[str(i)])
                 aux = aux + a
         hidden = rms_norm(x, self.norm[...], cfg.normalization_layer_epsilon)
         if cfg.num_experts > 1:
@@ -276,6 +297,7 @@ def forward(
     segment_ids: jax.Array,
     *,
     shard: ActivationSharding = UNSHARDED,
+    layers: LayerAdapter | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """int32 [B, T] inputs/positions/segment_ids -> (hidden [B, T, D] after the final norm in cfg.dtype,
     float32 aux loss: load_balance_loss_weight * mean over layers of the MoE balance loss; 0 if dense).
@@ -283,8 +305,10 @@ def forward(
     Attention is causal and restricted to tokens with the same segment id (0 = padding). `shard` pins the
     activations to a mesh (the train step passes the attempt's; the default leaves them unconstrained).
     Where its mesh has a context axis over several devices, the tokens come in the zigzag order over it
-    (trainer/parallel/context.py: the train step reorders the batch) and `hidden` is in that order."""
-    return bind(cfg, params)(inputs, positions, segment_ids, shard=shard)
+    (trainer/parallel/context.py: the train step reorders the batch) and `hidden` is in that order.
+    `layers` (`LayerAdapter`): each block runs with its params transformed, one layer at a time (LoRA's
+    merge: `trainer.model.lora.layer_adapter`)."""
+    return bind(cfg, params)(inputs, positions, segment_ids, shard=shard, layers=layers)
 
 
 def logits_from_hidden(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

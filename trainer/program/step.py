@@ -5,7 +5,8 @@ device arrays that the loop reads one step late. No logging, host syncs or globa
 
 With LoRA on (`lora` given, lora_rank > 0) the state's params are the adapters and every step function
 takes the frozen base as one more argument, `train_step(state, batch, base)`: the model runs with
-`trainer.model.lora.merge(base, adapters)`, gradients and optimizer updates reach the adapters only, and
+`trainer.model.lora.merge(base, adapters)`, computed one decoder layer at a time inside the layers' scan
+(`trainer.model.lora.layer_adapter`), gradients and optimizer updates reach the adapters only, and
 the base is neither donated nor returned.
 
 With `objective=dpo` (`preference` given) the batch's rows 2k and 2k + 1 are a preference pair, the
@@ -271,14 +272,15 @@ def sequence_logps(
     return out
 
 
-def row_logps(params, cfg: ModelConfig, batch: dict, *, shard: ActivationSharding = UNSHARDED):
-    """(per-row reply log-probability sums [B], MoE aux loss) of `params` on a batch (`sequence_logps`);
-    under context parallelism the tokens are put in the zigzag order first, which the sums do not see."""
+def row_logps(params, cfg: ModelConfig, batch: dict, *, shard: ActivationSharding = UNSHARDED, layers=None):
+    """(per-row reply log-probability sums [B], MoE aux loss) of `params` (with `layers`: `loss_sums`) on a
+    batch (`sequence_logps`); under context parallelism the tokens are put in the zigzag order first, which
+    the sums do not see."""
     shards = context_shards(shard)
     if shards > 1:
         batch = reorder(batch, zigzag_order(batch["inputs"].shape[1], shards))
     hidden, aux_loss = model.forward(
-        params, cfg, batch["inputs"], batch["positions"], batch["segment_ids"], shard=shard
+        params, cfg, batch["inputs"], batch["positions"], batch["segment_ids"], shard=shard, layers=layers
     )
     logps = sequence_logps(
         output_params(params, cfg, shard), cfg, hidden, batch["targets"], batch["loss_mask"], shard=shard
@@ -287,13 +289,14 @@ def row_logps(params, cfg: ModelConfig, batch: dict, *, shard: ActivationShardin
 
 
 def preference_loss_sums(
-    policy, reference, cfg: ModelConfig, pref: PreferenceConfig, batch: dict, *, shard=UNSHARDED
+    policy, reference, cfg: ModelConfig, pref: PreferenceConfig, batch: dict, *, shard=UNSHARDED, layers=None
 ) -> tuple[jax.Array, dict]:
     """DPO loss summed over the batch's pairs (rows 2k, 2k + 1: `trainer.program.preference`) of the
-    `policy` params against the frozen `reference` params (no gradient through them), and its parts:
+    `policy` params (with `layers`, the policy's per-layer adapter: `loss_sums`) against the frozen
+    `reference` params (no gradient through them), and its parts:
     ce_sum = the loss sum (what the loop reports as loss, divided by `pairs`), z_sum = 0, tokens (the
     reply tokens), aux_loss, pairs and the TRL metrics' sums."""
-    policy_logps, aux_loss = row_logps(policy, cfg, batch, shard=shard)
+    policy_logps, aux_loss = row_logps(policy, cfg, batch, shard=shard, layers=layers)
     reference_logps, _ = row_logps(jax.lax.stop_gradient(reference), cfg, batch, shard=shard)
     tokens_per_row = jnp.sum(batch["loss_mask"].astype(jnp.float32), axis=1)
     loss, metrics = preference_math.preference_sums(policy_logps, reference_logps, tokens_per_row, pref)
@@ -302,16 +305,24 @@ def preference_loss_sums(
 
 
 def loss_sums(
-    params, cfg: ModelConfig, z_loss_multiplier: float, batch: dict, *, shard: ActivationSharding = UNSHARDED
+    params,
+    cfg: ModelConfig,
+    z_loss_multiplier: float,
+    batch: dict,
+    *,
+    shard: ActivationSharding = UNSHARDED,
+    layers=None,
 ) -> tuple[jax.Array, dict]:
     """Objective summed over the batch's tokens (not averaged), so micro-steps add up exactly; `shard` pins
-    the model's activations to the mesh. Under context parallelism the tokens are first put in the
-    zigzag order over the context axis (trainer/parallel/context.py); the sums do not depend on it."""
+    the model's activations to the mesh; `layers` transforms each decoder block's params inside it
+    (`trainer.model.forward`; LoRA's per-layer merge, `model_weights`). Under context parallelism the
+    tokens are first put in the zigzag order over the context axis (trainer/parallel/context.py); the sums
+    do not depend on it."""
     shards = context_shards(shard)
     if shards > 1:
         batch = reorder(batch, zigzag_order(batch["inputs"].shape[1], shards))
     hidden, aux_loss = model.forward(
-        params, cfg, batch["inputs"], batch["positions"], batch["segment_ids"], shard=shard
+        params, cfg, batch["inputs"], batch["positions"], batch["segment_ids"], shard=shard, layers=layers
     )
     objective, ce, z = token_losses(
         output_params(params, cfg, shard),
@@ -327,11 +338,13 @@ def loss_sums(
 
 
 def model_weights(cfg: ModelConfig, lora: LoraConfig | None) -> Callable:
-    """`(trainable, frozen) -> params the model runs with`: the trainable params themselves, or with LoRA on
-    the frozen base merged with the trainable adapters."""
+    """`(trainable, frozen) -> (params, layers)`, what the model runs with (`loss_sums`' params and
+    `layers`): the trainable params themselves and no layer adapter, or with LoRA on the frozen base and
+    the trainable adapters merged into it one decoder layer at a time (`lora.layer_adapter`: the model
+    computes `lora.merge(base, adapters)` without ever holding every layer's merged weights at once)."""
     if not lora_math.enabled(lora):
-        return lambda trainable, frozen: trainable
-    return lambda trainable, frozen: lora_math.merge(frozen, trainable, cfg, lora)
+        return lambda trainable, frozen: (trainable, None)
+    return lambda trainable, frozen: (frozen, lora_math.layer_adapter(trainable, lora))
 
 
 def _split_micro(batch: dict, n: int) -> dict:
@@ -427,13 +440,15 @@ def _objective_sums(cfg: ModelConfig, z_loss_multiplier: float, weights: Callabl
     if pref is None:
 
         def lm(trainable, frozen, batch, shard):
-            total, parts = loss_sums(weights(trainable, frozen), cfg, z_loss_multiplier, batch, shard=shard)
+            params, layers = weights(trainable, frozen)
+            total, parts = loss_sums(params, cfg, z_loss_multiplier, batch, shard=shard, layers=layers)
             return total + parts["aux_loss"] * parts["tokens"], parts
 
         return lm
 
     def dpo(trainable, frozen, batch, shard):
-        total, parts = preference_loss_sums(weights(trainable, frozen), frozen, cfg, pref, batch, shard=shard)
+        params, layers = weights(trainable, frozen)
+        total, parts = preference_loss_sums(params, frozen, cfg, pref, batch, shard=shard, layers=layers)
         return total + parts["aux_loss"] * parts["pairs"], parts
 
     return dpo
@@ -634,12 +649,11 @@ def make_eval_step(
         if batch_spec is not None:
             batch = {k: shard.pin(v, batch_spec) for k, v in batch.items()}
         trainable, frozen = params
+        weights_, layers = weights(trainable, frozen)
         if preference is None:
-            _, parts = loss_sums(weights(trainable, frozen), cfg, 0.0, batch, shard=shard)
+            _, parts = loss_sums(weights_, cfg, 0.0, batch, shard=shard, layers=layers)
         else:
-            _, parts = preference_loss_sums(
-                weights(trainable, frozen), frozen, cfg, preference, batch, shard=shard
-            )
+            _, parts = preference_loss_sums(weights_, frozen, cfg, preference, batch, shard=shard, layers=layers)
         return {k: parts[k] for k in keep}
 
     def summed(params, batch, shard):

@@ -12,11 +12,12 @@ invocation, so they compare like with like; `--global-batch` keeps the global ba
 host malloc on huge pages and without (trainer/hostmem.py; off runs it with TRAINER_HUGEPAGE_MALLOC=0),
 one column per setting, and refuses a run whose start event says otherwise. `--maxtext-python PY` also
 trains the same model, shape and batch with MaxText's own trainer on the same devices (an interpreter with
-MaxText installed and this one's jax; see maxtext_cpu.py) and reports the speed-up over it. It writes the
-record benchmarks/records/train_throughput-<model>.json, train_throughput-<model>-vs-maxtext.json with
-`--maxtext-python`, or train_throughput-hugepages.json with `--hugepages` (benchmarks/records.py), from
-which the README's tables are rendered. TRAINER_SMOKE=1 runs it all at
-minimal sizes (see cli_runs) and records nothing.
+MaxText installed and this one's jax; see maxtext_cpu.py), its host malloc on huge pages exactly when this
+trainer's CLI puts its own there (whatever the caller's GLIBC_TUNABLES), and reports the speed-up over it.
+It writes the record benchmarks/records/train_throughput-<model>.json, train_throughput-<model>-vs-maxtext.json
+with `--maxtext-python`, or train_throughput-hugepages.json with `--hugepages` (benchmarks/records.py), from
+which the README's tables are rendered. TRAINER_SMOKE=1 runs it all at minimal sizes (see cli_runs) and
+records nothing.
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ def table(runs: list[dict], peak: float | None) -> str:
     if any("maxtext_median_step_time_s" in r for r in runs):
         lines += [
             row(
-                f"{runs[0]['maxtext']}: median step time, same model and batch, fsdp over the devices",
+                f"{runs[0]['maxtext']}: median step time, same model and batch, fsdp over the devices, host "
+                f"malloc on huge pages {'as' if runs[0].get('maxtext_hugepages') else 'off, as'} this trainer's",
                 lambda r: f"{r['maxtext_median_step_time_s']:.3f} s",
             ),
             row("this trainer's speed-up over MaxText", lambda r: f"**{r['speedup_vs_maxtext']:.2f}×**"),
@@ -193,13 +195,43 @@ def measure_maxtext(python: str, overrides: list[str], devices: int, skip: int) 
         steps=cfg.train.steps,
         devices=devices,
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        times = run_maxtext(python, args, devices, Path(tmp))
+    hugepages = maxtext_hugepages()
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()  # run_maxtext passes this process's environment on
+        os.environ.update(maxtext_environ(saved, hugepages))
+        with tempfile.TemporaryDirectory() as tmp:
+            times = run_maxtext(python, args, devices, Path(tmp))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     return {
         "maxtext": maxtext_version(python),
         "maxtext_overrides": args,
+        "maxtext_hugepages": hugepages,
         "maxtext_median_step_time_s": round(median_after(times, skip), 4),
     }
+
+
+def maxtext_hugepages() -> bool:
+    """Whether this trainer's CLI runs its host malloc on huge pages here (trainer/hostmem.py: glibc 2.35+,
+    transparent huge pages not `never`, no opt-out): MaxText's runs get the same, so the two trainers
+    compare like with like whatever the caller's environment holds."""
+    from trainer import hostmem
+
+    environ = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    return (
+        hostmem.hugepage_environ(environ, glibc=hostmem._glibc_version(), thp_mode=hostmem._thp_mode()) is not None
+    )
+
+
+def maxtext_environ(environ: dict, hugepages: bool) -> dict:
+    """`environ` with glibc's huge-page malloc tunable set to `hugepages` (any setting of it replaced)."""
+    tunables = [
+        t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb=")
+    ]
+    tunables.append(f"glibc.malloc.hugetlb={int(hugepages)}")
+    return {**environ, "GLIBC_TUNABLES": ":".join(tunables)}
 
 
 def main() -> None:

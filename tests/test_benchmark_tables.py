@@ -337,5 +337,7 @@ def test_lora_vs_full_has_a_column_per_model_and_mode_and_the_compile_table_says
     ]  # fmt: skip
     table = lvf.compile_table(cases).splitlines()
     assert table[0] == "| qwen3-8b on one v5e-16, per chip (HBM 16.00 GiB) | full | LoRA |"
-    assert "| **compiler's total** | **19.80 GiB** | **11.00 GiB** |" in table
+    assert "| **compiler's total** (refused: what it asked for) | **19.80 GiB** | **11.00 GiB** |" in table
+    refused = dict(cases[0], arguments_bytes=None, temporaries_bytes=None)  # no breakdown from a refusal
+    assert "| temporaries | — | 9.00 GiB |" in lvf.compile_table([refused, cases[1]]).splitlines()
     assert table[-1] == "| fits | **no** | yes |"

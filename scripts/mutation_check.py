@@ -549,6 +549,15 @@ BREAKAGES: tuple[Breakage, ...] = (
         "the replica count: a replica-resize changes the update's bits under elastic_resize_bitwise",
     ),
     Breakage(
+        name="bitwise-resize-accepts-scale",
+        file="trainer/config/validate.py",
+        old='    if e.elastic_resize_bitwise and e.elastic_resize_batch_policy != "keep_global":\n',
+        new="    if False:\n",
+        tests=("tests/test_bitwise_resize.py::test_the_key_needs_keep_global",),
+        why="elastic_resize_bitwise=true with elastic_resize_batch_policy=scale starts: the survivors change the "
+        "batch and the learning rate, so the promised bits cannot hold, and nothing says so",
+    ),
+    Breakage(
         name="bitwise-resize-fuses-across-groups",
         file="trainer/program/step.py",
         old="            out = jax.lax.optimization_barrier("

@@ -42,6 +42,7 @@ from scripts.multiprocess_demo import (  # noqa: E402
     trainer_args,
     wait_until,
 )
+from trainer.checkpoint.commit import committed_steps  # noqa: E402
 from trainer.config.schema import DistributedConfig  # noqa: E402
 from trainer.data.batch import fingerprint  # noqa: E402
 from trainer.data.synthetic import SyntheticIterator  # noqa: E402
@@ -468,7 +469,15 @@ def test_killing_process_0_ends_the_job_and_the_restarted_job_resumes_from_the_n
         tmp_path, "p0", _args(tmp_path, "p0", cache_dir), max_restarts=0, max_job_restarts=1, restart_delay=1.0
     )
     try:
-        kill = kill_at_step(job, 0, 14, timeout=RUN_TIMEOUT)  # checkpoint 10 is committed by then
+        # Checkpoint 10 committed on storage first (its async commit may take longer than a few steps on a
+        # loaded machine), then the kill at step 14 or the first step after the commit.
+        wait_until(
+            job,
+            lambda: 10 in committed_steps(job.run_dir / "checkpoints"),
+            "checkpoint 10 committed",
+            timeout=RUN_TIMEOUT,
+        )
+        kill = kill_at_step(job, 0, 14, timeout=RUN_TIMEOUT)
         rc = job.wait(timeout=2 * RUN_TIMEOUT)
     finally:
         job.stop()

@@ -16,6 +16,7 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from records import REPO, package_versions
@@ -60,13 +61,16 @@ def maxtext_overrides(model, *, max_target_length: int, per_device_batch_size: i
     ]
 
 
-def run_maxtext(python: str, overrides: list[str], devices: int, workdir: Path) -> list[float]:
-    """Step times (seconds, in step order) of one MaxText training run."""
+def run_maxtext(
+    python: str, overrides: list[str], devices: int, workdir: Path, env: Mapping[str, str] | None = None
+) -> list[float]:
+    """Step times (seconds, in step order) of one MaxText training run, in environment `env` (default: this
+    process's) plus what MaxText needs on CPU."""
     code = "import maxtext, os; print(os.path.dirname(maxtext.__file__))"
     root = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     workdir.mkdir(parents=True, exist_ok=True)
     metrics = workdir / "metrics.jsonl"
-    env = dict(os.environ, DECOUPLE_GCLOUD="TRUE", JAX_PLATFORMS="cpu")
+    env = dict(os.environ if env is None else env, DECOUPLE_GCLOUD="TRUE", JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     cmd = [
         python,

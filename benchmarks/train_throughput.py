@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -185,6 +186,7 @@ def measure_maxtext(python: str, overrides: list[str], devices: int, skip: int) 
     """MaxText on the same devices, model, shape, batch and number of steps as this trainer's `overrides`."""
     from maxtext_cpu import maxtext_overrides, maxtext_version, median_after, run_maxtext
 
+    from trainer import hostmem
     from trainer.config import load_config
 
     cfg = load_config("base.yml", overrides)
@@ -195,16 +197,9 @@ def measure_maxtext(python: str, overrides: list[str], devices: int, skip: int) 
         steps=cfg.train.steps,
         devices=devices,
     )
-    hugepages = maxtext_hugepages()
-    saved = dict(os.environ)
-    try:
-        os.environ.clear()  # run_maxtext passes this process's environment on
-        os.environ.update(maxtext_environ(saved, hugepages))
-        with tempfile.TemporaryDirectory() as tmp:
-            times = run_maxtext(python, args, devices, Path(tmp))
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    hugepages = hostmem.cli_takes_hugepages()
+    with tempfile.TemporaryDirectory() as tmp:
+        times = run_maxtext(python, args, devices, Path(tmp), env=maxtext_environ(os.environ, hugepages))
     return {
         "maxtext": maxtext_version(python),
         "maxtext_overrides": args,
@@ -213,20 +208,10 @@ def measure_maxtext(python: str, overrides: list[str], devices: int, skip: int) 
     }
 
 
-def maxtext_hugepages() -> bool:
-    """Whether this trainer's CLI runs its host malloc on huge pages here (trainer/hostmem.py: glibc 2.35+,
-    transparent huge pages not `never`, no opt-out): MaxText's runs get the same, so the two trainers
-    compare like with like whatever the caller's environment holds."""
-    from trainer import hostmem
-
-    environ = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    return (
-        hostmem.hugepage_environ(environ, glibc=hostmem._glibc_version(), thp_mode=hostmem._thp_mode()) is not None
-    )
-
-
-def maxtext_environ(environ: dict, hugepages: bool) -> dict:
-    """`environ` with glibc's huge-page malloc tunable set to `hugepages` (any setting of it replaced)."""
+def maxtext_environ(environ: Mapping[str, str], hugepages: bool) -> dict:
+    """`environ` with glibc's huge-page malloc tunable set to `hugepages` (any setting of it replaced):
+    MaxText's runs get huge pages exactly when this trainer's CLI takes them (`hostmem.cli_takes_hugepages`),
+    so the two trainers compare like with like whatever the caller's environment holds."""
     tunables = [
         t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb=")
     ]

@@ -38,6 +38,15 @@ def test_nothing_to_do(environ, glibc, thp):
     assert hostmem.hugepage_environ(environ, glibc=glibc, thp_mode=thp) is None
 
 
+def test_whether_the_cli_takes_huge_pages_ignores_the_callers_tunables_but_not_the_opt_out(monkeypatch):
+    monkeypatch.setattr(hostmem, "_glibc_version", lambda: GLIBC)
+    monkeypatch.setattr(hostmem, "_thp_mode", lambda: "madvise")
+    assert hostmem.cli_takes_hugepages({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+    assert not hostmem.cli_takes_hugepages({hostmem.OPT_OUT: "0"})
+    monkeypatch.setattr(hostmem, "_thp_mode", lambda: "never")
+    assert not hostmem.cli_takes_hugepages({})
+
+
 def test_the_cli_reexecutes_itself_with_the_tunable_keeping_its_pid(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", hostmem.OPT_OUT)}
     cmd = [
@@ -59,9 +68,7 @@ def test_the_cli_reexecutes_itself_with_the_tunable_keeping_its_pid(tmp_path):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
     start = json.loads((tmp_path / "hp" / "events.jsonl").read_text().splitlines()[0])
-    expected = (
-        hostmem.hugepage_environ({}, glibc=hostmem._glibc_version(), thp_mode=hostmem._thp_mode()) is not None
-    )
+    expected = hostmem.cli_takes_hugepages({})
     assert start["event"] == "start" and start["host_hugepages"] is expected
     assert start["pid"] == proc.pid, "exec must keep the PID the launcher sees"
     assert out.strip().splitlines()[-1].startswith("STATUS: finished step=1")

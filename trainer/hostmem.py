@@ -56,6 +56,14 @@ def hugepage_environ(
     return {**environ, "GLIBC_TUNABLES": f"{tunables}:{TUNABLE}=1" if tunables else f"{TUNABLE}=1"}
 
 
+def cli_takes_hugepages(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the CLI started with `environ` and no GLIBC_TUNABLES of the caller's runs its host malloc on
+    huge pages on this machine (the rule `reexec_with_hugepages` applies: glibc 2.35+, transparent huge
+    pages not `never`, no opt-out). A benchmark gives another program the same to compare like with like."""
+    environ = {k: v for k, v in environ.items() if k != "GLIBC_TUNABLES"}
+    return hugepage_environ(environ, glibc=_glibc_version(), thp_mode=_thp_mode()) is not None
+
+
 def hugepages_requested(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this process started with the tunable (reported in the run's start event)."""
     return f"{TUNABLE}=1" in environ.get("GLIBC_TUNABLES", "")

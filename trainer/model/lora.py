@@ -140,15 +140,20 @@ def delta(a: jax.Array, b: jax.Array, stacked: bool) -> jax.Array:
     return jnp.tensordot(a32, b32, axes=1)
 
 
+def merged_weight(w: jax.Array, pair: dict, s: float, stacked: bool) -> jax.Array:
+    """W + s * A B for one targeted weight and its adapter `pair`: the sum in float32, cast to the promoted
+    dtype of W and the adapters."""
+    dtype = jnp.promote_types(w.dtype, pair[A].dtype)
+    return (w.astype(jnp.float32) + s * delta(pair[A], pair[B], stacked)).astype(dtype)
+
+
 def merge(base: dict, adapters: dict, cfg: ModelConfig, lora: LoraConfig) -> dict:
     """The params the model runs with: each targeted W replaced by W + scale * A B (float32 sum, cast to the
     promoted dtype of W and the adapters), every other leaf the base's own. Differentiable in `adapters`."""
     s = scale(lora)
     merged = jax.tree.map(lambda x: x, base)  # a fresh tree: the base's leaves themselves, not copies
     for path, _ in _targets(cfg, lora):
-        w, pair = _get(base, path), _get(adapters, path)
-        dtype = jnp.promote_types(w.dtype, pair[A].dtype)
-        _put(merged, path, (w.astype(jnp.float32) + s * delta(pair[A], pair[B], cfg.scan_layers)).astype(dtype))
+        _put(merged, path, merged_weight(_get(base, path), _get(adapters, path), s, cfg.scan_layers))
     return merged
 
 
@@ -159,9 +164,7 @@ def merge_layer(weights: dict, adapters: dict, lora: LoraConfig) -> dict:
     for parent, projections in adapters.items():
         merged[parent] = dict(weights[parent])
         for name, pair in projections.items():
-            w = weights[parent][name]
-            dtype = jnp.promote_types(w.dtype, pair[A].dtype)
-            merged[parent][name] = (w.astype(jnp.float32) + s * delta(pair[A], pair[B], False)).astype(dtype)
+            merged[parent][name] = merged_weight(weights[parent][name], pair, s, False)
     return merged
 
 

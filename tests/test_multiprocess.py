@@ -43,6 +43,7 @@ from scripts.multiprocess_demo import (  # noqa: E402
     wait_until,
 )
 from trainer.checkpoint.commit import committed_steps  # noqa: E402
+from trainer.checkpoint.local_store import committed_steps as local_steps  # noqa: E402
 from trainer.config.schema import DistributedConfig  # noqa: E402
 from trainer.data.batch import fingerprint  # noqa: E402
 from trainer.data.synthetic import SyntheticIterator  # noqa: E402
@@ -529,6 +530,14 @@ def test_killing_process_0_with_the_local_tier_loses_at_most_5_steps_and_a_wiped
     args = trainer_args(tmp_path, "lt", steps=STEPS, min_slices=2, extra=(f"jax_cache_dir={cache_dir}", *tier))
     job = Job(tmp_path, "lt", args, max_restarts=0, max_job_restarts=1, restart_delay=3.0)
     try:
+        # Local step 35 written by every process first (a write may outlast two steps on a loaded machine),
+        # then the kill at step 37 or the first step after that.
+        wait_until(
+            job,
+            lambda: all(35 in local_steps(local_root / "lt" / f"process_{p}") for p in range(3)),
+            "local step 35 on every process",
+            timeout=RUN_TIMEOUT,
+        )
         kill = kill_at_step(job, 0, 37, timeout=RUN_TIMEOUT)
         deadline = time.monotonic() + 60
         while not _launcher(job, "job_restart"):  # every old process is stopped; the new ones not started

@@ -36,6 +36,8 @@ def _allowed(meta: dict) -> str:
     bounds = []
     if low is not None:
         bounds.append(f"≥ {yaml_scalar(low)}")
+    if meta.get("above") is not None:
+        bounds.append(f"> {yaml_scalar(meta['above'])}")
     if high is not None:
         bounds.append(f"≤ {yaml_scalar(high)}")
     text = ", ".join(bounds)

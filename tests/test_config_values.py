@@ -187,3 +187,49 @@ def test_a_non_utf8_config_file_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "my.yml").write_bytes(b"run_name: caf\xe9\n")
     proc = _cli(tmp_path, "my.yml")
     assert proc.returncode == 2 and "not UTF-8" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("given, expected", [("0.5", 0.5), ("0.125", 0.125), ("2", 2), ("2.0", 2), ("1e0", 1)])
+def test_per_device_batch_size_takes_a_fraction_and_keeps_whole_values_ints(given, expected, tmp_path):
+    cfg = load_config("base.yml", [f"per_device_batch_size={given}", f"eval_per_device_batch_size={given}"])
+    for value in (cfg.data.per_device_batch_size, cfg.eval.eval_per_device_batch_size):
+        assert value == expected and type(value) is type(expected)
+    own = tmp_path / "exp.yml"
+    own.write_text(f"per_device_batch_size: {given}\n")
+    from_file = load_config(str(own)).data.per_device_batch_size
+    assert from_file == expected and type(from_file) is type(expected)
+
+
+def test_a_whole_per_device_batch_size_prints_and_round_trips_as_an_int(tmp_path):
+    from trainer.config import build, to_flat_dict, to_yaml
+
+    cfg = load_config("base.yml", ["per_device_batch_size=2.0"])
+    assert "per_device_batch_size: 2\n" in to_yaml(cfg)
+    assert build({"per_device_batch_size": 2.0}).data.per_device_batch_size.__class__ is int
+    path = tmp_path / "config.yml"
+    path.write_text(to_yaml(load_config("base.yml", ["per_device_batch_size=0.25"])))
+    assert "per_device_batch_size: 0.25\n" in path.read_text()
+    assert to_flat_dict(load_resolved(path))["per_device_batch_size"] == 0.25
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ("0", "per_device_batch_size=0 must be > 0"),
+        ("-1", "per_device_batch_size=-1 must be > 0"),
+        ("-0.5", "per_device_batch_size=-0.5 must be > 0"),
+        ("abc", "'per_device_batch_size': expected a number"),
+        ("1/4", "'per_device_batch_size': expected a number"),
+        ("inf", "not a finite number"),
+    ],
+)
+def test_per_device_batch_size_refuses_zero_negatives_and_text(given, message):
+    with pytest.raises(ConfigError) as info:
+        load_config("base.yml", [f"per_device_batch_size={given}"])
+    assert message in str(info.value)
+
+
+def test_eval_per_device_batch_size_zero_still_means_the_training_value():
+    assert load_config("base.yml", ["eval_per_device_batch_size=0"]).eval.eval_per_device_batch_size == 0
+    with pytest.raises(ConfigError, match="eval_per_device_batch_size=-0.5 must be >= 0"):
+        load_config("base.yml", ["eval_per_device_batch_size=-0.5"])

@@ -33,7 +33,7 @@ from trainer.config.schema import (
     section_classes,
 )
 from trainer.config.validate import validate
-from trainer.config.values import coerce, from_text
+from trainer.config.values import Number, coerce, from_text
 
 log = logging.getLogger(__name__)
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -94,6 +94,8 @@ def resolve_model_path(model: str) -> Path:
 
 def _kind(key: str) -> type:
     f = flat_fields()[key][1]
+    if f.metadata.get("number"):
+        return Number
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     return type(default)
 

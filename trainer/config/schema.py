@@ -30,10 +30,22 @@ def key(
     minimum: float | None = None,
     maximum: float | None = None,
     auto: bool = False,
+    number: bool = False,
+    above: float | None = None,
 ):
-    """A config field: its default, one-line documentation and optional constraints (inclusive bounds).
-    `auto`: an integer key that also takes `auto` (stored as AUTO, -1)."""
-    meta = {"doc": doc, "choices": choices, "minimum": minimum, "maximum": maximum, "auto": auto}
+    """A config field: its default, one-line documentation and optional constraints (inclusive bounds;
+    `above`: an exclusive lower bound).
+    `auto`: an integer key that also takes `auto` (stored as AUTO, -1).
+    `number`: a key that takes a whole number (kept an int) or a decimal fraction (`trainer.config.values`)."""
+    meta = {
+        "doc": doc,
+        "choices": choices,
+        "minimum": minimum,
+        "maximum": maximum,
+        "auto": auto,
+        "number": number,
+        "above": above,
+    }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: _copy(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -205,7 +217,13 @@ class DataConfig:
         "synthetic (generated, learnable) | arrayrecord (Grain).",
         choices=("synthetic", "arrayrecord"),
     )
-    per_device_batch_size: int = key(2, "Sequences per device per micro-step.", minimum=1)
+    per_device_batch_size: int | float = key(
+        2,
+        "Sequences per device per micro-step; a fraction such as 0.5 shares a sequence between devices "
+        "(x devices per slice must be whole sequences, e.g. 1/ici_context_parallelism).",
+        number=True,
+        above=0,
+    )
     max_target_length: int = key(2048, "Sequence length in tokens.", minimum=2)
     data_shuffle_seed: int = key(0, "Seed of the data order (shuffle, synthetic stream).")
     grain_train_files: str = key(
@@ -425,8 +443,12 @@ class EvalConfig:
         "arrayrecord: glob(s) of the held-out ArrayRecord shards (same format, tokenizer and SFT "
         "settings as grain_train_files); required when eval_interval > 0.",
     )
-    eval_per_device_batch_size: int = key(
-        0, "Eval sequences per device of all configured slices; 0 = per_device_batch_size.", minimum=0
+    eval_per_device_batch_size: int | float = key(
+        0,
+        "Eval sequences per device of all configured slices (a fraction as per_device_batch_size); "
+        "0 = per_device_batch_size.",
+        minimum=0,
+        number=True,
     )
     target_eval_loss: float = key(
         0.0,

@@ -16,11 +16,15 @@ def _field_constraints(cfg: RunConfig) -> list[str]:
         sub = getattr(cfg, section)
         for f in dataclasses.fields(sub):
             value = getattr(sub, f.name)
-            choices, minimum, maximum = (f.metadata.get(k) for k in ("choices", "minimum", "maximum"))
+            choices, minimum, maximum, above = (
+                f.metadata.get(k) for k in ("choices", "minimum", "maximum", "above")
+            )
             if choices is not None and value not in choices:
                 problems.append(f"{f.name}={value!r} is not one of {', '.join(map(repr, choices))}")
             if minimum is not None and value < minimum:
                 problems.append(f"{f.name}={value!r} must be >= {minimum}")
+            if above is not None and value <= above:
+                problems.append(f"{f.name}={value!r} must be > {above}")
             if maximum is not None and value > maximum:
                 problems.append(f"{f.name}={value!r} must be <= {maximum}")
     return problems

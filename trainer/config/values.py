@@ -5,6 +5,11 @@ YAML file, a dict passed to `build`). Text is parsed by the key's declared type,
 a string key takes the literal text (`run_name=007` stays "007", `prompt=yes` stays "yes"), an int is
 decimal (`steps=010` is 10; `steps=1e3` is 1000), a float must be finite, a bool is true/false
 (yes/no, on/off, 1/0). Only list-typed keys are parsed as YAML (`[a, b]`).
+
+`Number` is the kind of a key that counts whole things but also takes a fraction of one
+(`per_device_batch_size=0.5`: one sequence per two chips). The schema has no union types, so rather than
+make such a key a float (`2` would print, dump and compare as `2.0`), its kind parses any finite decimal
+number and keeps a whole value an int: `2`, `2.0` and `2e0` are the int 2, `0.5` is the float 0.5.
 """
 
 from __future__ import annotations
@@ -22,8 +27,24 @@ _FALSE = {"false", "no", "off", "0"}
 _INT = re.compile(r"[+-]?\d[\d_]*")
 
 
+class Number:
+    """The kind of a key that takes a whole number or a decimal fraction (see the module docstring); a key
+    declares it with `key(..., number=True)` in the schema."""
+
+
 def kind_name(kind: type) -> str:
-    return {bool: "true/false", int: "an integer", float: "a number", str: "text", list: "a list"}[kind]
+    return {
+        bool: "true/false",
+        int: "an integer",
+        float: "a number",
+        Number: "a number (a whole one or a decimal fraction such as 0.5)",
+        str: "text",
+        list: "a list",
+    }[kind]
+
+
+def _whole_as_int(value: float) -> int | float:
+    return int(value) if value.is_integer() else value
 
 
 def _bad(name: str, kind: type, value: Any, hint: str = "") -> ConfigError:
@@ -75,6 +96,12 @@ def from_text(name: str, text: str, kind: type) -> Any:
         return _int_from_text(name, text)
     if kind is float:
         return _float_from_text(name, text)
+    if kind is Number:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise _bad(name, Number, text) from None
+        return _whole_as_int(_finite(name, value))
     if kind is list:
         try:
             value = yaml.safe_load(text) if text.strip() else []
@@ -104,6 +131,10 @@ def coerce(name: str, value: Any, kind: type) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _bad(name, kind, value)
         return _finite(name, float(value))
+    if kind is Number:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad(name, kind, value)
+        return _whole_as_int(_finite(name, float(value))) if isinstance(value, float) else value
     if kind is str:
         if value is None:
             return ""

@@ -226,3 +226,28 @@ def test_the_cli_trains_with_context_parallelism_and_its_losses_equal_the_run_wi
     assert len(losses[4]) == 2 and np.allclose(losses[4], losses[1], rtol=1e-5, atol=0), losses
     bad = run_cli(tmp_path, "odd", "ici_context_parallelism=4", "max_target_length=500", devices=4)
     assert bad.returncode == 2 and "multiple of 8" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_the_cli_trains_one_sequence_per_context_group_with_a_fractional_per_device_batch_size(tmp_path):
+    """per_device_batch_size=0.5 on 4 devices with the sequence split 2 ways: 2 sequences per step, one on
+    each context group of 2 chips (the batch is split over fsdp=2 only)."""
+    from cli_harness import events, metrics, run_cli
+
+    args = ("ici_context_parallelism=2", "per_device_batch_size=0.5", "steps=2")
+    proc = run_cli(tmp_path, "half", *args, devices=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["global_batch_size"] for r in metrics(tmp_path / "half")] == [2, 2]
+    start = next(e for e in events(tmp_path / "half") if e["event"] == "attempt_start")
+    assert (start["global_batch_size"], start["micro_steps"]) == (2, 1)
+
+
+def test_the_cli_refuses_a_fraction_finer_than_a_context_group_with_exit_2_before_compiling(tmp_path):
+    from cli_harness import run_cli
+
+    proc = run_cli(tmp_path, "bad", "ici_context_parallelism=2", "per_device_batch_size=0.25", devices=4)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (
+        "per_device_batch_size=0.25 x 4 devices per slice is 1 sequence, which does not split over the slice's "
+        "2 batch shards (data x fsdp x expert): use a multiple of 0.5 (1 sequence per device group of 2)"
+    ) in proc.stderr
+    assert "compiled the train step" not in proc.stderr

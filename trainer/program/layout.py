@@ -45,6 +45,7 @@ from trainer.data.batch import BATCH_KEYS
 from trainer.parallel.activations import ActivationSharding
 from trainer.parallel.mesh import build_mesh
 from trainer.parallel.rules import logical_to_spec
+from trainer.program.batch_rows import rows_per_slice
 from trainer.program.executable_cache import compile_lowered
 from trainer.program.optim import learning_rate_schedule, make_optimizer
 from trainer.program.state import base_shardings, state_shardings, trainable_logical_axes
@@ -132,7 +133,7 @@ class BatchLayout:
 
 def batch_layout(
     *,
-    per_device_batch_size: int,
+    per_device_batch_size: int | float,
     accumulation_steps: int,
     num_slices: int,
     policy: str,
@@ -142,6 +143,8 @@ def batch_layout(
     rows_per_example: int = 1,
     replicas_per_slice: int = 1,
     bitwise_slice_counts: tuple[int, ...] = (),
+    shards_per_slice: int = 1,
+    key: str = "per_device_batch_size",
 ) -> BatchLayout:
     """Global batch (in rows) and micro-steps for the active slices.
 
@@ -153,8 +156,16 @@ def batch_layout(
     `bitwise_slice_counts` (elastic_resize_bitwise, keep_global): the batch is summed as `ordered_groups`
     fixed groups whatever the active slices (`replicas_per_slice` data-parallel replicas each), a replica
     running groups / replicas of them as its micro-steps.
+    `per_device_batch_size` may be a fraction: x devices_per_slice it must be whole examples that split
+    over the slice's `shards_per_slice` batch shards, or a ConfigError names `key` and the smallest valid
+    value (`trainer.program.batch_rows`); the count is exact.
     """
-    per_step = per_device_batch_size * devices_per_slice * rows_per_example
+    per_step = (
+        rows_per_slice(
+            per_device_batch_size, devices_per_slice=devices_per_slice, shards_per_slice=shards_per_slice, key=key
+        )
+        * rows_per_example
+    )
     nominal = per_step * num_slices * accumulation_steps
     if policy == "scale" and active_slices != num_slices:
         global_batch = per_step * active_slices * accumulation_steps
@@ -171,16 +182,19 @@ def batch_layout(
         )
         if global_batch % unit == 0 and groups % replicas == 0:
             return BatchLayout(global_batch, groups // replicas, lr_scale, groups)
-        micro = global_batch + 1  # no layout: refused below
-    else:
-        micro = accumulation_steps
-    while micro <= global_batch:
+        raise _unsplittable(global_batch, batch_shards, rows_per_example)
+    for micro in range(accumulation_steps, global_batch + 1):
         rows = global_batch // micro
         if global_batch % micro == 0 and rows % (batch_shards * rows_per_example) == 0:
             return BatchLayout(global_batch, micro, lr_scale)
-        micro += 1
+    raise _unsplittable(global_batch, batch_shards, rows_per_example)
+
+
+def _unsplittable(global_batch: int, batch_shards: int, rows_per_example: int) -> ValueError:
     whole = f" of whole {rows_per_example}-row examples" if rows_per_example > 1 else ""
-    raise ValueError(f"global batch {global_batch} cannot be split evenly over {batch_shards} batch shards{whole}")
+    return ValueError(
+        f"global batch {global_batch} cannot be split evenly over {batch_shards} batch shards{whole}"
+    )
 
 
 def ordered_groups(*, units: int, nominal_groups: int, replica_counts: tuple[int, ...]) -> int:
@@ -207,6 +221,13 @@ def _batch_axes_size(mesh: Mesh, rules) -> tuple[PartitionSpec, int]:
     axes = spec[0] if spec[0] is not None else ()
     axes = (axes,) if isinstance(axes, str) else axes
     return spec, int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+def _shards_per_slice(batch_spec: PartitionSpec, shards: int, mesh: Mesh, slices: int) -> int:
+    """The batch shards within one slice: the data axis spans the slices, the other batch axes do not."""
+    axes = batch_spec[0] if batch_spec[0] is not None else ()
+    axes = (axes,) if isinstance(axes, str) else axes
+    return shards // slices if DATA_AXIS in axes and mesh.shape[DATA_AXIS] % slices == 0 else shards
 
 
 def loader_shard(batch_sharding: NamedSharding, global_rows: int) -> tuple[int, int]:
@@ -269,6 +290,7 @@ def slice_layout(spec: TrainSpec, slices: list[list]) -> SliceLayout:
     mesh = build_mesh(spec.mesh, slices)
     batch_spec, shards = _batch_axes_size(mesh, spec.mesh.logical_axis_rules)
     batch_sharding = NamedSharding(mesh, batch_spec)
+    per_slice = _shards_per_slice(batch_spec, shards, mesh, len(slices))
     batch = batch_layout(
         per_device_batch_size=spec.data.per_device_batch_size,
         accumulation_steps=spec.optim.gradient_accumulation_steps,
@@ -280,6 +302,7 @@ def slice_layout(spec: TrainSpec, slices: list[list]) -> SliceLayout:
         rows_per_example=spec.rows_per_example,
         replicas_per_slice=mesh.shape.get(DATA_AXIS, 1) // len(slices),
         bitwise_slice_counts=spec.bitwise_slice_counts,
+        shards_per_slice=per_slice,
     )
     loader_index, loader_count = loader_shard(batch_sharding, batch.global_batch_size)
     schedule = learning_rate_schedule(spec.optim, steps=spec.steps, lr_scale=batch.lr_scale)
@@ -295,6 +318,8 @@ def slice_layout(spec: TrainSpec, slices: list[list]) -> SliceLayout:
         # The same global eval batch on every mesh (never scaled): the same tokens at every evaluation.
         eval_batch = batch_layout(
             per_device_batch_size=spec.eval.eval_per_device_batch_size or spec.data.per_device_batch_size,
+            key="eval_per_device_batch_size" if spec.eval.eval_per_device_batch_size else "per_device_batch_size",
+            shards_per_slice=per_slice,
             accumulation_steps=1,
             num_slices=spec.mesh.num_slices,
             policy="keep_global",

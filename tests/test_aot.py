@@ -140,6 +140,29 @@ def test_knob_search_keeps_the_math_first_and_stops_at_the_first_fit():
 @pytest.mark.parametrize(
     "overrides, chips, expected",
     [
+        # context 4 x fsdp 2 on 8 chips: a sequence per 4 chips, so 0.25 is the smallest batch size
+        (["per_device_batch_size=2", "ici_context_parallelism=4"], 8, [(2, "1"), (4, "0.5"), (8, "0.25")]),
+        (["per_device_batch_size=0.5", "ici_context_parallelism=4"], 8, [(2, "0.25")]),
+        # context 2 x fsdp 4: 0.5 is already one sequence per context group
+        (["per_device_batch_size=0.5", "ici_context_parallelism=2"], 8, []),
+        # the slice unknown: whole batch sizes only
+        (["per_device_batch_size=0.5", "ici_context_parallelism=4"], 0, []),
+        (["per_device_batch_size=6"], 0, [(2, "3")]),
+    ],
+)
+def test_smaller_batch_knobs_are_whole_or_fractions_that_still_give_whole_sequences(overrides, chips, expected):
+    cfg = load_config("base.yml", overrides)
+    assert alternatives.smaller_batches(cfg, chips) == expected
+    micro = [f for f in alternatives.knob_families(cfg, chips) if f[0].family == "micro-steps"]
+    acc = cfg.optim.gradient_accumulation_steps
+    assert [k.overrides for k in (micro[0] if micro else [])] == [
+        (f"per_device_batch_size={text}", f"gradient_accumulation_steps={acc * k}") for k, text in expected
+    ]
+
+
+@pytest.mark.parametrize(
+    "overrides, chips, expected",
+    [
         # The fill axis gives up the chips for a context axis twice as wide.
         (["ici_context_parallelism=2"], 8, [("context_parallel_strategy=ring",), ("ici_context_parallelism=4",)]),
         (
@@ -174,6 +197,12 @@ def test_context_split_counts_every_chip_sequences_so_tokens_per_chip_do_not_fal
             "sequences_per_chip": 2 * n,
             "tokens_per_chip": 2 * 1024,
         }
+    # per_device_batch_size=1/N: one sequence per context group of N chips, 1024 / N of its tokens per chip
+    for n in (2, 4):
+        cfg = load_config("base.yml", [f"ici_context_parallelism={n}", "max_target_length=1024"])
+        split = context.context_split(cfg, chips=8, global_batch_size=8 // n, micro_steps=1, backend="tpu")
+        assert (split["sequences_per_chip"], split["tokens_per_chip"]) == (1, 1024 // n)
+        assert type(split["tokens_per_chip"]) is int
     ring = load_config("base.yml", ["ici_context_parallelism=2", "context_parallel_strategy=ring"])
     assert context.kernel_under_context(ring, backend="tpu") == context.RING_KERNEL
     assert (

@@ -9,6 +9,11 @@ Knob families, in the order tried (the ones that keep the training math first):
 3. micro-steps: per_device_batch_size / k with gradient_accumulation_steps x k (same global batch);
 4. per_device_batch_size / k: a smaller global batch (changes the training math; last resort).
 Within a family the smallest change is compiled first and the next only if it still does not fit.
+
+A per_device_batch_size / k is offered only where it is a usable batch size: a whole number, or, when the
+slice's chips are known, a fraction that still gives whole sequences over the slice's batch shards
+(`trainer.program.batch_rows`; e.g. 0.5 with ici_context_parallelism=2). k is a power of two, so b / k is
+exact; values are written as typed (`2`, `0.25`, never `2.0`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import dataclasses
 from collections.abc import Callable
 
 from trainer.config.schema import RunConfig
+from trainer.errors import ConfigError
+from trainer.parallel.mesh import resolve_ici
+from trainer.program.batch_rows import per_device_text, rows_per_slice
 
 FACTORS = (2, 4, 8)
 
@@ -56,7 +64,7 @@ def context_knobs(cfg: RunConfig, chips_per_slice: int) -> list[Knob]:
 def knob_families(cfg: RunConfig, chips_per_slice: int = 0) -> list[list[Knob]]:
     """The candidate changes for `cfg`, grouped by family, each family smallest change first; the
     context family (each knob its own family) only when `chips_per_slice` is given."""
-    m, b, acc = cfg.mesh, cfg.data.per_device_batch_size, cfg.optim.gradient_accumulation_steps
+    m, acc = cfg.mesh, cfg.optim.gradient_accumulation_steps
     families = [[k] for k in context_knobs(cfg, chips_per_slice)] if chips_per_slice else []
     if m.ici_data_parallelism != 1 or m.ici_tensor_parallelism != 1 or m.ici_expert_parallelism != 1:
         all_fsdp = (
@@ -68,16 +76,41 @@ def knob_families(cfg: RunConfig, chips_per_slice: int = 0) -> list[list[Knob]]:
         families.append([Knob("more fsdp", all_fsdp)])
     if cfg.model.remat_policy != "full":
         families.append([Knob("remat_policy", ("remat_policy=full",))])
-    divisors = [k for k in FACTORS if b % k == 0]
-    if divisors:
+    smaller = smaller_batches(cfg, chips_per_slice)
+    if smaller:
         families.append(
             [
-                Knob("micro-steps", (f"per_device_batch_size={b // k}", f"gradient_accumulation_steps={acc * k}"))
-                for k in divisors
+                Knob("micro-steps", (f"per_device_batch_size={text}", f"gradient_accumulation_steps={acc * k}"))
+                for k, text in smaller
             ]
         )
-        families.append([Knob("per_device_batch_size", (f"per_device_batch_size={b // k}",)) for k in divisors])
+        families.append([Knob("per_device_batch_size", (f"per_device_batch_size={text}",)) for k, text in smaller])
     return families
+
+
+def smaller_batches(cfg: RunConfig, chips_per_slice: int = 0) -> list[tuple[int, str]]:
+    """(k, per_device_batch_size / k as typed) for each factor k whose smaller batch size is usable: whole,
+    or a fraction giving whole sequences over a slice's batch shards when `chips_per_slice` is known."""
+    b = cfg.data.per_device_batch_size
+    shards = 0
+    if chips_per_slice:
+        try:
+            ici = resolve_ici(cfg.mesh, chips_per_slice)
+            shards = ici.data * ici.fsdp * ici.expert
+        except ConfigError:
+            shards = 0  # the mesh does not fit the slice: only whole batch sizes are offered
+    out = []
+    for k in FACTORS:
+        value = b / k  # exact: k is a power of two
+        if not value.is_integer():
+            if not shards:
+                continue
+            try:
+                rows_per_slice(value, devices_per_slice=chips_per_slice, shards_per_slice=shards)
+            except ConfigError:
+                continue
+        out.append((k, per_device_text(value)))
+    return out
 
 
 def search(

@@ -4,7 +4,9 @@ Pure functions of the config and the layout's batch, reported by `trainer.compil
 collectives. Under context parallelism every chip holds 1/N of each of its sequences, but the batch
 (per_device_batch_size x every chip, context axis included) is sharded over the other axes only, so a
 chip holds N times as many sequences: its tokens per micro-step stay per_device_batch_size x
-max_target_length whatever N is. `tokens_per_chip` makes that visible.
+max_target_length whatever N is. `tokens_per_chip` makes that visible. per_device_batch_size=1/N (a
+fraction, `trainer.program.batch_rows`) puts one sequence on each context group: a chip then holds
+`sequence_tokens_per_chip` = max_target_length / N tokens of one sequence (`sequences_per_chip` 1).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def kernel_under_context(cfg, *, backend: str) -> str:
 
 def context_split(cfg, *, chips: int, global_batch_size: int, micro_steps: int, backend: str) -> dict:
     """{axis, strategy, kernel, sequence_tokens_per_chip, sequences_per_chip, tokens_per_chip} of one
-    layout (per micro-step); {} without context parallelism."""
+    layout (per micro-step); {} without context parallelism. sequences_per_chip (the sequences a chip
+    holds a 1/N cut of) may be a fraction with tensor parallelism; tokens_per_chip is an int when whole."""
     n = cfg.mesh.ici_context_parallelism
     if n == 1:
         return {}
@@ -49,8 +52,12 @@ def context_split(cfg, *, chips: int, global_batch_size: int, micro_steps: int, 
         "kernel": kernel_under_context(cfg, backend=backend),
         "sequence_tokens_per_chip": length // n,
         "sequences_per_chip": rows * n / chips,
-        "tokens_per_chip": rows * length // chips,
+        "tokens_per_chip": _whole(rows * length, chips),
     }
+
+
+def _whole(numerator: int, denominator: int) -> int | float:
+    return numerator // denominator if numerator % denominator == 0 else numerator / denominator
 
 
 def pick(candidates: list[dict]) -> dict | None:

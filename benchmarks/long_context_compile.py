@@ -4,10 +4,11 @@
     python benchmarks/long_context_compile.py --maxtext-python PY [--trainer-python PY] [--topology v5p-128]
         [--context 8]
 
-The job: qwen3-8b, max_target_length 32768 and 131072, per_device_batch_size 1, the sequence split
-`--context` ways (ici_context_parallelism, the rest of the slice fsdp), strategy all_gather and ring,
-attention flash on both sides (MaxText's ring requires it; this trainer's autoselected picks it under
-the split), each trainer's defaults otherwise. Both trainers compile ahead of time on this machine
+The job: qwen3-8b, max_target_length 32768 and 131072, per_device_batch_size 1/context (one sequence per
+context group, the same fraction in both trainers), the sequence split `--context` ways
+(ici_context_parallelism, the rest of the slice fsdp), strategy all_gather and ring, attention flash on
+both sides (MaxText's ring requires it; this trainer's autoselected picks it under the split), each
+trainer's defaults otherwise. Both trainers compile ahead of time on this machine
 (libtpu, no TPU): this one with `trainer.compile --json` (its report's collectives come from
 `trainer/aot/hlo.py`), MaxText with `train_compile` (its key names are the same; it needs
 allow_split_physical_axes=true for a context axis on a v5p slice) with its optimized HLO dumped and read
@@ -16,9 +17,10 @@ compiler refused, the bytes it said it needed) and the ICI collective buffers of
 benchmarks/records/long_context_compile.json.
 
 per_device_batch_size counts every chip, the context axis included, in both trainers: a context group of
-N chips holds N sequences, so a chip's tokens per step are per_device_batch_size x max_target_length
-whatever N is (`trainer.compile` prints them as tokens per chip). MaxText also takes a fraction (1/N: one
-sequence per context group); this trainer's is a whole number.
+N chips holds per_device_batch_size x N sequences, so a chip's tokens per step are per_device_batch_size
+x max_target_length whatever N is (`trainer.compile` prints them as tokens per chip). Both trainers take
+a fraction, and 1/N puts one sequence on each context group: a chip holds max_target_length / N tokens
+(131072 / 8 = 16384 on the default axis), the like-for-like point where the sequence split pays.
 
 TRAINER_SMOKE=1 runs the same path on a v5p-8 with 2-layer models, 1024 tokens and a context axis of 2,
 and records nothing.
@@ -41,6 +43,7 @@ from records import REPO, package_versions, write_record  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 from trainer.aot import hlo  # noqa: E402
+from trainer.program.batch_rows import per_device_text  # noqa: E402
 
 STRATEGIES = ("all_gather", "ring")
 GIB = 1 << 30
@@ -74,11 +77,16 @@ def _chips_per_slice(topology: str) -> int:
     return parse_topology(topology, 1).chips_per_slice
 
 
+def batch(spec: dict) -> str:
+    """per_device_batch_size as both trainers take it: 1/context, one sequence per context group."""
+    return per_device_text(1 / spec["context"])
+
+
 def _overrides(spec: dict, length: int, strategy: str) -> list[str]:
     """The keys both trainers read with the same meaning."""
     return [
         f"max_target_length={length}",
-        "per_device_batch_size=1",
+        f"per_device_batch_size={batch(spec)}",
         f"ici_context_parallelism={spec['context']}",
         "ici_fsdp_parallelism=-1",
         f"context_parallel_strategy={strategy}",
@@ -196,7 +204,8 @@ def _cell(side: dict) -> str:
 
 def table(rows: dict, spec: dict) -> str:
     lines = [
-        f"| {spec['model']} on {spec['topology']}, context {spec['context']}, per_device_batch_size 1 | "
+        f"| {spec['model']} on {spec['topology']}, context {spec['context']}, "
+        f"per_device_batch_size {batch(spec)} (1/context) | "
         "strategy | this trainer (`trainer.compile`) | MaxText (`train_compile`) |",
         "|---|---|---|---|",
     ]

@@ -1,11 +1,11 @@
 """Held-out evaluation during training: when to evaluate, and one evaluation's metrics.jsonl row.
 
-The eval set is the same tokens in the same order at every evaluation, on any mesh, after any recovery
-or restart: the eval iterator is rewound to its first state before each evaluation (its position is
-never checkpointed), and the eval batch has a fixed global size (`eval_per_device_batch_size` times
-every device of every configured slice), which a smaller mesh runs in more micro-steps. Losses are
-token sums added in a fixed order and divided once, so a clean run and one that recovered on the same
-mesh evaluate bitwise alike.
+The eval set is the same tokens in the same order at every evaluation, on any mesh, after any recovery or
+restart: the eval iterator is rewound to its first state before each evaluation (its position is never
+checkpointed), and the eval batch has a fixed global size (`eval_per_device_batch_size`, possibly a
+fraction, times every device of every configured slice: whole sequences, `trainer.program.batch_rows`),
+which a smaller mesh runs in more micro-steps. Losses are token sums added in a fixed order and divided
+once, so a clean run and one that recovered on the same mesh evaluate bitwise alike.
 
 Which steps evaluate (`EvalSchedule`): every `eval_interval` steps from `eval_start_step`, and the last
 step. An evaluation belongs to the attempt that trains its step, right after that step: a recovery that

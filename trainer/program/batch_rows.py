@@ -23,11 +23,6 @@ def _shown(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def smallest_per_device_batch_size(*, devices_per_slice: int, shards_per_slice: int) -> float:
-    """The smallest per_device_batch_size that gives each batch shard of a slice one sequence."""
-    return shards_per_slice / devices_per_slice
-
-
 def rows_per_slice(
     value: float,
     *,
@@ -40,7 +35,7 @@ def rows_per_slice(
     exact = value * devices_per_slice
     rows = round(exact)
     group = devices_per_slice // max(1, shards_per_slice)  # the chips that share one sequence
-    smallest = shards_per_slice / devices_per_slice  # smallest_per_device_batch_size
+    smallest = shards_per_slice / devices_per_slice  # one sequence per batch shard
     fix = f"use a multiple of {_shown(smallest)} (1 sequence per device group of {group})"
     count = f"{key}={_shown(value)} x {devices_per_slice} devices per slice"
     if abs(exact - rows) > _TOLERANCE * max(1.0, abs(exact)):

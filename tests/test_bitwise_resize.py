@@ -93,7 +93,7 @@ def test_groups_are_the_fewest_every_feasible_replica_count_divides():
         devices_per_slice=1,
         active_slices=2,
         batch_shards=2,
-        bitwise_slice_counts=(2, 3),
+        bitwise_resize=True,
     )
     assert (layout.global_batch_size, layout.micro_steps, layout.ordered_groups) == (6, 3, 6)
 

@@ -73,8 +73,8 @@ class TrainSpec:
     sdc_lazy: bool = False  # sdc_check_period auto on 2+ slices: compile them at the first check
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # lora_rank > 0: adapters over a frozen base
     preference: PreferenceConfig | None = None  # objective=dpo: the DPO loss against the frozen reference
-    # elastic_resize_bitwise: the slice counts the step keeps the bits over (`ordered_groups`); () = off
-    bitwise_slice_counts: tuple[int, ...] = ()
+    # elastic_resize_bitwise: the step keeps its bits over every active slice count (`ordered_groups`)
+    bitwise_resize: bool = False
 
     @property
     def frozen_base(self) -> bool:
@@ -104,15 +104,8 @@ def train_spec(cfg: RunConfig) -> TrainSpec:
         sdc_lazy=cfg.elastic.sdc_check_period == AUTO and cfg.mesh.num_slices > 1,
         lora=cfg.lora,
         preference=cfg.preference if cfg.data.dpo else None,
-        bitwise_slice_counts=_bitwise_slice_counts(cfg),
+        bitwise_resize=cfg.elastic.elastic_resize_bitwise,
     )
-
-
-def _bitwise_slice_counts(cfg: RunConfig) -> tuple[int, ...]:
-    """The active slice counts a run with elastic_resize_bitwise keeps its bits over: every count from 1 to
-    num_slices, whatever elastic_min_slice_count says, so that runs of one job with other recovery settings
-    (an uninterrupted one among them) sum in the same groups; () with the key off."""
-    return tuple(range(1, cfg.mesh.num_slices + 1)) if cfg.elastic.elastic_resize_bitwise else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +135,7 @@ def batch_layout(
     batch_shards: int,
     rows_per_example: int = 1,
     replicas_per_slice: int = 1,
-    bitwise_slice_counts: tuple[int, ...] = (),
+    bitwise_resize: bool = False,
     shards_per_slice: int = 1,
     key: str = "per_device_batch_size",
 ) -> BatchLayout:
@@ -153,9 +146,11 @@ def batch_layout(
     active slices, policy `keep_global` runs the same global batch with more micro-steps (same math);
     `scale` shrinks the global batch and the learning rate in proportion to the active slices. Every
     micro-step's rows on every batch shard are whole examples (a pair is never split).
-    `bitwise_slice_counts` (elastic_resize_bitwise, keep_global): the batch is summed as `ordered_groups`
-    fixed groups whatever the active slices (`replicas_per_slice` data-parallel replicas each), a replica
-    running groups / replicas of them as its micro-steps.
+    `bitwise_resize` (elastic_resize_bitwise, keep_global): the batch is summed as `ordered_groups` fixed
+    groups whatever the active slices (`replicas_per_slice` data-parallel replicas each), a replica running
+    groups / replicas of them as its micro-steps. The groups suit every slice count from 1 to num_slices,
+    whatever elastic_min_slice_count says, so that runs of one job with other recovery settings (an
+    uninterrupted one among them) sum in the same groups.
     `per_device_batch_size` may be a fraction: x devices_per_slice it must be whole examples that split
     over the slice's `shards_per_slice` batch shards, or a ConfigError names `key` and the smallest valid
     value (`trainer.program.batch_rows`); the count is exact.
@@ -172,13 +167,13 @@ def batch_layout(
         lr_scale = active_slices / num_slices
     else:
         global_batch, lr_scale = nominal, 1.0
-    if bitwise_slice_counts and global_batch == nominal:
+    if bitwise_resize and global_batch == nominal:
         replicas = active_slices * replicas_per_slice
         unit = batch_shards // replicas * rows_per_example
         groups = ordered_groups(
             units=global_batch // unit,
             nominal_groups=num_slices * replicas_per_slice * accumulation_steps,
-            replica_counts=tuple(c * replicas_per_slice for c in bitwise_slice_counts),
+            replica_counts=tuple(c * replicas_per_slice for c in range(1, num_slices + 1)),
         )
         if global_batch % unit == 0 and groups % replicas == 0:
             return BatchLayout(global_batch, groups // replicas, lr_scale, groups)
@@ -301,7 +296,7 @@ def slice_layout(spec: TrainSpec, slices: list[list]) -> SliceLayout:
         batch_shards=shards,
         rows_per_example=spec.rows_per_example,
         replicas_per_slice=mesh.shape.get(DATA_AXIS, 1) // len(slices),
-        bitwise_slice_counts=spec.bitwise_slice_counts,
+        bitwise_resize=spec.bitwise_resize,
         shards_per_slice=per_slice,
     )
     loader_index, loader_count = loader_shard(batch_sharding, batch.global_batch_size)

@@ -127,3 +127,19 @@ def auto_periods(measure, events, **overrides):
         planner=plan,
     )
     return AutoPeriods(**{**args, **overrides})
+
+
+def batch_layout_with_defaults(**given):
+    """`trainer.program.layout.batch_layout` with every argument a test leaves out at the simplest setting:
+    one slice, all of it active, one device and batch shard, one accumulation step, keep_global."""
+    from trainer.program.layout import batch_layout
+
+    args = {
+        "accumulation_steps": 1,
+        "num_slices": 1,
+        "policy": "keep_global",
+        "devices_per_slice": 1,
+        "batch_shards": 1,
+    } | given
+    args.setdefault("active_slices", args["num_slices"])
+    return batch_layout(**args)

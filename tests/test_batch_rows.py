@@ -2,12 +2,12 @@
 
 import jax
 import pytest
-from helpers import micro_config
+from helpers import batch_layout_with_defaults, micro_config
 
 from trainer.errors import ConfigError
 from trainer.parallel.mesh import group_into_slices
 from trainer.program.batch_rows import rows_per_slice
-from trainer.program.layout import BatchLayout, batch_layout, slice_layout, train_spec
+from trainer.program.layout import BatchLayout, slice_layout, train_spec
 
 
 @pytest.mark.parametrize(
@@ -38,42 +38,19 @@ def test_a_fraction_that_does_not_split_over_the_batch_shards_is_refused_with_th
 
 
 def test_batch_layout_counts_a_fractional_batch_exactly():
-    layout = batch_layout(
-        per_device_batch_size=0.125,
-        accumulation_steps=3,
-        num_slices=2,
-        policy="keep_global",
-        devices_per_slice=8,
-        active_slices=2,
-        batch_shards=2,
-        shards_per_slice=1,
+    layout = batch_layout_with_defaults(
+        per_device_batch_size=0.125, accumulation_steps=3, num_slices=2, devices_per_slice=8, batch_shards=2
     )
     assert layout == BatchLayout(6, 3, 1.0) and type(layout.global_batch_size) is int
-    dpo = batch_layout(
-        per_device_batch_size=0.5,
-        accumulation_steps=1,
-        num_slices=1,
-        policy="keep_global",
-        devices_per_slice=4,
-        active_slices=1,
-        batch_shards=2,
-        rows_per_example=2,
-        shards_per_slice=2,
+    dpo = batch_layout_with_defaults(
+        per_device_batch_size=0.5, devices_per_slice=4, batch_shards=2, rows_per_example=2, shards_per_slice=2
     )
     assert dpo == BatchLayout(4, 1, 1.0)
 
 
 def test_batch_layout_refuses_an_unsplittable_batch_without_a_search_past_it():
     with pytest.raises(ValueError, match="global batch 3 cannot be split evenly over 2 batch shards"):
-        batch_layout(
-            per_device_batch_size=3,
-            accumulation_steps=1,
-            num_slices=1,
-            policy="keep_global",
-            devices_per_slice=1,
-            active_slices=1,
-            batch_shards=2,
-        )
+        batch_layout_with_defaults(per_device_batch_size=3, batch_shards=2)
 
 
 def _layout(*overrides: str):

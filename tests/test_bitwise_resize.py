@@ -10,12 +10,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import NANO_MODEL
+from helpers import NANO_MODEL, batch_layout_with_defaults
 
 from trainer.config import ConfigError, load_config
 from trainer.data.pipeline import make_train_iterator
 from trainer.parallel.mesh import group_into_slices
-from trainer.program.layout import batch_layout, lower_step, ordered_groups, slice_layout, train_spec
+from trainer.program.layout import lower_step, ordered_groups, slice_layout, train_spec
 from trainer.program.state import init_base, init_state
 
 STEPS = 3
@@ -85,15 +85,8 @@ def test_groups_are_the_fewest_every_feasible_replica_count_divides():
     assert ordered_groups(units=6, nominal_groups=3, replica_counts=(1, 2, 3)) == 6
     assert ordered_groups(units=8, nominal_groups=4, replica_counts=(2, 3, 4)) == 4  # 3 cannot split 8 rows
     assert ordered_groups(units=12, nominal_groups=8, replica_counts=(4,)) == 8
-    layout = batch_layout(
-        per_device_batch_size=2,
-        accumulation_steps=1,
-        num_slices=3,
-        policy="keep_global",
-        devices_per_slice=1,
-        active_slices=2,
-        batch_shards=2,
-        bitwise_resize=True,
+    layout = batch_layout_with_defaults(
+        per_device_batch_size=2, num_slices=3, active_slices=2, batch_shards=2, bitwise_resize=True
     )
     assert (layout.global_batch_size, layout.micro_steps, layout.ordered_groups) == (6, 3, 6)
 

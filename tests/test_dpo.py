@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import micro_config
+from helpers import batch_layout_with_defaults, micro_config
 
 from trainer import model
 from trainer.config.errors import ConfigError
@@ -238,15 +238,8 @@ def test_no_layout_micro_step_or_survivor_mesh_splits_a_pair(active, policy):
 
 def test_a_batch_that_cannot_hold_whole_pairs_is_refused():
     with pytest.raises(ValueError, match="whole 2-row examples"):
-        batch_layout(
-            per_device_batch_size=1,
-            accumulation_steps=1,
-            num_slices=1,
-            policy="keep_global",
-            devices_per_slice=2,
-            active_slices=1,
-            batch_shards=4,
-            rows_per_example=2,
+        batch_layout_with_defaults(
+            per_device_batch_size=1, devices_per_slice=2, batch_shards=4, rows_per_example=2
         )
 
 

@@ -552,6 +552,16 @@ BREAKAGES: tuple[Breakage, ...] = (
         "silently: the batch, the learning-rate math and the tokens per step are not what the config says",
     ),
     Breakage(
+        name="fractional-batch-counts-every-slices-shards",
+        file="trainer/program/layout.py",
+        old="    return shards // slices if DATA_AXIS in axes and mesh.shape[DATA_AXIS] % slices == 0 "
+        "else shards\n",
+        new="    return shards\n",
+        tests=("tests/test_batch_rows.py::test_on_two_slices_a_fraction_counts_the_batch_shards_of_one_slice",),
+        why="a multi-slice run checks a slice's sequences against the batch shards of every slice: a valid "
+        "fraction (one sequence per context group) is refused with exit 2",
+    ),
+    Breakage(
         name="bitwise-resize-adds-groups-in-replica-order",
         file="trainer/program/step.py",
         old="        return groups.swapaxes(0, 1).reshape(x.shape)\n",

@@ -53,10 +53,9 @@ def test_batch_layout_refuses_an_unsplittable_batch_without_a_search_past_it():
         batch_layout_with_defaults(per_device_batch_size=3, batch_shards=2)
 
 
-def _layout(*overrides: str):
-    cfg = micro_config("ici_fsdp_parallelism=-1", *overrides)
-    slices = group_into_slices(jax.devices()[:4], 1)
-    return slice_layout(train_spec(cfg), slices)
+def _layout(*overrides: str, slices: int = 1):
+    cfg = micro_config("ici_fsdp_parallelism=-1", f"num_slices={slices}", *overrides)
+    return slice_layout(train_spec(cfg), group_into_slices(jax.devices()[:4], slices))
 
 
 def test_half_a_sequence_per_device_under_context_parallelism_two_is_one_sequence_per_context_group():
@@ -77,3 +76,10 @@ def test_a_fraction_finer_than_the_context_groups_is_a_config_error_before_compi
             "eval_steps=1",
             "eval_per_device_batch_size=0.3",
         )
+
+
+def test_on_two_slices_a_fraction_counts_the_batch_shards_of_one_slice():
+    """2 slices of 2 devices, context 2: each slice is one context group, so 0.5 is one sequence a slice
+    (the data axis spans the slices; a slice's own batch shards are 1)."""
+    layout = _layout("ici_context_parallelism=2", "per_device_batch_size=0.5", slices=2)
+    assert (layout.batch.global_batch_size, layout.batch.micro_steps) == (2, 1)

@@ -33,14 +33,7 @@ class Number:
 
 
 def kind_name(kind: type) -> str:
-    return {
-        bool: "true/false",
-        int: "an integer",
-        float: "a number",
-        Number: "a number (a whole one or a decimal fraction such as 0.5)",
-        str: "text",
-        list: "a list",
-    }[kind]
+    return {bool: "true/false", int: "an integer", float: "a number", str: "text", list: "a list"}[kind]
 
 
 def _whole_as_int(value: float) -> int | float:
@@ -97,11 +90,7 @@ def from_text(name: str, text: str, kind: type) -> Any:
     if kind is float:
         return _float_from_text(name, text)
     if kind is Number:
-        try:
-            value = float(text.strip())
-        except ValueError:
-            raise _bad(name, Number, text) from None
-        return _whole_as_int(_finite(name, value))
+        return _whole_as_int(_float_from_text(name, text))
     if kind is list:
         try:
             value = yaml.safe_load(text) if text.strip() else []
@@ -132,9 +121,8 @@ def coerce(name: str, value: Any, kind: type) -> Any:
             raise _bad(name, kind, value)
         return _finite(name, float(value))
     if kind is Number:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _bad(name, kind, value)
-        return _whole_as_int(_finite(name, float(value))) if isinstance(value, float) else value
+        number = coerce(name, value, float)  # refuses booleans, text and non-finite values
+        return value if isinstance(value, int) else _whole_as_int(number)
     if kind is str:
         if value is None:
             return ""
